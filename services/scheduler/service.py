@@ -1,0 +1,193 @@
+"""The scheduler's bus loop: requests and aborts in, one plan per step out, results back.
+
+The loop is synchronous with its worker: send plan N, wait for result N, apply it, send the
+step's tokens to the detokenizers, publish stats, schedule N+1. New requests and aborts are
+drained between steps, so a request joins the running batch at the very next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import msgspec
+
+from rill.services.scheduler.kv_cache_manager import KVCacheManager
+from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
+from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Bus
+from rill.shared.config import EngineArgs
+from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.schema import (
+    AbortRequest,
+    EngineStats,
+    ErrorReply,
+    Hello,
+    StepResult,
+    TokenizedRequest,
+    WorkerReady,
+    encode,
+    engine_input_decoder,
+    worker_output_decoder,
+)
+
+log = logging.getLogger("rill.scheduler")
+
+
+class SchedulerService:
+    def __init__(self, bus: Bus, args: EngineArgs, stop: StopFlag) -> None:
+        self.bus = bus
+        self.args = args
+        self.stop = stop
+        self.e = args.engine_id
+        s = bus.streams
+        self.in_stream, self.plan_stream, self.result_stream = s.engine_in(self.e), s.plan(self.e), s.result(self.e)
+        self.consumer = f"engine-{self.e}"
+        self.result_cursor = b"0-0"
+        self.sched: Scheduler | None = None
+
+    # ------------------------------------------------------------------------ start-up
+
+    def handshake(self) -> WorkerReady | None:
+        """Say hello to the worker and wait for its WorkerReady (whichever started first)."""
+        self.result_cursor = self.bus.last_id(self.result_stream)
+        self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+        while not self.stop:
+            for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS):
+                self.result_cursor = entry_id
+                msg = worker_output_decoder.decode(data)
+                if isinstance(msg, WorkerReady):
+                    return msg
+        return None
+
+    def configure(self, ready: WorkerReady) -> None:
+        max_model_len = min(self.args.max_model_len or ready.max_model_len, ready.max_model_len)
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_seqs=self.args.max_num_seqs,
+                            max_num_batched_tokens=self.args.max_num_batched_tokens,
+                            max_model_len=max_model_len, engine_id=self.e),
+            KVCacheManager(ready.num_blocks, ready.block_size))
+        log.info("engine %d ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s)", self.e,
+                 ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
+                 self.args.max_num_seqs, self.args.max_num_batched_tokens, ready.worker_id,
+                 ready.device, ready.dtype)
+
+    # ------------------------------------------------------------------------- main loop
+
+    def run(self) -> None:
+        ready = self.handshake()
+        if ready is None:
+            return
+        self.configure(ready)
+        self.bus.ensure_group(self.in_stream, SCHEDULER_GROUP)
+        self.bus.r.sadd(self.bus.streams.engines_key(), self.e)
+        self.publish_stats()
+        # Entries this consumer read before a restart but never acked come first.
+        self.drain_inputs(pending=True)
+        try:
+            while not self.stop:
+                sched = self.sched
+                assert sched is not None
+                self.drain_inputs(block_ms=None if sched.has_work or sched.has_pending_forget else POLL_MS)
+                plan = sched.schedule()
+                if plan is None:
+                    continue
+                self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
+                result = self.wait_result(plan.step_id)
+                if result is None:
+                    continue
+                self.apply(result)
+                self.publish_stats()
+        finally:
+            self.bus.r.srem(self.bus.streams.engines_key(), self.e)
+
+    def drain_inputs(self, block_ms: int | None = None, pending: bool = False) -> None:
+        entries = self.bus.read_group(self.in_stream, SCHEDULER_GROUP, self.consumer,
+                                      block_ms=block_ms, count=256, pending=pending)
+        if not entries:
+            return
+        for _, data in entries:
+            try:
+                msg = engine_input_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                log.warning("dropping malformed engine input: %s", exc)
+                continue
+            if isinstance(msg, TokenizedRequest):
+                self.admit(msg)
+            elif isinstance(msg, AbortRequest):
+                for rid in msg.request_ids:
+                    self.sched.abort(rid)  # type: ignore[union-attr]
+        self.bus.ack(self.in_stream, SCHEDULER_GROUP, [eid for eid, _ in entries])
+        self.publish_stats()
+
+    def admit(self, msg: TokenizedRequest) -> None:
+        sched = self.sched
+        assert sched is not None
+        why = sched.check_admissible(msg)
+        if why is not None:
+            self.bus.send(msg.reply_to, ErrorReply(request_id=msg.request_id, message=why, status=400,
+                                                   param="max_tokens"), MAXLEN["reply"])
+            return
+        sched.add(msg)
+
+    def wait_result(self, step_id: int) -> StepResult | None:
+        while not self.stop:
+            for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS, count=16):
+                self.result_cursor = entry_id
+                msg = worker_output_decoder.decode(data)
+                if isinstance(msg, WorkerReady):
+                    # The worker restarted mid-step and forgot everything: recompute.
+                    log.warning("worker %s restarted; recomputing %d running requests",
+                                msg.worker_id, len(self.sched.running))  # type: ignore[union-attr]
+                    self.configure_after_restart(msg)
+                    return None
+                if msg.step_id == step_id:
+                    return msg
+        return None
+
+    def configure_after_restart(self, ready: WorkerReady) -> None:
+        sched = self.sched
+        assert sched is not None
+        if ready.num_blocks != sched.kv.num_blocks or ready.block_size != sched.kv.block_size:
+            # Different cache geometry: nothing in flight can be kept.
+            for req in list(sched.running) + list(sched.waiting):
+                sched.abort(req.request_id)
+                self.send_error(req, "the engine restarted with a different KV cache", 503)
+            self.configure(ready)
+            return
+        sched.reset_worker()
+
+    def apply(self, result: StepResult) -> None:
+        sched = self.sched
+        assert sched is not None
+        if result.error is not None:
+            log.error("step %d failed on the worker: %s", result.step_id, result.error)
+            for req in sched.fail_in_flight():
+                self.send_error(req, f"the engine failed to run this request: {result.error}", 500)
+            return
+        outcome = sched.update(result)
+        if outcome.detok is not None:
+            self.bus.send(self.bus.streams.detok, outcome.detok, MAXLEN["detok"])
+
+    def send_error(self, req: Request, message: str, status: int) -> None:
+        self.bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=message, status=status,
+                                               type="server_error" if status >= 500 else "invalid_request_error"),
+                      MAXLEN["reply"])
+
+    def publish_stats(self) -> None:
+        sched = self.sched
+        if sched is None:
+            return
+        stats = EngineStats(engine_id=self.e, updated_at=time.time(), **sched.stats())
+        self.bus.r.set(self.bus.streams.stats_key(self.e), encode(stats))
+
+
+def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
+    stop = stop if stop is not None else StopFlag()
+    bus = Bus(redis_url, prefix)
+    service = SchedulerService(bus, args, stop)
+    try:
+        service.run()
+    finally:
+        bus.close()

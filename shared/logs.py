@@ -1,0 +1,37 @@
+"""Structured, quiet-by-default logging: one line per event, `key=value` fields.
+
+Rill's own loggers default to INFO, used only for start-up facts (KV sizing, addresses) and
+lifecycle events; nothing logs per step or per token above DEBUG. Third-party libraries are held
+at WARNING. RILL_LOG_LEVEL overrides Rill's level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+
+class _KeyValueFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} service={self.service} pid={record.process} msg={record.getMessage()!r}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(service: str, level: str | None = None) -> logging.Logger:
+    level = (level or os.environ.get("RILL_LOG_LEVEL") or "INFO").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KeyValueFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("rill").setLevel(level)
+    return logging.getLogger(f"rill.{service}")

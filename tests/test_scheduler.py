@@ -1,0 +1,200 @@
+"""Scheduler decisions and KV block bookkeeping, driven without Redis or a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from rill.services.scheduler.kv_cache_manager import KVCacheManager
+from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig, Status
+from rill.shared.schema import SamplingParams, StepPlan, StepResult, TokenizedRequest
+
+EOS = 2
+
+
+def make(rid: str, prompt_len: int, max_tokens: int = 8, **params: object) -> TokenizedRequest:
+    return TokenizedRequest(request_id=rid, reply_to="reply", prompt_token_ids=list(range(10, 10 + prompt_len)),
+                            params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),
+                            eos_token_ids=[EOS], arrival_time=0.0)
+
+
+def sched(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
+          max_model_len: int = 256) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=max_model_len), KVCacheManager(num_blocks, block_size))
+
+
+def fake_result(plan: StepPlan, s: Scheduler, token: int = 7) -> StepResult:
+    """What a worker returns: one token for every request that reaches the end of its known tokens."""
+    ids = []
+    for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
+        req = s.requests.get(rid)
+        if req is not None and req.num_computed_tokens + n == req.num_tokens:
+            ids.append(rid)
+    return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=[token] * len(ids))
+
+
+def run_to_idle(s: Scheduler, token: int = 7, limit: int = 1000) -> list[StepPlan]:
+    plans = []
+    for _ in range(limit):
+        plan = s.schedule()
+        if plan is None:
+            break
+        plans.append(plan)
+        s.update(fake_result(plan, s, token))
+    return plans
+
+
+def test_new_request_joins_next_step_and_finishes_frees_blocks() -> None:
+    s = sched()
+    s.add(make("a", 6, max_tokens=3))
+    p1 = s.schedule()
+    assert p1 is not None and p1.scheduled_request_ids == ["a"] and p1.num_scheduled_tokens == [6]
+    assert [r.request_id for r in p1.new_requests] == ["a"]
+    out = s.update(fake_result(p1, s))
+    assert out.detok is not None and out.detok.offsets == [0]
+    s.add(make("b", 3, max_tokens=2))
+    p2 = s.schedule()
+    assert p2 is not None
+    # "a" is cached on the worker: sent as a diff; "b" joins in the very next step.
+    assert p2.cached_request_ids == ["a"] and [r.request_id for r in p2.new_requests] == ["b"]
+    assert p2.num_scheduled_tokens == [1, 3]
+    s.update(fake_result(p2, s))
+    run_to_idle(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert not s.requests and s.counters.finished_requests == 2
+
+
+def test_block_diffs_only_send_new_blocks() -> None:
+    s = sched(block_size=4)
+    s.add(make("a", 4, max_tokens=10))
+    plans = run_to_idle(s)
+    sent: list[int] = list(plans[0].new_requests[0].block_ids)
+    for p in plans[1:]:
+        for rid, blocks in zip(p.cached_request_ids, p.cached_new_block_ids, strict=True):
+            assert rid == "a"
+            sent += blocks
+    assert len(sent) == len(set(sent)) == 4  # 4 prompt + 10 output = 14 tokens -> 4 blocks (last token never cached)
+
+
+def test_chunked_prefill_respects_budget_and_mixes_with_decode() -> None:
+    s = sched(budget=8, num_blocks=64)
+    s.add(make("short", 3, max_tokens=6))
+    p = s.schedule()
+    s.update(fake_result(p, s))
+    s.add(make("long", 20, max_tokens=2))
+    chunks = []
+    for _ in range(4):
+        p = s.schedule()
+        assert sum(p.num_scheduled_tokens) <= 8
+        if "long" in p.scheduled_request_ids:
+            chunks.append(p.num_scheduled_tokens[p.scheduled_request_ids.index("long")])
+        assert p.scheduled_request_ids[0] == "short"  # the decode is never stalled by the long prompt
+        s.update(fake_result(p, s))
+    assert chunks[:3] == [7, 7, 6]
+    assert s.counters.mixed_steps >= 3
+    run_to_idle(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_eos_stop_token_and_length_stops() -> None:
+    s = sched()
+    s.add(make("eos", 3, max_tokens=50))
+    s.add(make("stop_id", 3, max_tokens=50, stop_token_ids=[9]))
+    s.add(make("len", 3, max_tokens=2))
+    p = s.schedule()
+    out = s.update(StepResult(step_id=p.step_id, request_ids=["eos", "stop_id", "len"], token_ids=[EOS, 9, 5]))
+    assert out.detok.finish_reasons == ["stop", "stop", None]
+    p = s.schedule()  # the worker is told to forget the finished requests in the next plan
+    assert sorted(p.finished_request_ids) == ["eos", "stop_id"] and p.scheduled_request_ids == ["len"]
+    out = s.update(StepResult(step_id=p.step_id, request_ids=["len"], token_ids=[5]))
+    assert out.detok.finish_reasons == ["length"]
+    p = s.schedule()
+    assert p is not None and p.finished_request_ids == ["len"] and not p.scheduled_request_ids
+
+
+def test_ignore_eos_and_min_tokens() -> None:
+    s = sched()
+    s.add(make("a", 3, max_tokens=3, ignore_eos=True))
+    s.add(make("b", 3, max_tokens=5, min_tokens=2))
+    p = s.schedule()
+    out = s.update(StepResult(step_id=p.step_id, request_ids=["a", "b"], token_ids=[EOS, EOS]))
+    assert out.detok.finish_reasons == [None, None]
+    p = s.schedule()
+    out = s.update(StepResult(step_id=p.step_id, request_ids=["a", "b"], token_ids=[EOS, EOS]))
+    assert out.detok.finish_reasons == [None, "stop"]
+
+
+def test_preemption_frees_newest_and_resumes_as_new() -> None:
+    s = sched(num_blocks=6, block_size=4, budget=64)
+    s.add(make("old", 8, max_tokens=12))
+    s.add(make("new", 8, max_tokens=12))
+    run_steps = 0
+    preempted_plan = None
+    while s.has_work and run_steps < 200:
+        p = s.schedule()
+        if p is None:
+            break
+        if "new" in p.finished_request_ids and preempted_plan is None:
+            preempted_plan = p
+        s.update(fake_result(p, s))
+        run_steps += 1
+    assert s.counters.preemptions >= 1 and preempted_plan is not None
+    assert s.counters.finished_requests == 2
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_abort_in_every_state_frees_exactly_once() -> None:
+    s = sched(num_blocks=8, block_size=4, budget=8, max_seqs=1)
+    s.add(make("run", 10, max_tokens=4))
+    s.add(make("wait", 4, max_tokens=4))
+    p = s.schedule()  # "run" is mid-chunk (8 of 10)
+    assert s.requests["run"].status is Status.RUNNING and s.requests["wait"].status is Status.WAITING
+    assert s.abort("wait") is not None
+    assert s.abort("run") is not None
+    assert s.abort("run") is None  # idempotent
+    out = s.update(fake_result(p, s))  # the in-flight step's result is ignored for aborted requests
+    assert out.detok is None
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    p = s.schedule()
+    assert p is not None and p.finished_request_ids == ["run"] and not p.scheduled_request_ids
+
+
+def test_admission_rejects_what_can_never_fit() -> None:
+    s = sched(num_blocks=4, block_size=4, max_model_len=64)
+    assert "maximum context length" in s.check_admissible(make("a", 60, max_tokens=10))
+    assert "KV cache" in s.check_admissible(make("b", 10, max_tokens=10))
+    assert s.check_admissible(make("c", 10, max_tokens=6)) is None
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = sched(max_seqs=2)
+    for i in range(5):
+        s.add(make(f"r{i}", 3, max_tokens=4))
+    p = s.schedule()
+    assert len(p.scheduled_request_ids) == 2 and len(s.waiting) == 3
+    run_to_idle(s)
+    assert s.counters.finished_requests == 5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workload_never_leaks(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    s = sched(num_blocks=12, block_size=4, budget=rng.choice([4, 8, 16]), max_seqs=4)
+    n = 0
+    for _ in range(300):
+        if rng.random() < 0.3:
+            s.add(make(f"r{n}", rng.randint(1, 12), max_tokens=rng.randint(1, 10)))
+            n += 1
+        if rng.random() < 0.05 and s.requests:
+            s.abort(rng.choice(list(s.requests)))
+        p = s.schedule()
+        if p is not None:
+            owned = [b for r in s.running for b in s.kv.block_ids(r.request_id)]
+            assert len(owned) == len(set(owned))
+            assert len(owned) + s.kv.num_free_blocks == s.kv.num_blocks
+            assert sum(p.num_scheduled_tokens) <= s.config.max_num_batched_tokens
+            s.update(fake_result(p, s, token=rng.choice([EOS, 5, 6])))
+    run_to_idle(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks and not s.requests
