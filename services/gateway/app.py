@@ -256,19 +256,29 @@ class Gateway:
                 except msgspec.DecodeError as exc:
                     log.warning("undecodable reply entry %s: %s", entry_id, exc)
                     continue
-                self.tracker.dispatch(msg)
+                try:
+                    self.tracker.dispatch(msg)
+                except Exception:  # one bad message must not stop every other request's replies
+                    log.exception("could not route reply entry %s", entry_id)
 
     async def submit(self, req: GenerateRequest) -> RequestStream:
         """Register first, then send, so a fast reply can never arrive before its stream exists."""
-        assert self.bus is not None
         stream = self.tracker.register(req.request_id)
+        try:
+            await self.send_request(req)
+        except APIError:
+            self.tracker.unregister(req.request_id)
+            raise
+        return stream
+
+    async def send_request(self, req: GenerateRequest) -> None:
+        """Queue a registered request for the tokenizers."""
+        assert self.bus is not None
         try:
             await self.bus.send(self.bus.streams.requests, req, maxlen=MAXLEN["requests"])
         except Exception as exc:
-            self.tracker.unregister(req.request_id)
             log.warning("could not submit %s: %r", req.request_id, exc)
             raise APIError("The server could not queue the request; try again.", 503) from exc
-        return stream
 
     async def engine_ids(self) -> list[int]:
         assert self.bus is not None
@@ -337,5 +347,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
 
     setup_logging("gateway")
     app = create_app(redis_url, prefix, model_name, max_model_len)
-    # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None)
+    # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
+    # shutdown timeout stops a stream whose engine died from holding the process open.
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
+                timeout_graceful_shutdown=5)

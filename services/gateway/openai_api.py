@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rill.services.gateway.errors import APIError, error_body, json_response
+from rill.services.gateway.errors import APIError, json_response
 from rill.shared.schema import (
     ChatMessage,
     ErrorReply,
@@ -37,6 +37,11 @@ T = TypeVar("T")
 MAX_STOP = 16
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _INT64 = 2**63
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _is_token_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID
 
 # ---------------------------------------------------------------------------------------------
 # Validation (shared with websocket.py)
@@ -60,6 +65,8 @@ def _opt_int(body: dict[str, Any], name: str) -> int | None:
         return None
     if not _is_int(v):
         raise _bad(f"{name} must be an integer, got {v!r}.", name)
+    if not -_INT64 <= v < _INT64:  # beyond int64 the message could not even be encoded
+        raise _bad(f"{name} is out of range, got {v}.", name)
     return v
 
 
@@ -129,8 +136,6 @@ def parse_sampling(body: dict[str, Any], kind: str) -> SamplingParams:
 
     seed = _opt_int(body, "seed")
     if seed is not None:
-        if not -_INT64 <= seed < _INT64:
-            raise _bad(f"seed must fit in a signed 64-bit integer, got {seed}.", "seed")
         kw["seed"] = seed
 
     min_tokens = _opt_int(body, "min_tokens")
@@ -156,7 +161,7 @@ def parse_sampling(body: dict[str, Any], kind: str) -> SamplingParams:
 
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(_is_token_id(t) for t in stop_ids):
             raise _bad("stop_token_ids must be a list of non-negative integers.", "stop_token_ids")
         if stop_ids:
             kw["stop_token_ids"] = stop_ids
@@ -225,7 +230,7 @@ def parse_prompt(value: Any) -> str | list[int]:
     if isinstance(value, list):
         if not value:
             raise _bad("prompt must not be empty.", "prompt")
-        if not all(_is_int(t) and t >= 0 for t in value):
+        if not all(_is_token_id(t) for t in value):
             raise _bad("prompt must be a string or a list of non-negative token ids.", "prompt")
         return value
     raise _bad("prompt must be a string or a list of token ids.", "prompt")
@@ -267,7 +272,8 @@ def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def error_from_reply(err: ErrorReply) -> APIError:
-    return APIError(err.message, err.status, type=err.type, param=err.param)
+    status = err.status if 400 <= err.status <= 599 else 500  # never let a bad status break the reply
+    return APIError(err.message, status, type=err.type, param=err.param)
 
 
 GENERATION_FAILED = "The request failed during generation."
@@ -423,18 +429,18 @@ class SSEResponse:
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
         try:
-            result = await or_disconnect(receive, self._write(send))
+            await or_disconnect(receive, self._write(send))
         finally:
             if not self.stream.terminal:
                 self.gateway.abort_soon([self.stream.request_id])
-        if result is DISCONNECTED:
-            return
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
                     "more_body": True})
         async for batch in self.events:
-            await send({"type": "http.response.body", "body": self.fmt.render(batch), "more_body": True})
+            body = self.fmt.render(batch)
+            if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
+                await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": self.fmt.end(), "more_body": False})
 
 
@@ -462,6 +468,7 @@ async def _generate(request: Request, kind: str) -> Response | SSEResponse:
     stream, include_usage = parse_stream_options(body)
     rs = await gw.submit(req)
     events = aiter(rs)
+    handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself
     try:
         if stream:
             first = await or_disconnect(request.receive, anext(events))
@@ -472,17 +479,16 @@ async def _generate(request: Request, kind: str) -> Response | SSEResponse:
                 return error_from_reply(head).response()
             if head.finish_reason == "error" and not head.text:
                 return APIError(GENERATION_FAILED, 500).response()
-            return SSEResponse(gw, rs, events, first, ChunkFormatter(kind, request_id, gw.model_name,
-                                                                     include_usage))
+            handed_off = True
+            return SSEResponse(gw, rs, events, first,
+                               ChunkFormatter(kind, request_id, gw.model_name, include_usage))
         out = await or_disconnect(request.receive, _collect(events))
         if isinstance(out, _Disconnected):
             return Response(status_code=499)
         return json_response(_full_response(kind, request_id, gw.model_name, out))
     finally:
-        # Covers disconnects, errors and cancellation; a streamed request hands this to SSEResponse.
-        if not rs.terminal and not stream:
-            gw.abort_soon([request_id])
-        elif not rs.terminal and stream and "first" in locals() and not isinstance(first, list):
+        # Disconnects, errors and cancellation all end here: free the engine's blocks.
+        if not handed_off and not rs.terminal:
             gw.abort_soon([request_id])
 
 
@@ -563,7 +569,3 @@ def routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
     ]
-
-
-__all__ = ["APIError", "Callable", "error_body", "parse_generate", "parse_sampling", "parse_messages",
-           "parse_prompt", "parse_stream_options", "check_model", "routes", "Output", "ChunkFormatter"]

@@ -1,0 +1,238 @@
+"""The /v1/ws protocol: many concurrent requests per socket, each with a client-chosen id.
+
+Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
+                {"type": "completion", "id": .., "prompt": .., ...sampling}
+                {"type": "cancel", "id": ..}
+Server frames:  {"id": .., "type": "delta", "text": ..}
+                {"id": .., "type": "done", "finish_reason": .., "usage": {..}}
+                {"id": .., "type": "error", "error": {"message": .., "type": .., "param": .., "code": ..}}
+
+Every request ends with exactly one `done` or `error` frame. A bad frame only earns an error
+frame: the socket and its other requests carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+
+from rill.services.gateway.errors import APIError
+from rill.services.gateway.openai_api import GENERATION_FAILED, Output, error_from_reply, parse_generate
+from rill.shared.schema import ErrorReply
+
+if TYPE_CHECKING:
+    from rill.services.gateway.app import Gateway, RequestStream
+
+log = logging.getLogger("rill.gateway.ws")
+
+KINDS = frozenset({"chat", "completion"})
+MAX_ID_LEN = 128
+MAX_INFLIGHT = 1024  # per socket; one client should not be able to flood the engine unchecked
+_json = msgspec.json.Encoder()
+
+
+@dataclass(eq=False)
+class _Entry:
+    client_id: str | int
+    request_id: str
+    stream: RequestStream
+    output: Output = field(default_factory=Output)
+    task: asyncio.Task[None] | None = None
+
+
+def _error_frame(client_id: Any, err: APIError) -> dict[str, Any]:
+    body = err.body()["error"]
+    if body["code"] is None:
+        body["code"] = err.status
+    return {"id": client_id, "type": "error", "error": body}
+
+
+class Connection:
+    """One socket: reads frames, runs one task per request, serialises sends."""
+
+    def __init__(self, ws: WebSocket, gateway: Gateway) -> None:
+        self.ws = ws
+        self.gw = gateway
+        self.conn_id = uuid.uuid4().hex
+        self.inflight: dict[str | int, _Entry] = {}
+        self.lock = asyncio.Lock()
+        self.closed = False
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def _send(self, frame: dict[str, Any]) -> None:
+        async with self.lock:
+            await self._send_locked(frame)
+
+    async def _send_locked(self, frame: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        try:
+            await self.ws.send_text(_json.encode(frame).decode())
+        except Exception:  # the peer went away; the read loop sees the disconnect and cleans up
+            self.closed = True
+
+    async def _send_owned(self, entry: _Entry, frame: dict[str, Any]) -> None:
+        """Send only while the request is still this entry's (not cancelled, not finished)."""
+        async with self.lock:
+            if self.inflight.get(entry.client_id) is entry:
+                await self._send_locked(frame)
+
+    async def _finish(self, entry: _Entry, frame: dict[str, Any]) -> None:
+        """Send the request's one terminal frame, unless a cancel already sent it."""
+        async with self.lock:
+            if self.inflight.get(entry.client_id) is entry:
+                del self.inflight[entry.client_id]
+                await self._send_locked(frame)
+
+    def _done_frame(self, entry: _Entry, finish_reason: str) -> dict[str, Any]:
+        return {"id": entry.client_id, "type": "done", "finish_reason": finish_reason,
+                "usage": entry.output.usage()}
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            data = msg.get("text")
+            if data is None:
+                data = msg.get("bytes") or b""
+            await self.handle_frame(data)
+
+    async def handle_frame(self, data: str | bytes) -> None:
+        try:
+            frame = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            await self._send(_error_frame(None, APIError(f"Frame is not valid JSON: {exc}")))
+            return
+        if not isinstance(frame, dict):
+            await self._send(_error_frame(None, APIError("A frame must be a JSON object.")))
+            return
+        cid = frame.get("id")
+        if isinstance(cid, bool) or not isinstance(cid, (str, int)) or not 0 < len(str(cid)) <= MAX_ID_LEN:
+            await self._send(_error_frame(None, APIError(
+                f"Every frame needs an `id`: a string of 1 to {MAX_ID_LEN} characters or an integer.",
+                param="id")))
+            return
+        kind = frame.get("type")
+        if kind == "cancel":
+            await self.cancel(cid)
+        elif kind in KINDS:
+            await self.start(cid, kind, frame)
+        else:
+            await self._send(_error_frame(cid, APIError(
+                f"Unknown frame type {kind!r}; expected 'chat', 'completion' or 'cancel'.", param="type")))
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def start(self, cid: str | int, kind: str, frame: dict[str, Any]) -> None:
+        if cid in self.inflight:
+            await self._send(_error_frame(cid, APIError(f"Request id {cid!r} is already in flight.",
+                                                        param="id")))
+            return
+        if len(self.inflight) >= MAX_INFLIGHT:
+            await self._send(_error_frame(cid, APIError(
+                f"Too many requests in flight on this socket (max {MAX_INFLIGHT}).", 429)))
+            return
+        request_id = f"ws-{self.conn_id}-{cid}"
+        try:
+            req = parse_generate(frame, kind, self.gw.model_name, request_id, self.gw.reply_stream)
+            # Reserve the id before the first await so a duplicate frame right behind it is refused.
+            entry = _Entry(cid, request_id, self.gw.tracker.register(request_id))
+        except APIError as err:
+            await self._send(_error_frame(cid, err))
+            return
+        except KeyError:  # the same client id reused before the old request was forgotten
+            await self._send(_error_frame(cid, APIError(f"Request id {cid!r} is already in flight.",
+                                                        param="id")))
+            return
+        self.inflight[cid] = entry
+        try:
+            await self.gw.send_request(req)
+        except APIError as err:
+            self.gw.tracker.unregister(request_id)
+            await self._finish(entry, _error_frame(cid, err))
+            return
+        entry.task = asyncio.create_task(self._run(entry), name=f"ws-{request_id}")
+
+    async def _run(self, entry: _Entry) -> None:
+        out = entry.output
+        try:
+            async for batch in entry.stream:
+                parts: list[str] = []
+                for ev in batch:
+                    if isinstance(ev, ErrorReply):
+                        await self._flush(entry, parts)
+                        await self._finish(entry, _error_frame(entry.client_id, error_from_reply(ev)))
+                        return
+                    out.add(ev)
+                    if ev.text:
+                        parts.append(ev.text)
+                    if ev.finish_reason == "error":
+                        await self._flush(entry, parts)
+                        await self._finish(entry, _error_frame(entry.client_id, APIError(GENERATION_FAILED, 500)))
+                        return
+                    if ev.finish_reason is not None:
+                        await self._flush(entry, parts)
+                        await self._finish(entry, self._done_frame(entry, ev.finish_reason))
+                        return
+                await self._flush(entry, parts)
+        except Exception:
+            log.exception("websocket request %s failed", entry.request_id)
+            await self._finish(entry, _error_frame(entry.client_id, APIError("Internal server error", 500)))
+
+    async def _flush(self, entry: _Entry, parts: list[str]) -> None:
+        # One frame per wake-up: deltas that queued up meanwhile go out together.
+        if parts:
+            await self._send_owned(entry, {"id": entry.client_id, "type": "delta", "text": "".join(parts)})
+            parts.clear()
+
+    async def cancel(self, cid: str | int) -> None:
+        entry = self.inflight.pop(cid, None)
+        if entry is None:
+            return  # already finished (the done frame is on its way) or never existed: idempotent
+        try:
+            await self.gw.abort([entry.request_id])
+        except Exception as exc:
+            log.warning("abort of %s failed: %r", entry.request_id, exc)
+        await self._send(self._done_frame(entry, "abort"))
+
+    async def shutdown(self) -> None:
+        """Socket gone: abort everything still running and let the request tasks end."""
+        self.closed = True
+        entries = list(self.inflight.values())
+        self.inflight.clear()
+        running = [e.request_id for e in entries if not e.stream.terminal]
+        if running:
+            self.gw.abort_soon(running)  # also closes their streams, which ends the tasks
+        tasks = [e.task for e in entries if e.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for t in pending:
+                t.cancel()
+
+
+async def ws_endpoint(websocket: WebSocket) -> None:
+    gw: Gateway = websocket.app.state.gateway
+    await websocket.accept()
+    conn = Connection(websocket, gw)
+    try:
+        await conn.serve()
+    finally:
+        await conn.shutdown()
+        with contextlib.suppress(Exception):
+            await websocket.close()
+
+
+def routes() -> list[WebSocketRoute]:
+    return [WebSocketRoute("/v1/ws", ws_endpoint)]

@@ -1,0 +1,277 @@
+"""The whole stack end to end: every service its own OS process, talking only through Redis.
+
+SmolLM2-135M-Instruct in float32 is checked against transformers' own greedy generation, over
+real HTTP (the official openai client) and a real WebSocket client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+import openai
+import pytest
+import redis
+import torch
+import websockets
+
+from rill.shared.broker import free_port
+from rill.shared.bus import Streams
+from rill.shared.schema import EngineStats
+
+NEAR_TIE = 2e-3
+BLOCK_SIZE = 8  # small blocks: every prompt spans several
+
+
+@dataclass
+class Stack:
+    base_url: str
+    ws_url: str
+    redis: redis.Redis
+    streams: Streams
+    procs: dict[str, subprocess.Popen[bytes]]
+
+    def stats(self) -> EngineStats:
+        raw = self.redis.get(self.streams.stats_key(0))
+        assert raw is not None
+        return msgspec.msgpack.decode(raw, type=EngineStats)
+
+    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if (st.num_running == 0 and st.num_waiting == 0) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[Stack]:
+    prefix = f"rille2e-{os.getpid()}-{time.time_ns() % 10**8}"
+    port = free_port()
+    common = [smollm2_dir, "--redis-url", redis_url, "--prefix", prefix, "--dtype", "float32",
+              "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "256", "--max-num-seqs", "32",
+              "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--port", str(port),
+              "--host", "127.0.0.1"]
+    env = dict(os.environ, RILL_WORKER_THREADS="2", PYTHONUNBUFFERED="1")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for name in ("worker", "scheduler", "tokenizer", "detokenizer", "gateway"):
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "rill.services.cli", "service", name, *common, "--replica-name", f"{name}-0"],
+            env=env)
+    client = redis.Redis.from_url(redis_url)
+    streams = Streams(prefix)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            assert not dead, f"services died during start-up: {dead}"
+            assert time.monotonic() < deadline, "stack did not become ready in time"
+            try:
+                if client.exists(streams.stats_key(0)):
+                    with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield Stack(base, f"ws://127.0.0.1:{port}/v1/ws", client, streams, procs)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: str):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def chat_ids(tok, content: str) -> list[int]:
+    out = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_same_or_near_tie(tok, model, prompt_ids: list[int], hf_ids: list[int], ours: str) -> None:
+    """Our text must equal transformers' greedy text; where it departs, transformers' own top-2
+    logit gap at that position must be a near-tie (< 2e-3), else it is a bug."""
+    theirs = tok.decode(hf_ids, skip_special_tokens=True)
+    if ours == theirs:
+        return
+    k = 0  # first HF token whose text is no longer a prefix of ours
+    while k < len(hf_ids) and ours.startswith(tok.decode(hf_ids[: k + 1], skip_special_tokens=True)):
+        k += 1
+    if k == len(hf_ids):
+        pytest.fail(f"our text runs on past transformers' output:\n ours={ours!r}\n hf  ={theirs!r}")
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + hf_ids[:k]])).logits[0, -1]
+    top2 = torch.topk(logits.float(), 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < NEAR_TIE, (f"diverged at output token {k} where transformers' top-2 gap is {gap:.4g} "
+                            f"(not a near-tie):\n ours={ours!r}\n hf  ={theirs!r}")
+
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle works to a ten year old, step by step.",
+    "List ten fruits and describe the colour of each one.",
+    "What are the main differences between Python and C? Answer in detail.",
+]
+
+
+def test_greedy_matches_transformers_over_http(stack: Stack, reference) -> None:
+    tok, model = reference
+    model_id = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none").models.list().data[0].id
+
+    async def all_at_once() -> list:
+        aclient = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
+        calls = [aclient.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}],
+                                                 temperature=0, max_tokens=40) for p in PROMPTS]
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            await aclient.close()
+
+    responses = asyncio.run(all_at_once())
+    for prompt, resp in zip(PROMPTS, responses, strict=True):
+        ids = chat_ids(tok, prompt)
+        assert resp.usage.prompt_tokens == len(ids)
+        assert resp.usage.completion_tokens >= 32, resp
+        hf = hf_greedy(model, ids, resp.usage.completion_tokens)
+        assert_same_or_near_tie(tok, model, ids, hf, resp.choices[0].message.content)
+
+
+def test_openai_client_streams_chat(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                          temperature=0, max_tokens=24)
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                            temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    assert len(pieces) > 1  # it really streamed
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_websocket_two_requests_one_cancelled(stack: Stack) -> None:
+    async def scenario() -> dict:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat", "id": "long", "max_tokens": 400, "temperature": 0,
+                                      "ignore_eos": True,
+                                      "messages": [{"role": "user", "content": "Tell me a very long story."}]}))
+            await ws.send(json.dumps({"type": "completion", "id": "short", "prompt": "The capital of France is",
+                                      "max_tokens": 12, "temperature": 0}))
+            frames: dict[str, list[dict]] = {"long": [], "short": []}
+            cancelled = False
+            while not (frames["long"] and frames["long"][-1]["type"] in ("done", "error")
+                       and frames["short"] and frames["short"][-1]["type"] in ("done", "error")):
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                frames[msg["id"]].append(msg)
+                if not cancelled and msg["id"] == "long" and msg["type"] == "delta":
+                    await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+                    cancelled = True
+            return frames
+
+    frames = asyncio.run(scenario())
+    assert frames["short"][-1]["type"] == "done" and frames["short"][-1]["finish_reason"] == "length"
+    assert frames["short"][-1]["usage"]["completion_tokens"] == 12
+    assert "".join(f["text"] for f in frames["short"] if f["type"] == "delta").strip()
+    assert frames["long"][-1]["type"] == "done" and frames["long"][-1]["finish_reason"] == "abort"
+    long_tokens = sum(1 for f in frames["long"] if f["type"] == "delta")
+    assert long_tokens < 400
+    st = stack.wait_idle()
+    assert st.num_running == 0 and st.num_free_blocks == st.num_blocks
+    assert st.aborted_requests >= 1
+
+
+def test_sixteen_concurrent_requests(stack: Stack, reference) -> None:
+    tok, model = reference
+    topics = ["the sea", "mountains", "a robot", "coffee", "trains", "winter", "music", "a cat",
+              "the moon", "gardening", "chess", "rain", "a library", "volcanoes", "bread", "friendship"]
+    jobs = [(f"Write {'a few sentences' if i % 3 else 'one sentence'} about {t}." + " Be vivid." * (i % 5),
+             6 + (i * 7) % 27) for i, t in enumerate(topics)]
+    before = stack.stats()
+
+    async def run_all() -> list:
+        aclient = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+        model_id = (await aclient.models.list()).data[0].id
+        try:
+            return await asyncio.gather(*[
+                aclient.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}],
+                                                temperature=0, max_tokens=n) for p, n in jobs])
+        finally:
+            await aclient.close()
+
+    responses = asyncio.run(run_all())
+    for (prompt, n), resp in zip(jobs, responses, strict=True):
+        ids = chat_ids(tok, prompt)
+        choice = resp.choices[0]
+        assert resp.usage.prompt_tokens == len(ids)
+        assert choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "length":
+            assert resp.usage.completion_tokens == n
+        hf = hf_greedy(model, ids, resp.usage.completion_tokens)
+        assert_same_or_near_tie(tok, model, ids, hf, choice.message.content)
+    st = stack.wait_idle()
+    assert st.mixed_steps > before.mixed_steps, "no step mixed prefill and decode work"
+    assert st.num_running == 0 and st.num_waiting == 0
+    assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
+
+
+def test_bad_input_gets_openai_errors_and_stack_survives(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=model, prompt="hi " * 3000, max_tokens=5)
+    assert "maximum context length" in str(too_long.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    ok = client.completions.create(model=model, prompt="One, two, three,", max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+def test_each_service_is_its_own_process(stack: Stack) -> None:
+    pids = {name: p.pid for name, p in stack.procs.items()}
+    assert len(set(pids.values())) == 5
+    assert all(p.poll() is None for p in stack.procs.values()), "a service died during the tests"
+    # The services found each other only through the broker: their streams exist under our prefix.
+    keys = {k.decode() for k in stack.redis.scan_iter(match=f"{stack.streams.prefix}:*")}
+    for stream in (stack.streams.requests, stack.streams.engine_in(0), stack.streams.plan(0),
+                   stack.streams.result(0), stack.streams.detok):
+        assert stream in keys
