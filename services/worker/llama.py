@@ -1,0 +1,182 @@
+"""Llama-family forward pass over a flattened batch and a paged KV cache.
+
+Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
+and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
+biases, tied embeddings. Q/K/V and gate/up weights are concatenated at load time so each layer
+runs three GEMMs plus the output projection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from rill.kernels import ops
+from rill.kernels.ops import AttentionMetadata
+from rill.shared.config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] (fp32), with the config's frequency scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | str) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos of each angle in the first half, sin in the second."""
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: ops.Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: ops.Linear
+    post_norm: torch.Tensor
+    gate_up: ops.Linear  # fused [2 * intermediate, hidden]
+    down: ops.Linear
+
+
+class _Checkpoint:
+    """Tensors by HF name across every *.safetensors file of a folder, read on demand."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._where: dict[str, Path] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._where[name] = path
+        if not self._where:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self._where else None
+
+
+def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("a fused projection has a bias on some parts only")
+    return torch.cat(parts)  # type: ignore[arg-type]
+
+
+class LlamaModel:
+    """Weights plus the forward pass. Not an nn.Module: no hooks or autograd on the hot path."""
+
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
+                 lm_head: torch.Tensor, max_positions: int) -> None:
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.tied = lm_head is embed
+        self.lm_head = ops.make_linear(lm_head)
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.scale = cfg.head_dim ** -0.5
+        self.cos_sin = cos_sin_cache(cfg, max_positions, self.device)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             max_positions: int | None = None) -> LlamaModel:
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        ckpt = _Checkpoint(model_dir)
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dtype=dtype).to(device).contiguous()
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+            mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            layers.append(LayerWeights(
+                input_norm=put(ckpt.get(f"{p}input_layernorm.weight")),
+                qkv=ops.make_linear(put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
+                                    put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in attn]))),
+                o=ops.make_linear(put(ckpt.get(f"{p}self_attn.o_proj.weight")),
+                                  put(ckpt.maybe(f"{p}self_attn.o_proj.bias"))),
+                post_norm=put(ckpt.get(f"{p}post_attention_layernorm.weight")),
+                gate_up=ops.make_linear(put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
+                                        put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp]))),
+                down=ops.make_linear(put(ckpt.get(f"{p}mlp.down_proj.weight")),
+                                     put(ckpt.maybe(f"{p}mlp.down_proj.bias"))),
+            ))
+        embed = put(ckpt.get("model.embed_tokens.weight"))
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+        lm_head = embed if tied else put(ckpt.get("lm_head.weight"))
+        return cls(cfg, embed, layers, put(ckpt.get("model.norm.weight")), lm_head,
+                   max_positions or cfg.max_position_embeddings)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.cfg
+        return ops.allocate_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                                     c.head_dim, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run T flattened tokens; return fp32 logits [len(logits_indices), vocab] for those rows only."""
+        c = self.cfg
+        eps = c.rms_norm_eps
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, layer.input_norm, eps)
+            else:
+                x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = ops.apply_rotary(q.view(t, c.num_attention_heads, c.head_dim),
+                                    k.view(t, c.num_key_value_heads, c.head_dim), positions, self.cos_sin)
+            v = v.view(t, c.num_key_value_heads, c.head_dim)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+            h = layer.o(attn.reshape(t, self.q_size))
+            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        # Only the rows that get sampled go through the final norm and the LM head.
+        last = h.index_select(0, logits_indices) + residual.index_select(0, logits_indices)
+        return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()

@@ -1,0 +1,263 @@
+"""The worker's persistent per-request state and one step of the model.
+
+As in vLLM V1, the scheduler sends a request's full data once (NewRequestData) and then only
+diffs (new block ids, how many tokens to run). The runner keeps each request's tokens, block
+table and progress, builds the flattened batch for a StepPlan, runs the model, and samples one
+token for every request that reached the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rill.kernels.ops import make_attention_metadata
+from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
+from rill.services.worker.sampler import Sampler, SampleRow, check_params
+from rill.shared.config import ModelConfig, kv_cache_blocks
+from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult
+
+log = logging.getLogger("rill.worker")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), where its GEMMs
+    run several times faster than fp32 and KV memory halves; float32 on other CPUs, which would
+    only emulate bf16. float32 stays available for exact comparisons."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" or _cpu_has_bf16() else "float32"
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return dtype
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def num_blocks_for(model_cfg: ModelConfig, dtype: str, block_size: int, memory_bytes: int) -> int:
+    """KV blocks that fit in `memory_bytes` (see shared.config.kv_cache_blocks)."""
+    return kv_cache_blocks(model_cfg, dtype, block_size, memory_bytes)
+
+
+def configure_cpu_threads() -> int:
+    """Intra-op threads for the CPU forward: RILL_WORKER_THREADS, else every core we may run on."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = int(os.environ.get("RILL_WORKER_THREADS") or usable or 1)
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc to keep freed large buffers instead of unmapping them. The CPU forward frees
+    and re-allocates the same multi-MB activations and KV gathers every layer; returning them
+    to the OS makes each reuse page-fault again, which measured ~2x slower gathers."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: keep the defaults
+
+
+class PlanError(ValueError):
+    """A StepPlan that does not fit the worker's state (the step is refused, state untouched)."""
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + every sampled token
+    block_ids: list[int]
+    num_computed: int  # tokens whose KV is in the cache
+    params: SamplingParams
+    num_prompt: int  # token_ids[:num_prompt] is the prompt; the rest are outputs
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto", num_blocks: int = 256,
+                 block_size: int = 16, max_model_len: int | None = None, seed: int = 0,
+                 model: LlamaModel | None = None) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if self.device == "cpu":
+            configure_cpu_threads()
+            _keep_freed_memory()
+        cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,
+                                              max_positions=self.max_model_len)
+        self.cfg = self.model.cfg
+        self.block_size = block_size
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.requests: dict[str, RequestState] = {}
+        self.resize_kv_cache(num_blocks)
+        self.sampler = Sampler(self.device, self.cfg.eos_token_ids, seed)
+        # Logits of the rows sampled by the last step, in result order (for tests and debugging).
+        self.last_logits: torch.Tensor | None = None
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the cache, as at start-up; every request is forgotten with its KV."""
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.requests.clear()
+        self.kv_caches = []  # drop the old cache before allocating the new one
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
+
+    def reset(self) -> None:
+        """Forget every request (the scheduler restarted)."""
+        self.requests.clear()
+        self.last_logits = None
+
+    # --------------------------------------------------------------------------------- a step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        try:
+            self._check(plan)
+        except PlanError as exc:
+            log.warning("step %d refused: %s", plan.step_id, exc)
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], error=str(exc))
+        try:
+            self._apply_diffs(plan)
+            ids, tokens = self._run(plan)
+        except Exception as exc:  # one bad step must not take the worker down
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[],
+                              error=f"{type(exc).__name__}: {exc}")
+        return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens,
+                          forward_ms=(time.perf_counter() - start) * 1e3)
+
+    def _check(self, plan: StepPlan) -> None:
+        """Validate the whole plan against the state it would produce, before changing anything."""
+        if len(plan.cached_request_ids) != len(plan.cached_new_block_ids):
+            raise PlanError("cached_request_ids and cached_new_block_ids differ in length")
+        if len(plan.scheduled_request_ids) != len(plan.num_scheduled_tokens):
+            raise PlanError("scheduled_request_ids and num_scheduled_tokens differ in length")
+        # (tokens known, tokens computed, blocks) of every request after this plan's diffs
+        forget = set(plan.finished_request_ids)
+        view: dict[str, tuple[int, int, int]] = {
+            rid: (len(s.token_ids), s.num_computed, len(s.block_ids)) for rid, s in self.requests.items()
+            if rid not in forget}
+        for new in plan.new_requests:
+            self._check_new(new)
+            view[new.request_id] = (len(new.token_ids), new.num_computed_tokens, len(new.block_ids))
+        for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
+            if rid not in view:
+                raise PlanError(f"unknown request id {rid!r} in cached_request_ids")
+            self._check_blocks(rid, blocks)
+            n_tok, n_done, n_blocks = view[rid]
+            view[rid] = (n_tok, n_done, n_blocks + len(blocks))
+        if len(set(plan.scheduled_request_ids)) != len(plan.scheduled_request_ids):
+            raise PlanError("a request is scheduled twice in one step")
+        for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
+            if rid not in view:
+                raise PlanError(f"unknown request id {rid!r} in scheduled_request_ids")
+            n_tok, n_done, n_blocks = view[rid]
+            if n < 1 or n_done + n > n_tok:
+                raise PlanError(f"request {rid!r}: {n} tokens scheduled, {n_tok - n_done} left to compute")
+            if n_done + n > self.max_model_len:
+                raise PlanError(f"request {rid!r}: {n_done + n} tokens exceed max_model_len {self.max_model_len}")
+            if n_done + n > n_blocks * self.block_size:
+                raise PlanError(f"request {rid!r}: {n_blocks} blocks cannot hold {n_done + n} tokens")
+
+    def _check_new(self, new: NewRequestData) -> None:
+        rid = new.request_id
+        if not new.token_ids:
+            raise PlanError(f"request {rid!r} has no tokens")
+        if min(new.token_ids) < 0 or max(new.token_ids) >= self.cfg.vocab_size:
+            raise PlanError(f"request {rid!r} has token ids outside the vocabulary (size {self.cfg.vocab_size})")
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            raise PlanError(f"request {rid!r}: num_computed_tokens {new.num_computed_tokens} out of range")
+        if not 0 <= new.num_output_tokens <= len(new.token_ids):
+            raise PlanError(f"request {rid!r}: num_output_tokens {new.num_output_tokens} out of range")
+        why = check_params(new.params)
+        if why:
+            raise PlanError(f"request {rid!r}: {why}")
+        self._check_blocks(rid, new.block_ids)
+
+    def _check_blocks(self, rid: str, blocks: Sequence[int]) -> None:
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise PlanError(f"request {rid!r}: block id outside 0..{self.num_blocks - 1}")
+
+    def _apply_diffs(self, plan: StepPlan) -> None:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(
+                request_id=new.request_id, token_ids=list(new.token_ids), block_ids=list(new.block_ids),
+                num_computed=new.num_computed_tokens, params=new.params,
+                num_prompt=len(new.token_ids) - new.num_output_tokens,
+                generator=self.sampler.make_generator(new.params))
+        for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
+            self.requests[rid].block_ids.extend(blocks)
+
+    def _run(self, plan: StepPlan) -> tuple[list[str], list[int]]:
+        self.last_logits = None
+        if not plan.scheduled_request_ids:
+            return [], []
+        states = [self.requests[rid] for rid in plan.scheduled_request_ids]
+        counts = plan.num_scheduled_tokens
+        input_ids: list[int] = []
+        for s, n in zip(states, counts, strict=True):
+            input_ids.extend(s.token_ids[s.num_computed:s.num_computed + n])
+        positions, meta = make_attention_metadata(
+            [s.block_ids for s in states], [s.num_computed for s in states], counts, self.block_size,
+            self.device)
+        # A request samples when this step reaches the end of its known tokens; a partial
+        # prompt chunk does not.
+        sampled = [i for i, (s, n) in enumerate(zip(states, counts, strict=True))
+                   if s.num_computed + n == len(s.token_ids)]
+        qsl = meta.query_start_loc_host
+        logits_indices = torch.tensor([qsl[i + 1] - 1 for i in sampled], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                                        positions, meta, self.kv_caches, logits_indices)
+            for s, n in zip(states, counts, strict=True):
+                s.num_computed += n
+            if not sampled:
+                return [], []
+            rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
+                              states[i].generator) for i in sampled]
+            tokens = self.sampler.sample(logits, rows)
+        self.last_logits = logits
+        for i, tok in zip(sampled, tokens, strict=True):
+            states[i].token_ids.append(tok)
+        return [states[i].request_id for i in sampled], tokens
+
+    # ------------------------------------------------------------------------------ warm-up
+
+    def warmup(self, num_tokens: int = 16) -> None:
+        """Run one throwaway prefill of `num_tokens` (first-call kernel set-up, memory profiling)."""
+        num_tokens = max(1, min(num_tokens, self.max_model_len, self.num_blocks * self.block_size))
+        rid = "__rill_warmup__"
+        nblocks = -(-num_tokens // self.block_size)
+        plan = StepPlan(step_id=-1, new_requests=[NewRequestData(
+            request_id=rid, token_ids=[0] * num_tokens, params=SamplingParams(temperature=0.0),
+            block_ids=list(range(nblocks)))], cached_request_ids=[], cached_new_block_ids=[],
+            scheduled_request_ids=[rid], num_scheduled_tokens=[num_tokens])
+        result = self.execute(plan)
+        self.requests.pop(rid, None)
+        self.last_logits = None
+        if result.error:
+            raise RuntimeError(f"warm-up step failed: {result.error}")

@@ -1,0 +1,100 @@
+"""The worker process: load the model, size the KV cache, then run one StepPlan after another.
+
+One process, one synchronous loop: read the engine's plan stream, execute, answer on the
+engine's result stream. The worker announces itself with WorkerReady at start and again after
+every Hello, so the handshake works whichever of scheduler and worker starts first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import torch
+
+from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device, resolve_dtype
+from rill.shared.bus import MAXLEN, Bus
+from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
+from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.schema import Hello, Shutdown, StepPlan, WorkerReady, worker_input_decoder
+
+log = logging.getLogger("rill.worker")
+
+
+def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
+    """KV-cache budget: the configured bytes, the CPU default, or on CUDA a share of the GPU."""
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if runner.device != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    # What weights plus a full-size warm-up step use is not available to the cache.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    runner.warmup(args.max_num_batched_tokens)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    cache_now = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+    return max(0, int(total * args.gpu_memory_utilization) - (used - cache_now))
+
+
+def build_runner(args: EngineArgs) -> ModelRunner:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cfg = ModelConfig.from_dir(args.model_dir)
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    # Enough blocks for the warm-up step; the real cache replaces it once sized.
+    probe_tokens = max(16, min(args.max_num_batched_tokens, max_len))
+    runner = ModelRunner(args.model_dir, dtype=dtype, device=device,
+                         num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
+                         max_model_len=max_len, seed=args.seed)
+    budget = _kv_bytes(runner, args)
+    num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
+    if num_blocks < 1:
+        raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens")
+    runner.resize_kv_cache(num_blocks)
+    runner.warmup()
+    tokens = num_blocks * args.block_size
+    log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s device=%s "
+             "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)",
+             num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype, device,
+             cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim, DTYPE_BYTES[dtype])
+    return runner
+
+
+def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
+    stop = stop if stop is not None else StopFlag()
+    runner = build_runner(args)
+    bus = Bus(redis_url, prefix)
+    plan_stream = bus.streams.plan(args.engine_id)
+    result_stream = bus.streams.result(args.engine_id)
+    result_maxlen = MAXLEN["result"]
+    ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
+                        block_size=runner.block_size, max_model_len=runner.max_model_len,
+                        dtype=runner.dtype, device=runner.device)
+    # Read from the newest entry before announcing: a Hello sent in answer is not missed, and
+    # plans meant for a previous worker are not replayed.
+    last_id = bus.last_id(plan_stream)
+    bus.send(result_stream, ready, maxlen=result_maxlen)
+    log.info("worker ready: engine=%d plan_stream=%s", args.engine_id, plan_stream)
+    try:
+        while not stop:
+            for entry_id, payload in bus.read(plan_stream, last_id, block_ms=POLL_MS):
+                last_id = entry_id
+                try:
+                    msg = worker_input_decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    log.warning("undecodable message %s on %s: %s", entry_id, plan_stream, exc)
+                    continue
+                if isinstance(msg, StepPlan):
+                    bus.send(result_stream, runner.execute(msg), maxlen=result_maxlen)
+                elif isinstance(msg, Hello):
+                    log.info("hello from scheduler %s: state reset", msg.scheduler_id)
+                    runner.reset()
+                    bus.send(result_stream, ready, maxlen=result_maxlen)
+                elif isinstance(msg, Shutdown):
+                    log.info("shutdown requested: %s", msg.reason or "no reason given")
+                    return
+    finally:
+        bus.close()
