@@ -1,0 +1,100 @@
+"""`rill serve` as a user runs it: embedded broker, every service a supervised child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rill.shared.broker import free_port
+from rill.shared.model_files import resolve_model
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of the direct children of `pid` (read from /proc)."""
+    out: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out[int(stat.parent.name)] = cmd
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def post(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--port", str(port), "--host", "127.0.0.1",
+         "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    stderr_lines: list[str] = []
+    threading.Thread(target=lambda: stderr_lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    try:
+        ready = proc.stdout.readline()  # blocks until serve prints its one "ready" line
+        assert "ready at" in ready, "".join(stderr_lines)
+        kids = children_of(proc.pid)
+        names = [c.split(" service ")[1].split()[0] for c in kids.values() if " service " in c]
+        assert sorted(names) == ["detokenizer", "gateway", "scheduler", "tokenizer", "worker"]
+        assert any("valkey-server" in c for c in kids.values()), "embedded broker not started"
+        # The KV sizing line uses the formula from the design: layers x tokens x 2 x kv_heads x head_dim x bytes.
+        assert any("30 layers x" in line and "kv_heads" in line for line in stderr_lines)
+
+        base = f"http://127.0.0.1:{port}"
+        first = post(f"{base}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0})
+        assert first["usage"]["completion_tokens"] == 5
+
+        # A dead child is reported and replaced; the server keeps serving.
+        tok_pid = next(p for p, c in kids.items() if " service tokenizer " in c)
+        os.kill(tok_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any("tokenizer-0 exited" in line for line in stderr_lines):
+            assert time.monotonic() < deadline, "dead tokenizer was not reported"
+            time.sleep(0.2)
+        again = post(f"{base}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0},
+                     timeout=120)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        kids = children_of(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("rill serve did not stop on SIGTERM")
+    assert code == 0
+    time.sleep(0.5)
+    alive = [p for p in kids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert not alive, f"children left running after SIGTERM: {alive}"
+
+
+def test_resolve_model_accepts_folders_and_gguf(tmp_path: Path, smollm2_dir: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    assert resolve_model(str(folder)) == folder.resolve()
+
+    from rill.shared.model_files import default_gguf
+
+    gguf = default_gguf()
+    assert resolve_model(str(gguf)) == Path(smollm2_dir)  # converted once, then cached
+    with pytest.raises(FileNotFoundError):
+        resolve_model(str(tmp_path / "missing"))
