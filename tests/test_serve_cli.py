@@ -42,7 +42,7 @@ def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--port", str(port), "--host", "127.0.0.1",
-         "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
+         "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--log-level", "INFO"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
