@@ -27,6 +27,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request may run in a step (0: the whole budget)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: lower request `priority` runs first and is preempted last")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (on by default)")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV cache bytes, e.g. 512MiB (CPU default {DEFAULT_CPU_KV_CACHE_BYTES >> 20}MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -68,7 +74,9 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
-        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed)
+        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
+        enable_prefix_caching=ns.enable_prefix_caching)
 
 
 def run_service(ns: argparse.Namespace) -> None:
@@ -104,7 +112,10 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             "--max-num-batched-tokens", str(ns.max_num_batched_tokens), "--block-size", str(ns.block_size),
             "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
             "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
-            "--host", ns.host, "--port", str(ns.port)]
+            "--host", ns.host, "--port", str(ns.port),
+            "--long-prefill-token-threshold", str(ns.long_prefill_token_threshold),
+            "--scheduling-policy", ns.scheduling_policy,
+            "--enable-prefix-caching" if ns.enable_prefix_caching else "--no-enable-prefix-caching"]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:

@@ -95,6 +95,9 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -26,6 +26,12 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1  # parallel samples; they share the prompt's KV blocks
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine-side id of sample `index` of a request with `n` samples (the id itself when n=1)."""
+    return request_id if n == 1 else f"{request_id}:{index}"
 
 
 class ChatMessage(Struct, omit_defaults=True):
@@ -43,6 +49,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     arrival_time: float
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
 
 
 class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=True):
@@ -54,10 +61,13 @@ class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=Tr
     params: SamplingParams  # max_tokens always set here
     eos_token_ids: list[int]
     arrival_time: float
+    priority: int = 0
 
 
 class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
-    """Anyone -> scheduler: drop these requests and free their blocks (idempotent)."""
+    """Anyone -> scheduler: drop these requests and free their blocks (idempotent).
+
+    An id may name a whole request (all its samples) or one sample (`sample_request_id`)."""
 
     request_ids: list[str]
     reason: str = "abort"
@@ -209,6 +219,11 @@ class EngineStats(Struct, omit_defaults=True):
     finished_requests: int = 0
     aborted_requests: int = 0
     last_step_tokens: int = 0
+    preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of blocks owned by requests
+    num_cached_blocks: int = 0  # unowned blocks still holding reusable prefix-cache data
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     updated_at: float = 0.0
 
 

@@ -1,64 +1,202 @@
-"""Paged KV-cache bookkeeping: which blocks each request owns. No I/O, no tensors.
+"""Paged KV-cache bookkeeping: block ownership, reference counts, prefix cache. No I/O, no tensors.
 
-The worker holds the actual K/V tensors; this class only hands out block ids, so the
-scheduler can decide every step without asking the worker anything.
+The worker holds the K/V tensors; this class only hands out block ids, so the scheduler decides
+every step without asking the worker anything.
+
+Prefix caching: a full block is named by a hash chained with its predecessor's (blake2b, stable
+across processes and restarts, unlike Python's `hash`). When a request's block becomes full it is
+registered under that hash; later requests whose tokens hash the same reuse the block by
+reference count. A block whose count drops to zero stays cached in the free queue, ordered least
+recently used first, and is evicted (its hash dropped) only when the block is handed out again.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+
+NONE_HASH = b"\x00" * 16
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them)."""
+    out = list(known or [])
+    parent = out[-1] if out else NONE_HASH
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owned: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        # Blocks with no owner, eviction order first. Cached ones keep their hash until evicted.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.num_hashed: dict[str, int] = {}  # how many leading blocks of a table are registered
+        self.queries = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of those, tokens found
+
+    # ------------------------------------------------------------------------------ views
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now (unowned, whether or not they hold cached data)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self.free_queue) / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return self._owned.get(request_id, [])
+        return self.tables.get(request_id, [])
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) <= self.num_blocks
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+    # ------------------------------------------------------------------------ prefix cache
+
+    def lookup(self, hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Cached blocks for the longest known prefix; at least one token is left to compute,
+        because the step must produce the logits of the last token."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for h in hashes[:limit]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def register_full_blocks(self, request_id: str, hashes: list[bytes], num_computed_tokens: int) -> None:
+        """Publish the request's blocks that are now full and computed under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        start = self.num_hashed.get(request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(hashes), len(table))
+        for i in range(start, end):
+            block, h = table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+            # else: the same content already has a cached block; this copy stays anonymous.
+        if end > start:
+            self.num_hashed[request_id] = end
+
+    # ------------------------------------------------------------------------- ownership
+
+    def _take_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict: its content is about to be overwritten
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+        return block
+
+    def _touch(self, block: int) -> None:
+        if self.ref_cnt[block] == 0:
+            del self.free_queue[block]
+        self.ref_cnt[block] += 1
+
+    def allocate(self, request_id: str, num_tokens: int, prefix_blocks: list[int] | None = None) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens.
 
-        Returns the newly added block ids (possibly empty), or None, changing nothing, when
-        there are not enough free blocks.
+        `prefix_blocks` (only for a request with no table yet) are shared blocks that start it:
+        prefix-cache hits or a parent's prompt. Returns the newly added block ids, or None,
+        changing nothing, when there are not enough blocks.
         """
-        owned = self._owned.setdefault(request_id, [])
-        need = blocks_for(num_tokens, self.block_size) - len(owned)
-        if need <= 0:
-            return []
-        if need > len(self._free):
-            if not owned:
-                del self._owned[request_id]
+        table = self.tables.get(request_id)
+        shared = prefix_blocks or []
+        if table is None:
+            table = []
+        elif shared:
+            raise ValueError("prefix blocks can only start a new block table")
+        have = len(table) + len(shared)
+        need = blocks_for(num_tokens, self.block_size) - have
+        # A shared block that sits in the free queue is reusable but no longer free once taken.
+        reclaimed = sum(1 for b in shared if self.ref_cnt[b] == 0)
+        if max(need, 0) + reclaimed > len(self.free_queue):
             return None
-        new = [self._free.popleft() for _ in range(need)]
-        owned.extend(new)
-        return new
+        for b in shared:
+            self._touch(b)
+        new = [self._take_free() for _ in range(max(need, 0))]
+        for b in new:
+            self.ref_cnt[b] = 1
+        if request_id not in self.tables:
+            self.tables[request_id] = table
+            if shared:
+                self.num_hashed[request_id] = sum(1 for b in shared if self.block_hash[b] is not None)
+        table.extend(shared)
+        table.extend(new)
+        return shared + new
 
     def free(self, request_id: str) -> int:
-        """Give back every block of the request; returns how many. Safe to call twice."""
-        owned = self._owned.pop(request_id, None)
-        if not owned:
+        """Drop the request's references; returns how many blocks it held. Safe to call twice."""
+        table = self.tables.pop(request_id, None)
+        self.num_hashed.pop(request_id, None)
+        if not table:
             return 0
-        # Last block first: the front of the request is the most reusable part (prefix caching).
-        self._free.extend(reversed(owned))
-        return len(owned)
+        # Last block first: the tail of a sequence is the least likely to be shared again, so it
+        # is evicted before the head. Anonymous blocks go to the very front: nothing can reuse them.
+        for block in reversed(table):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        return len(table)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-but-unowned block (e.g. after the worker lost its KV)."""
+        dropped = 0
+        for block in self.free_queue:
+            h = self.block_hash[block]
+            if h is not None:
+                self.block_hash[block] = None
+                self.cached.pop(h, None)
+                dropped += 1
+        return dropped
+
+    def check_invariants(self) -> None:
+        """For tests: every structure agrees with every other."""
+        refs = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                refs[b] += 1
+        assert refs == self.ref_cnt, "reference counts differ from block-table references"
+        for b in range(self.num_blocks):
+            assert (b in self.free_queue) == (refs[b] == 0), f"block {b} free-queue membership wrong"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, "hash map and block hash disagree"
+        assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)

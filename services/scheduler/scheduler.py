@@ -1,19 +1,25 @@
 """Continuous batching at step granularity. Plain data in, plain data out: no I/O.
 
-Each step: running requests first (decodes and unfinished prefill chunks), then waiting
-requests in FCFS order fill what is left of the token budget; a prompt that does not fit the
-remaining budget is chunked across steps. When a running request needs a block and none is
-free, the most recently admitted request is preempted (blocks freed, recomputed later).
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first (decodes and
+the next chunk of unfinished prompts), then waiting requests fill what is left; a prompt longer
+than the remaining budget is chunked across steps, and `long_prefill_token_threshold` caps one
+request's chunk so short requests behind a long one still get in. When a running request needs
+a block and none is free, a victim (the most recently admitted, or the lowest priority) gives up
+its blocks and is recomputed later. A waiting request first reuses whatever prefix of its tokens
+the KV cache already holds; the samples of an `n > 1` request share their prompt's blocks.
 The worker hears about a request once (NewRequestData) and afterwards only diffs.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
-from rill.services.scheduler.kv_cache_manager import KVCacheManager
+import msgspec
+
+from rill.services.scheduler.kv_cache_manager import KVCacheManager, block_hashes
 from rill.shared.config import detok_context_len
 from rill.shared.schema import (
     DetokBatch,
@@ -22,6 +28,7 @@ from rill.shared.schema import (
     StepPlan,
     StepResult,
     TokenizedRequest,
+    sample_request_id,
 )
 
 
@@ -31,7 +38,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     reply_to: str
@@ -40,12 +50,17 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float
     max_tokens: int
+    priority: int = 0
+    group_id: str = ""  # the client's request id; several samples share it when n > 1
+    share_prompt_with: str | None = None  # sample 0 of the group, whose prompt blocks we reuse
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     known_to_worker: bool = False
     num_blocks_sent: int = 0
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
 
     @property
     def num_tokens(self) -> int:
@@ -55,14 +70,28 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
+        if len(self.block_hashes) < num_tokens // block_size:
+            self.block_hashes = block_hashes(self.all_token_ids[:num_tokens], block_size, self.block_hashes)
+        return self.block_hashes
+
     @classmethod
-    def from_message(cls, msg: TokenizedRequest) -> Request:
-        stop_ids = set(msg.params.stop_token_ids)
-        eos = set() if msg.params.ignore_eos else set(msg.eos_token_ids)
-        return cls(request_id=msg.request_id, reply_to=msg.reply_to,
-                   prompt_token_ids=list(msg.prompt_token_ids), params=msg.params,
-                   eos_token_ids=frozenset(eos | stop_ids), arrival_time=msg.arrival_time,
-                   max_tokens=msg.params.max_tokens or 16)
+    def from_message(cls, msg: TokenizedRequest) -> list[Request]:
+        """One Request per sample; samples after the first share the first one's prompt blocks."""
+        p = msg.params
+        stop_ids = set(p.stop_token_ids)
+        eos = frozenset((set() if p.ignore_eos else set(msg.eos_token_ids)) | stop_ids)
+        out: list[Request] = []
+        for i in range(p.n):
+            params = p if p.n == 1 else msgspec.structs.replace(
+                p, n=1, seed=None if p.seed is None else p.seed + i)
+            out.append(cls(request_id=sample_request_id(msg.request_id, i, p.n), reply_to=msg.reply_to,
+                           prompt_token_ids=list(msg.prompt_token_ids), params=params, eos_token_ids=eos,
+                           arrival_time=msg.arrival_time, max_tokens=p.max_tokens or 16,
+                           priority=msg.priority, group_id=msg.request_id,
+                           share_prompt_with=out[0].request_id if i else None))
+        return out
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
+    policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
 
 
@@ -96,57 +127,90 @@ class StepOutcome:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {config.policy!r}")
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # kept in scheduling order (see _queue_key)
+        self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}  # client request id -> sample ids
         self.counters = StepCounters()
         self._step_id = 0
         self._forget: list[str] = []  # ids the worker must drop at the next plan
         self._in_flight: StepPlan | None = None
 
+    # ------------------------------------------------------------------------- queue order
+
+    def _queue_key(self, req: Request) -> tuple[int, int]:
+        return (req.priority if self.config.policy == "priority" else 0, req.seq)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        if front and self.config.policy == "fcfs":
+            self.waiting.insert(0, req)
+        else:
+            bisect.insort(self.waiting, req, key=self._queue_key)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.seq))
+        return self.running[-1]
+
     # ----------------------------------------------------------------- admission and abort
 
     def check_admissible(self, msg: TokenizedRequest) -> str | None:
         """Why this request can never run here, or None. Checked before it is queued."""
-        total = len(msg.prompt_token_ids) + (msg.params.max_tokens or 0)
-        if msg.request_id in self.requests:
+        p = msg.params
+        total = len(msg.prompt_token_ids) + (p.max_tokens or 0)
+        if msg.request_id in self.groups or msg.request_id in self.requests:
             return f"duplicate request id {msg.request_id}"
         if not msg.prompt_token_ids:
             return "the prompt is empty"
+        if p.n < 1:
+            return "n must be at least 1"
         if total > self.config.max_model_len:
             return (f"This model's maximum context length is {self.config.max_model_len} tokens. "
                     f"However, you requested {total} tokens ({len(msg.prompt_token_ids)} in the "
-                    f"prompt, {msg.params.max_tokens} for the completion).")
+                    f"prompt, {p.max_tokens} for the completion).")
+        if p.n > self.config.max_num_seqs:
+            return f"n={p.n} is more than this engine runs at once (max_num_seqs={self.config.max_num_seqs})"
         if not self.kv.can_ever_fit(total):
             return (f"the request needs {total} tokens of KV cache but the whole cache holds "
                     f"{self.kv.num_blocks * self.kv.block_size}")
         return None
 
-    def add(self, msg: TokenizedRequest) -> Request:
-        req = Request.from_message(msg)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
-        return req
+    def add(self, msg: TokenizedRequest) -> list[Request]:
+        reqs = Request.from_message(msg)
+        self.groups[msg.request_id] = [r.request_id for r in reqs]
+        for req in reqs:
+            self.requests[req.request_id] = req
+            self._enqueue(req)
+        return reqs
 
-    def abort(self, request_id: str) -> Request | None:
-        """Drop a request in any state; frees its blocks exactly once. Idempotent."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
-            return None
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        else:
-            self.running.remove(req)
-        self._finish(req)
-        self.counters.aborted_requests += 1
-        return req
+    def abort(self, request_id: str) -> list[Request]:
+        """Drop a request (every sample) or one sample, in any state; frees blocks exactly once."""
+        ids = self.groups.get(request_id, [request_id])
+        dropped: list[Request] = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.status is Status.FINISHED:
+                continue
+            if req.status is Status.WAITING:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+            self._finish(req)
+            self.counters.aborted_requests += 1
+            dropped.append(req)
+        return dropped
 
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        group = self.groups.get(req.group_id)
+        if group is not None and all(rid not in self.requests for rid in group):
+            del self.groups[req.group_id]
         if req.known_to_worker:
             self._forget.append(req.request_id)
             req.known_to_worker = False
@@ -171,58 +235,96 @@ class Scheduler:
         if victim.known_to_worker:
             self._forget.append(victim.request_id)
             victim.known_to_worker = False
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
         self.counters.preemptions += 1
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 and n > 1 else n
 
     def schedule(self) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to run."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[str, int] = {}  # request id -> tokens, in batch order
         preempted = False
 
-        # 1. Running requests, oldest first: decodes and the rest of chunked prompts.
+        # 1. Running requests in admission order: decodes and the rest of chunked prompts.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
             while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
-                victim = self.running[-1]  # most recently admitted gives way
+                victim = self._pick_victim()
+                index = self.running.index(victim)
                 self._preempt(victim)
                 preempted = True
+                budget += scheduled.pop(victim.request_id, 0)
                 if victim is req:
                     break
+                if index < i:
+                    i -= 1
             if req.status is not Status.RUNNING:
-                break  # it preempted itself; everything after it is gone too
-            scheduled.append((req, n))
+                continue  # it gave way itself; running[i] is now the next one
+            scheduled[req.request_id] = n
             budget -= n
             i += 1
 
-        # 2. Waiting requests in arrival order, while budget, sequence slots and blocks last.
-        while (self.waiting and budget > 0 and not preempted
+        # 2. Waiting requests in queue order while budget, sequence slots and blocks last.
+        # After a preemption nothing new is admitted: memory is short this step.
+        j = 0
+        while (not preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            req = self.waiting[j]
+            shared = self._reusable_prefix(req)
+            if shared is None:  # a sample waiting for its prompt's KV from sample 0
+                j += 1
+                continue
+            computed = len(shared) * self.kv.block_size
+            n = min(req.num_tokens - computed, budget)
+            cap = self.config.long_prefill_token_threshold
+            if cap > 0:
+                n = min(n, cap)
+            if self.kv.allocate(req.request_id, computed + n, prefix_blocks=shared) is None:
                 break
-            self.waiting.popleft()
+            self.kv.record_query(req.num_tokens, computed)
+            del self.waiting[j]
+            req.num_computed_tokens = computed
             req.status = Status.RUNNING
             self.running.append(req)
-            scheduled.append((req, n))
+            scheduled[req.request_id] = n
             budget -= n
 
         if not scheduled and not self._forget:
             return None
         return self._build_plan(scheduled)
 
-    def _build_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+    def _reusable_prefix(self, req: Request) -> list[int] | None:
+        """Blocks the request can start from: its group's prompt blocks or prefix-cache hits.
+
+        None means "not yet": sample 0 of its group is still computing the shared prompt.
+        """
+        if req.share_prompt_with is not None:
+            first = self.requests.get(req.share_prompt_with)
+            if first is not None and not req.output_token_ids:
+                if first.status is not Status.RUNNING or first.num_computed_tokens < len(first.prompt_token_ids):
+                    return None
+                full = (len(req.prompt_token_ids) - 1) // self.kv.block_size
+                return self.kv.block_ids(first.request_id)[:full]
+            req.share_prompt_with = None  # sample 0 is gone: fall back to the prefix cache
+        hashes = req.hashes(self.kv.block_size, req.num_tokens) if self.kv.enable_prefix_caching else []
+        return self.kv.lookup(hashes, req.num_tokens)
+
+    def _build_plan(self, scheduled: dict[str, int]) -> StepPlan:
         self._step_id += 1
         new_reqs: list[NewRequestData] = []
         cached_ids: list[str] = []
         cached_blocks: list[list[int]] = []
-        for req, _ in scheduled:
+        reqs = [self.requests[rid] for rid in scheduled]
+        for req in reqs:
             blocks = self.kv.block_ids(req.request_id)
             if not req.known_to_worker:
                 new_reqs.append(NewRequestData(
@@ -236,56 +338,58 @@ class Scheduler:
             req.num_blocks_sent = len(blocks)
         plan = StepPlan(
             step_id=self._step_id, new_requests=new_reqs, cached_request_ids=cached_ids,
-            cached_new_block_ids=cached_blocks,
-            scheduled_request_ids=[r.request_id for r, _ in scheduled],
-            num_scheduled_tokens=[n for _, n in scheduled],
-            finished_request_ids=self._forget)
+            cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
+            num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self._forget)
         self._forget = []
-        self._count(scheduled)
+        self._count(reqs, plan.num_scheduled_tokens)
         self._in_flight = plan
         return plan
 
-    def _count(self, scheduled: list[tuple[Request, int]]) -> None:
+    def _count(self, reqs: list[Request], tokens: list[int]) -> None:
         c = self.counters
         # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
-        decode = sum(n for r, n in scheduled
+        decode = sum(n for r, n in zip(reqs, tokens, strict=True)
                      if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1)
-        prefill = sum(n for _, n in scheduled) - decode
+        total = sum(tokens)
+        prefill = total - decode
         c.steps += 1
         c.prefill_tokens += prefill
         c.decode_tokens += decode
         c.mixed_steps += int(prefill > 0 and decode > 0)
-        c.last_step_tokens = prefill + decode
-        c.max_step_tokens = max(c.max_step_tokens, prefill + decode)
+        c.last_step_tokens = total
+        c.max_step_tokens = max(c.max_step_tokens, total)
 
     # ------------------------------------------------------------------------ step result
 
     def update(self, result: StepResult) -> StepOutcome:
-        """Apply a step's sampled tokens: advance, check stops, free finished requests."""
+        """Apply a step's sampled tokens: advance, check stops, cache full blocks, free finished ones."""
         plan = self._in_flight
         if plan is None or plan.step_id != result.step_id:
             return StepOutcome(detok=None, finished=[])
         self._in_flight = None
-        for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
-            req = self.requests.get(rid)
-            if req is not None and req.status is Status.RUNNING:
-                req.num_computed_tokens += n
-
+        bs = self.kv.block_size
+        sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         rows = _DetokRows()
         finished: list[Request] = []
-        for rid, token in zip(result.request_ids, result.token_ids, strict=True):
+        for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
             req = self.requests.get(rid)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted while the step ran
-            offset = len(req.output_token_ids)
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            rows.add(req, offset, [token], reason)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req)
-                self.counters.finished_requests += 1
-                finished.append(req)
+            req.num_computed_tokens += n
+            token = sampled.get(rid)
+            if token is not None:
+                offset = len(req.output_token_ids)
+                req.output_token_ids.append(token)
+                reason = self._stop_reason(req, token)
+                rows.add(req, offset, [token], reason)
+                if reason is not None:
+                    self.running.remove(req)
+                    self._finish(req)
+                    self.counters.finished_requests += 1
+                    finished.append(req)
+                    continue
+            if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
+                self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
         return StepOutcome(detok=detok, finished=finished)
 
@@ -302,7 +406,7 @@ class Scheduler:
         return failed
 
     def reset_worker(self) -> None:
-        """The worker restarted and lost every request: recompute them all (like preemption)."""
+        """The worker restarted and lost every request and all KV: recompute them all."""
         self._in_flight = None
         self._forget = []
         for req in reversed(list(self.running)):
@@ -310,6 +414,8 @@ class Scheduler:
             self._preempt(req)
         for req in self.waiting:
             req.known_to_worker = False
+        self._forget = []  # the new worker never knew them
+        self.kv.reset_prefix_cache()
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         num_out = len(req.output_token_ids)
@@ -319,14 +425,28 @@ class Scheduler:
             return "length"
         return None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         c = self.counters
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),
                     num_blocks=self.kv.num_blocks, num_free_blocks=self.kv.num_free_blocks,
                     block_size=self.kv.block_size, steps=c.steps, mixed_steps=c.mixed_steps,
                     prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
                     max_step_tokens=c.max_step_tokens, last_step_tokens=c.last_step_tokens,
-                    finished_requests=c.finished_requests, aborted_requests=c.aborted_requests)
+                    finished_requests=c.finished_requests, aborted_requests=c.aborted_requests,
+                    preemptions=c.preemptions, kv_usage=round(self.kv.usage, 4),
+                    num_cached_blocks=len(self.kv.cached), prefix_cache_queries=self.kv.queries,
+                    prefix_cache_hits=self.kv.hits)
+
+    def check_invariants(self) -> None:
+        """For tests: scheduler state and block manager agree."""
+        self.kv.check_invariants()
+        live = set(self.requests)
+        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == live
+        assert not ({r.request_id for r in self.running} & {r.request_id for r in self.waiting})
+        assert set(self.kv.tables) <= {r.request_id for r in self.running}
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert len(self.kv.block_ids(r.request_id)) * self.kv.block_size >= r.num_computed_tokens
 
 
 class _DetokRows:

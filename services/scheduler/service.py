@@ -65,8 +65,10 @@ class SchedulerService:
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=self.args.max_num_seqs,
                             max_num_batched_tokens=self.args.max_num_batched_tokens,
-                            max_model_len=max_model_len, engine_id=self.e),
-            KVCacheManager(ready.num_blocks, ready.block_size))
+                            max_model_len=max_model_len,
+                            long_prefill_token_threshold=self.args.long_prefill_token_threshold,
+                            policy=self.args.scheduling_policy, engine_id=self.e),
+            KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching))
         log.info("engine %d ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
                  "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s)", self.e,
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
