@@ -137,6 +137,8 @@ class KVCacheManager:
         changing nothing, when there are not enough blocks.
         """
         table = self.tables.get(request_id)
+        if table is not None and not prefix_blocks and len(table) * self.block_size >= num_tokens:
+            return []  # the common decode step: the last block still has room
         shared = prefix_blocks or []
         if table is None:
             table = []

@@ -41,7 +41,7 @@ class Status(enum.Enum):
 _arrivals = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     reply_to: str
@@ -61,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
+    detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +91,8 @@ class Request:
                            prompt_token_ids=list(msg.prompt_token_ids), params=params, eos_token_ids=eos,
                            arrival_time=msg.arrival_time, max_tokens=p.max_tokens or 16,
                            priority=msg.priority, group_id=msg.request_id,
-                           share_prompt_with=out[0].request_id if i else None))
+                           share_prompt_with=out[0].request_id if i else None,
+                           detok_context=detok_context_len(p.stop)))
         return out
 
 
@@ -348,8 +350,11 @@ class Scheduler:
     def _count(self, reqs: list[Request], tokens: list[int]) -> None:
         c = self.counters
         # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
-        decode = sum(n for r, n in zip(reqs, tokens, strict=True)
-                     if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1)
+        decode = 0
+        for r, n in zip(reqs, tokens, strict=True):
+            out = r.output_token_ids
+            if out and r.num_computed_tokens == len(r.prompt_token_ids) + len(out) - 1:
+                decode += n
         total = sum(tokens)
         prefill = total - decode
         c.steps += 1
@@ -469,7 +474,7 @@ class _DetokRows:
 
     def add(self, req: Request, offset: int, new: list[int], reason: str | None) -> None:
         p = req.params
-        ctx = detok_context_len(p.stop)
+        ctx = req.detok_context
         self.ids.append(req.request_id)
         self.reply_to.append(req.reply_to)
         self.offsets.append(offset)

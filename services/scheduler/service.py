@@ -3,6 +3,10 @@
 The loop is synchronous with its worker: send plan N, wait for result N, apply it, send the
 step's tokens to the detokenizers, publish stats, schedule N+1. New requests and aborts are
 drained between steps, so a request joins the running batch at the very next step.
+
+Faults (guard.py): a lost worker fails every request with a clear error, requests of dead
+gateways are aborted, and a broker error or restart fails what was in flight and starts the
+loop over (new handshake) once the broker answers again.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import time
 import uuid
 
 import msgspec
+import redis
 
+from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Bus
+from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Backoff, Bus
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.schema import (
@@ -45,6 +51,7 @@ class SchedulerService:
         self.consumer = f"engine-{self.e}"
         self.result_cursor = b"0-0"
         self.sched: Scheduler | None = None
+        self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
 
     # ------------------------------------------------------------------------ start-up
 
@@ -89,6 +96,7 @@ class SchedulerService:
         self.drain_inputs(pending=True)
         try:
             while not self.stop:
+                self.guard.tick()
                 sched = self.sched
                 assert sched is not None
                 self.drain_inputs(block_ms=None if sched.has_work or sched.has_pending_forget else POLL_MS)
@@ -135,6 +143,9 @@ class SchedulerService:
 
     def wait_result(self, step_id: int) -> StepResult | None:
         while not self.stop:
+            if self.guard.worker_lost():
+                self.guard.fail_all(WORKER_LOST)
+                return None
             for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS, count=16):
                 self.result_cursor = entry_id
                 msg = worker_output_decoder.decode(data)
@@ -189,7 +200,25 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     stop = stop if stop is not None else StopFlag()
     bus = Bus(redis_url, prefix)
     service = SchedulerService(bus, args, stop)
+    backoff = Backoff()
+    service.guard.start()
     try:
-        service.run()
+        while not stop:
+            try:
+                service.run()
+            except redis.RedisError as exc:
+                # Whatever was in flight may be lost (plans, results, replies): fail it all once the
+                # broker answers, then start over with a new handshake.
+                log.warning("broker error: %r; failing in-flight requests and starting over", exc)
+                if not bus.wait_for_broker(stop, backoff):
+                    break
+                try:
+                    service.guard.resync_broker()
+                    service.guard.fail_all("the message broker failed while this request was in flight; "
+                                           "the request was not completed, please retry")
+                except redis.RedisError:
+                    continue
+                backoff.reset()
     finally:
+        service.guard.stop()
         bus.close()
