@@ -196,3 +196,14 @@ def test_random_workload_never_leaks(seed: int) -> None:
             s.update(fake_result(p, s, token=rng.choice([EOS, 5, 6])))
     run_to_idle(s)
     assert s.kv.num_free_blocks == s.kv.num_blocks and not s.requests
+
+
+def test_prefix_cache_survives_a_request_that_ends_in_its_prefill_step() -> None:
+    s = sched(num_blocks=16, block_size=4, budget=64)
+    s.add(make("a", 10, max_tokens=1))
+    run_to_idle(s)
+    assert s.kv.num_free_blocks == 16 and len(s.kv.cached) == 2  # two full prompt blocks stay cached
+    s.add(make("b", 10, max_tokens=1))
+    p = s.schedule()
+    assert p.new_requests[0].num_computed_tokens == 8 and p.num_scheduled_tokens == [2]
+    assert s.kv.hits == 8 and s.kv.queries == 20

@@ -381,6 +381,9 @@ class Scheduler:
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            # Publish newly full blocks first: a request that ends now still leaves them cached.
+            if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
+                self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
             token = sampled.get(rid)
             if token is not None:
                 offset = len(req.output_token_ids)
@@ -392,9 +395,6 @@ class Scheduler:
                     self._finish(req)
                     self.counters.finished_requests += 1
                     finished.append(req)
-                    continue
-            if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
-                self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
         return StepOutcome(detok=detok, finished=finished)
 
