@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""One run, one workload, five ways of serving it — Rill against transformers on this machine.
+
+Workload (default): 64 requests, prompts of 20–300 random tokens, 128 output tokens, greedy,
+EOS ignored, SmolLM2-135M-Instruct, same dtype everywhere.
+  (a) Rill full pipeline (`rill serve`: gateway, tokenizer, scheduler, worker, detokenizer over
+      an embedded broker), all requests at once, and at concurrency 16 and 32
+  (b) Rill engine in-process (scheduler + model runner, no broker), all at once and at 16
+  (c) transformers `generate`, one request at a time (a subset; throughput is per request)
+  (d) transformers `generate`, static batches of 8 (left padding)
+  (e) transformers `generate`, static batches of 32 (left padding)
+Prints output tok/s, TTFT p50 and TPOT p50 for each, ratios to (a), the targets, and the
+achieved fraction of a roofline measured in the same run (bf16/fp32 matmul FLOP/s ÷ 2 × params).
+
+    .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import torch  # noqa: E402
+from _inproc_engine import Engine  # noqa: E402
+
+from rill.services.worker.model_runner import ModelRunner, resolve_dtype  # noqa: E402
+from rill.shared.broker import free_port  # noqa: E402
+from rill.shared.model_files import resolve_model  # noqa: E402
+
+Row = dict[str, float]
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(1000, 20000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def roofline(dtype: torch.dtype, params: int) -> tuple[float, float]:
+    """Measured matmul FLOP/s at a serving shape and the tok/s it bounds (2 FLOP per param per token)."""
+    a = torch.randn(256, 576, dtype=dtype)
+    b = torch.randn(576, 1536, dtype=dtype)
+    for _ in range(5):
+        a @ b
+    reps, t0 = 200, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    flops = 2 * 256 * 576 * 1536 * reps / (time.perf_counter() - t0)
+    return flops, flops / (2 * params)
+
+
+# ------------------------------------------------------------------------------ (b) in-process
+
+def run_inprocess(runner: ModelRunner, prompts: list[list[int]], out_len: int, concurrency: int) -> Row:
+    runner.reset()
+    engine = Engine(runner, budget=2048, caching=False, max_seqs=concurrency)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.submit(f"r{i}", ids, out_len)
+    engine.drain()
+    wall = time.perf_counter() - t0
+    tl = engine.timeline
+    ttft = [tl.ttft(f"r{i}") for i in range(len(prompts))]
+    tpot = [(tl.token_times[f"r{i}"][-1] - tl.token_times[f"r{i}"][0]) / (out_len - 1) for i in range(len(prompts))]
+    return {"tok_s": len(prompts) * out_len / wall, "ttft": statistics.median(ttft) * 1e3,
+            "tpot": statistics.median(tpot) * 1e3}
+
+
+# ------------------------------------------------------------------------------- (c)-(e) HF
+
+def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
+    ttfts, tpots, tokens, probe_time = [], [], 0, 0.0
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        b0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        first = time.perf_counter() - b0  # a static batch's first token waits for the whole padded prefill
+        probe_time += first
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                           do_sample=False, pad_token_id=0)
+        full = time.perf_counter() - b0 - first
+        ttfts += [first] * len(chunk)
+        tpots += [(full - first) / (out_len - 1)] * len(chunk)
+        tokens += len(chunk) * out_len
+    gen_wall = time.perf_counter() - t0 - probe_time  # the TTFT probes are not part of serving
+    return {"tok_s": tokens / gen_wall, "ttft": statistics.median(ttfts) * 1e3, "tpot": statistics.median(tpots) * 1e3}
+
+
+# ------------------------------------------------------------------------------ (a) pipeline
+
+def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: int,
+                 concurrencies: list[int | None]) -> dict[str, Row]:
+    import argparse as ap
+
+    from rill.services.bench_serve import Prompt, run_benchmark
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
+                             "--host", "127.0.0.1", "--dtype", dtype, "--max-num-seqs", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        if "ready at" not in line:
+            raise RuntimeError(f"rill serve did not start: {line!r}")
+        rows = {}
+        for conc in concurrencies:
+            args = ap.Namespace(base_url=f"http://127.0.0.1:{port}", backend="openai-completions", model=None,
+                                dataset="random", num_prompts=len(prompts), input_len=0, output_len=out_len,
+                                input_len_range="", output_len_range="", request_rate=float("inf"),
+                                max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
+                                timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
+            import asyncio
+
+            import rill.services.bench_serve as bs
+
+            original = bs.make_dataset
+            # The shared workload, after two warm-up requests.
+            bs.make_dataset = lambda _a: [Prompt(p, len(p), out_len) for p in prompts[:2] + prompts]
+            try:
+                r = asyncio.run(run_benchmark(args))
+            finally:
+                bs.make_dataset = original
+            if r["failed"]:
+                raise RuntimeError(f"pipeline requests failed: {r['errors']}")
+            rows[f"conc={conc or 'all'}"] = {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"],
+                                             "tpot": r["tpot_ms"]["median"]}
+            print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s", flush=True)
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--input-range", default="20:300")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--serial-subset", type=int, default=4, help="requests for (c), one at a time")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+
+    from transformers import LlamaForCausalLM
+
+    model_dir = str(resolve_model(args.model))
+    dtype = resolve_dtype(args.dtype, "cpu")
+    tdtype = getattr(torch, dtype)
+    lo, hi = (int(x) for x in args.input_range.split(":"))
+    prompts = workload(args.requests, lo, hi, seed=0)
+    out = args.output_len
+    print(f"workload: {len(prompts)} requests, prompts {lo}-{hi} tokens, {out} output tokens, greedy, "
+          f"ignore EOS, dtype {dtype}, {torch.get_num_threads()} threads", flush=True)
+
+    rows: dict[str, Row] = {}
+    print("(a) Rill full pipeline ...", flush=True)
+    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16])
+    rows["(a) Rill pipeline, all at once"] = pipe["conc=all"]
+    rows["(a) Rill pipeline, concurrency 32"] = pipe["conc=32"]
+    rows["(a) Rill pipeline, concurrency 16"] = pipe["conc=16"]
+
+    print("(b) Rill engine in-process ...", flush=True)
+    runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16)
+    runner.warmup()
+    rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, 64)
+    rows["(b) Rill in-process, concurrency 16"] = run_inprocess(runner, prompts, out, 16)
+    del runner
+    from safetensors import safe_open
+
+    params = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            params += sum(_prod(st.get_slice(k).get_shape()) for k in st.keys())
+
+    if not args.skip_hf:
+        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+        print("(c) transformers, one at a time ...", flush=True)
+        rows["(c) transformers, batch 1"] = run_hf(hf, prompts[: args.serial_subset], out, 1)
+        print("(d) transformers, static batches of 8 ...", flush=True)
+        rows["(d) transformers, static 8"] = run_hf(hf, prompts, out, 8)
+        print("(e) transformers, static batches of 32 ...", flush=True)
+        rows["(e) transformers, static 32"] = run_hf(hf, prompts, out, 32)
+        del hf
+
+    flops, roof = roofline(tdtype, params)
+    base = rows["(a) Rill pipeline, all at once"]["tok_s"]
+    print(f"\n{'system':<38} | {'out tok/s':>9} | {'TTFT p50 ms':>11} | {'TPOT p50 ms':>11} | {'(a)/this':>8}")
+    print("-" * 90)
+    for name, r in rows.items():
+        print(f"{name:<38} | {r['tok_s']:>9.1f} | {r['ttft']:>11.1f} | {r['tpot']:>11.2f} | {base / r['tok_s']:>7.2f}x")
+    print(f"\nroofline: matmul {flops / 1e9:.0f} GFLOP/s ({dtype}) / (2 x {params / 1e6:.0f}M params) = "
+          f"{roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
+    if not args.skip_hf:
+        s8, s32 = rows["(d) transformers, static 8"], rows["(e) transformers, static 32"]
+        c32, c16 = rows["(a) Rill pipeline, concurrency 32"], rows["(a) Rill pipeline, concurrency 16"]
+        in16 = rows["(b) Rill in-process, concurrency 16"]
+        checks = [
+            ("pipeline tok/s >= 3x static 8", base / s8["tok_s"], 3.0, ">="),
+            ("pipeline tok/s >= 1.5x static 32", base / s32["tok_s"], 1.5, ">="),
+            ("TTFT p50 @32 <= 1/5 static-32 TTFT", c32["ttft"] / s32["ttft"], 0.2, "<="),
+            ("TPOT @16 <= 1.10x in-process TPOT", c16["tpot"] / in16["tpot"], 1.10, "<="),
+            ("TTFT @16 <= 2x in-process TTFT", c16["ttft"] / in16["ttft"], 2.0, "<="),
+        ]
+        print("\ntargets:")
+        for label, value, bound, op in checks:
+            ok = value >= bound if op == ">=" else value <= bound
+            print(f"  {label:<38} {value:>6.2f} ({'met' if ok else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
