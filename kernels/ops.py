@@ -1,8 +1,13 @@
 """The one kernel interface the model calls.
 
 `llama.py` only ever calls the functions below; each one dispatches on the device of its input
-to an implementation module. Today every device uses `torch_ops` (plain torch, tuned for CPU);
-a Triton implementation for CUDA plugs in at `_impl_for` without touching the model.
+to an implementation module (`_impl_for`): CUDA tensors go to the Triton kernels (`triton_ops`,
+`triton_attention`), everything else to `torch_ops` (plain torch, tuned for CPU).
+
+RILL_KERNELS=triton|torch|auto (default auto) forces one backend for every device; `set_backend`
+does the same from code. Forcing Triton on a machine without CUDA runs the kernels under the
+Triton interpreter (TRITON_INTERPRET=1 is set before they are imported), which is how the CPU
+test suite runs a whole model step through the Triton path; it is far too slow to serve with.
 
 KV cache layout (per layer): K and V tensors of shape [num_blocks, block_size, num_kv_heads,
 head_dim] ("NHD"), allocated once. The KV of a request's position p lives at slot
@@ -11,6 +16,8 @@ head_dim] ("NHD"), allocated once. The KV of a request's position p lives at slo
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -100,9 +107,65 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
             for _ in range(num_layers)]
 
 
+log = logging.getLogger("rill.kernels")
+
+BACKENDS = ("auto", "torch", "triton")
+_backend: str | None = None  # None: read RILL_KERNELS on first use
+_triton_module: ModuleType | None = None
+_triton_failed = False
+
+
+def set_backend(name: str | None) -> None:
+    """Force "torch" or "triton" for every device, or "auto" (by device); None re-reads RILL_KERNELS."""
+    global _backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def backend() -> str:
+    """The configured choice: auto, torch or triton."""
+    global _backend
+    if _backend is None:
+        name = os.environ.get("RILL_KERNELS", "auto").strip().lower() or "auto"
+        if name not in BACKENDS:
+            raise ValueError(f"RILL_KERNELS must be one of {BACKENDS}, got {name!r}")
+        _backend = name
+    return _backend
+
+
+def _triton_ops() -> ModuleType | None:
+    """The Triton implementation module, imported on first use (None when Triton is unusable)."""
+    global _triton_module, _triton_failed
+    if _triton_module is None and not _triton_failed:
+        if not torch.cuda.is_available():
+            # Without a GPU the kernels can only run interpreted; the flag is read when the
+            # kernels are decorated, i.e. at import.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            from rill.kernels import triton_ops
+        except ImportError as exc:  # no triton wheel: serve with torch rather than not at all
+            log.warning("Triton kernels unavailable (%s); using the torch kernels", exc)
+            _triton_failed = True
+            return None
+        _triton_module = triton_ops
+    return _triton_module
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether ops on tensors like `x` run the Triton kernels."""
+    return _impl_for(x) is not torch_ops
+
+
 def _impl_for(x: torch.Tensor) -> ModuleType:
-    """The implementation seam: a CUDA Triton module will be returned here for cuda tensors."""
-    return torch_ops
+    """The implementation seam: Triton for CUDA tensors (or when forced), torch otherwise."""
+    choice = _backend if _backend is not None else backend()
+    if choice == "torch" or (choice == "auto" and not x.is_cuda):
+        return torch_ops
+    impl = _triton_ops()
+    if impl is None or (not x.is_cuda and not impl.INTERPRET):
+        return torch_ops  # compiled GPU kernels cannot take CPU tensors
+    return impl
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,6 +197,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """NeoX-style RoPE on q [T, heads, D] and k [T, kv_heads, D]. `cos_sin_cache` is
     [max_positions, D] fp32 holding cos in the first half and sin in the second."""
     return _impl_for(q).apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` then `write_kv` of the rotated k and v; returns the rotated (q, k).
+
+    The Triton backend does both in one kernel and rotates q and k IN PLACE (callers must not
+    reuse the unrotated inputs); it also skips slots < 0 (padding tokens)."""
+    impl = _impl_for(q)
+    fused = getattr(impl, "rope_and_write_kv", None)
+    if fused is not None:
+        return fused(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    q, k = impl.apply_rotary(q, k, positions, cos_sin_cache)
+    impl.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

@@ -169,10 +169,11 @@ class LlamaModel:
                 x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = ops.apply_rotary(q.view(t, c.num_attention_heads, c.head_dim),
-                                    k.view(t, c.num_key_value_heads, c.head_dim), positions, self.cos_sin)
             v = v.view(t, c.num_key_value_heads, c.head_dim)
-            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            # RoPE and the cache write in one op (one fused kernel on the Triton backend).
+            q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
+                                         k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
+                                         self.cos_sin, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
             h = layer.o(attn.reshape(t, self.q_size))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)

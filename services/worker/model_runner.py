@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rill.kernels.ops import make_attention_metadata
+from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, check_params
 from rill.shared.config import ModelConfig, kv_cache_blocks
@@ -110,6 +111,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA + Triton only)
         self.resize_kv_cache(num_blocks)
         self.sampler = Sampler(self.device, self.cfg.eos_token_ids, seed)
         # Logits of the rows sampled by the last step, in result order (for tests and debugging).
@@ -120,6 +122,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.requests.clear()
+        self.graphs = None  # captured against the old cache
         self.kv_caches = []  # drop the old cache before allocating the new one
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
@@ -218,6 +221,8 @@ class ModelRunner:
             return [], []
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
+        if self.graphs is not None and self.graphs.fits(counts):
+            return self._run_graph(states)
         input_ids: list[int] = []
         for s, n in zip(states, counts, strict=True):
             input_ids.extend(s.token_ids[s.num_computed:s.num_computed + n])
@@ -245,6 +250,28 @@ class ModelRunner:
             states[i].token_ids.append(tok)
         return [states[i].request_id for i in sampled], tokens
 
+    def _run_graph(self, states: list[RequestState]) -> tuple[list[str], list[int]]:
+        """A pure-decode step through a captured CUDA graph (same results as `_run`)."""
+        assert self.graphs is not None
+        sampled = [i for i, s in enumerate(states) if s.num_computed + 1 == len(s.token_ids)]
+        with torch.inference_mode():
+            all_logits = self.graphs.run([s.token_ids[s.num_computed] for s in states],
+                                         [s.num_computed for s in states], [s.block_ids for s in states])
+            for s in states:
+                s.num_computed += 1
+            if not sampled:
+                return [], []
+            # A copy: the graph's output buffer is overwritten by the next replay.
+            logits = all_logits.clone() if len(sampled) == len(states) else \
+                all_logits.index_select(0, torch.tensor(sampled, device=all_logits.device))
+            rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
+                              states[i].generator) for i in sampled]
+            tokens = self.sampler.sample(logits, rows)
+        self.last_logits = logits
+        for i, tok in zip(sampled, tokens, strict=True):
+            states[i].token_ids.append(tok)
+        return [states[i].request_id for i in sampled], tokens
+
     # ------------------------------------------------------------------------------ warm-up
 
     def warmup(self, num_tokens: int = 16) -> None:
@@ -261,3 +288,6 @@ class ModelRunner:
         self.last_logits = None
         if result.error:
             raise RuntimeError(f"warm-up step failed: {result.error}")
+        if self.graphs is None and graphs_wanted(self.device, self.model):
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len)
+            self.graphs.capture()
