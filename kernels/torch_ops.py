@@ -51,14 +51,18 @@ _rope_memo: dict[str, object] = {}
 def _rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, 1, D] fp32 tables so that rope(x) = x * cos + roll(x, D/2) * sin (sin's first half negated)."""
     m = _rope_memo
-    if m.get("positions") is positions and m.get("version") == positions._version \
+    try:
+        version = positions._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: never reuse its tables
+        version = None
+    if version is not None and m.get("positions") is positions and m.get("version") == version \
             and m.get("cache") is cos_sin_cache:
         return m["tables"]  # type: ignore[return-value]
     cs = cos_sin_cache.index_select(0, positions)[:, None, :]
     half = cs.shape[-1] // 2
     cos, sin = cs[..., :half], cs[..., half:]
     tables = (torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
-    m.update(positions=positions, version=positions._version, cache=cos_sin_cache, tables=tables)
+    m.update(positions=positions, version=version, cache=cos_sin_cache, tables=tables)
     return tables
 
 
