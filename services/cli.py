@@ -10,6 +10,7 @@ import time
 import urllib.request
 import uuid
 
+from rill.services.supervisor import Child
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig, parse_size
 from rill.shared.logs import setup_logging
 
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--tokenizer-replicas", type=int, default=1)
     serve.add_argument("--detokenizer-replicas", type=int, default=1)
+    serve.add_argument("--gateway-replicas", type=int, default=1,
+                       help="gateway processes; with more than one they share --port (SO_REUSEPORT, Linux)")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from rill.services.bench_serve import add_arguments as bench_serve_arguments
+
+    bench_serve_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server or Rill's WebSocket"))
 
     one = sub.add_parser("service", help="run one service alone (compose, scaled deployments)")
     one.add_argument("name", choices=SERVICES)
@@ -62,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--host", default="0.0.0.0")
     one.add_argument("--port", type=int, default=8000)
     one.add_argument("--replica-name", default=None, help="consumer name (default: host-pid)")
+    one.add_argument("--reuse-port", action="store_true",
+                     help="gateway: bind with SO_REUSEPORT so several replicas share one port")
+    from rill.services.chat_client import add_arguments as chat_arguments
+
+    chat_arguments(sub.add_parser("chat", help="chat with a running server in the terminal (over /v1/ws)"))
     return parser
 
 
@@ -103,7 +116,8 @@ def run_service(ns: argparse.Namespace) -> None:
         run(ns.redis_url, ns.prefix, model_dir, consumer)
     elif ns.name == "gateway":
         from rill.services.gateway.app import run
-        run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port)
+        run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
+            reuse_port=ns.reuse_port)
 
 
 def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
@@ -123,8 +137,30 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
     return argv
 
 
+def build_children(ns: argparse.Namespace, redis_url: str, model_dir: str) -> list[Child]:
+    """Every service process of one server. Gateway replicas share --port through SO_REUSEPORT:
+    one address for clients, the kernel spreads connections, and each replica keeps its own
+    reply stream (a connection, hence a stream or socket, stays on the replica that accepted it)."""
+    for flag in ("tokenizer_replicas", "detokenizer_replicas", "gateway_replicas"):
+        if getattr(ns, flag) < 1:
+            raise SystemExit(f"rill: --{flag.replace('_', '-')} must be at least 1")
+    tag = uuid.uuid4().hex[:6]
+    children = [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
+                Child("scheduler", "scheduler",
+                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
+    for kind, count in (("tokenizer", ns.tokenizer_replicas), ("detokenizer", ns.detokenizer_replicas)):
+        for i in range(count):
+            children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{i}")))
+    shared = ["--reuse-port"] if ns.gateway_replicas > 1 else []
+    for i in range(ns.gateway_replicas):
+        name = "gateway" if ns.gateway_replicas == 1 else f"gateway-{i}"
+        children.append(Child(name, "gateway", _child_argv(ns, "gateway", redis_url, model_dir, f"gateway-{tag}-{i}")
+                              + shared))
+    return children
+
+
 def serve(ns: argparse.Namespace) -> int:
-    from rill.services.supervisor import Child, Supervisor
+    from rill.services.supervisor import Supervisor
     from rill.shared.broker import EmbeddedBroker
     from rill.shared.model_files import resolve_model
 
@@ -136,15 +172,7 @@ def serve(ns: argparse.Namespace) -> int:
     if not redis_url:
         broker = EmbeddedBroker().start()
         redis_url = broker.url
-    tag = uuid.uuid4().hex[:6]
-    children = [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
-                Child("scheduler", "scheduler",
-                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
-    for kind, count in (("tokenizer", ns.tokenizer_replicas), ("detokenizer", ns.detokenizer_replicas)):
-        for i in range(count):
-            children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{i}")))
-    children.append(Child("gateway", "gateway", _child_argv(ns, "gateway", redis_url, model_dir, f"gateway-{tag}")))
-    sup = Supervisor(children)
+    sup = Supervisor(build_children(ns, redis_url, model_dir))
     sup.start()
     try:
         _announce_when_ready(ns, sup, redis_url)
@@ -185,6 +213,15 @@ def _announce_when_ready(ns: argparse.Namespace, sup: object, redis_url: str, ti
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
+    if ns.command == "bench":
+        from rill.services.bench_serve import main as bench_serve
+
+        result = bench_serve(ns)
+        raise SystemExit(0 if result["completed"] else 1)
+    if ns.command == "chat":
+        from rill.services.chat_client import run as chat
+
+        raise SystemExit(chat(ns))
     if ns.command == "serve":
         raise SystemExit(serve(ns))
     run_service(ns)

@@ -3,7 +3,9 @@
 A stateless child (gateway, tokenizer, detokenizer) or the worker that dies is reported and
 restarted with backoff: the broker redelivers what it had not acked, and a restarted worker
 is re-fed by its scheduler. The scheduler owns the engine's request state, so its death is
-reported and ends the whole server with a non-zero status rather than limping on.
+reported and ends the whole server with a non-zero status rather than limping on. So does a
+child that keeps dying: more than `max_restarts` restarts within RESTART_WINDOW_S (a child
+killed now and then, as chaos testing does, is restarted for ever).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("rill.supervisor")
 
 RESTARTABLE = {"gateway", "tokenizer", "detokenizer", "worker"}
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0
-    history: list[float] = field(default_factory=list)
+    history: list[float] = field(default_factory=list)  # restart times within the window
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv)
@@ -67,11 +70,13 @@ class Supervisor:
             log.error("service %s (pid %d) exited with code %s", child.name, child.proc.pid, code)
             print(f"rill: service {child.name} exited with code {code}", file=sys.stderr, flush=True)
             child.proc = None
-            if child.kind not in RESTARTABLE or child.restarts >= self.max_restarts:
+            child.history = [t for t in child.history if now - t < RESTART_WINDOW_S]
+            if child.kind not in RESTARTABLE or len(child.history) >= self.max_restarts:
                 self.exit_code = 1
                 return False
             child.restarts += 1
-            child.next_start = now + min(10.0, 0.5 * 2 ** child.restarts)
+            child.history.append(now)
+            child.next_start = now + min(10.0, 0.5 * 2 ** len(child.history))
         return not self.stopping
 
     def wait(self) -> int:

@@ -5,16 +5,32 @@ Each entry holds one msgspec-encoded message under the field ``m``. Single-reade
 stages (tokenizer, detokenizer) read through consumer groups and XACK after handling.
 Blocking connections use ``socket_timeout=None``: redis-py's default timeout plus silent
 retries turns a long BLOCK into a hang.
+
+Fault handling lives here too. redis-py retries a failed command once, at once, on a fresh
+connection (a pooled connection may predate a broker restart), and no more: an outage reaches
+the loops at once, which catch RedisError, back off (`Backoff`) and reconnect. A reconnect can
+be silent, so the stateful services also compare `server_id()` (the broker's run_id) to learn
+that a restarted broker lost its streams. A missing consumer group (NOGROUP, after a restart)
+is re-created on the spot.
+
+Group streams are trimmed only below their oldest unread or unacked entry (`trim_consumed`),
+so trimming never drops work; the MAXLEN caps on XADD stay as the hard bound.
 """
 
 from __future__ import annotations
 
+import random
+import re
 from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
 from msgspec import Struct
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import encode
 
 FIELD = b"m"
@@ -23,6 +39,11 @@ FIELD = b"m"
 TOKENIZER_GROUP = "tokenizers"
 DETOKENIZER_GROUP = "detokenizers"
 SCHEDULER_GROUP = "scheduler"
+
+# An entry a replica read but has not acked for this long is taken over by another replica
+# (XAUTOCLAIM). Handling an entry takes milliseconds, and redoing one is harmless (tokenizer:
+# forwarding is exactly-once, see ack_and_send; detokenizer: the gateway drops repeats).
+CLAIM_IDLE_MS = 5_000
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,29 @@ class Streams:
         """Set of engine ids that are serving; tokenizers route to them."""
         return f"{self.prefix}:engines"
 
+    def heartbeat(self, role: str, ident: str | int) -> str:
+        """Liveness key of one process (role "scheduler" / "worker": ident is the engine id;
+        role "gateway": ident is its reply stream). It exists while the process beats."""
+        return f"{self.prefix}:hb:{role}:{ident}"
+
+    def gateways_key(self) -> str:
+        """Set of the reply streams of gateways that have announced themselves."""
+        return f"{self.prefix}:gateways"
+
+    def cap(self, stream: str) -> int | None:
+        """The MAXLEN of one of our streams, from its name (None: not one of ours)."""
+        if not stream.startswith(f"{self.prefix}:"):
+            return None
+        rest = stream[len(self.prefix) + 1:]
+        if rest in ("requests", "detok"):
+            return MAXLEN[rest]
+        if rest.startswith("reply:"):
+            return MAXLEN["reply"]
+        if rest.startswith("engine:"):
+            kind = rest.rsplit(":", 1)[-1]
+            return {"in": MAXLEN["engine_in"], "plan": MAXLEN["plan"], "result": MAXLEN["result"]}.get(kind)
+        return None
+
 
 # Caps (MAXLEN ~): far above any real backlog, since trimming ignores pending entries.
 MAXLEN = {"requests": 100_000, "engine_in": 100_000, "plan": 1_000, "result": 1_000,
@@ -79,12 +123,80 @@ def _is_busygroup(exc: Exception) -> bool:
     return "BUSYGROUP" in str(exc)
 
 
+def is_nogroup(exc: Exception) -> bool:
+    """The group (or its stream) is gone: a broker restarted without persistence."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP")
+
+
+class BrokerRestarted(redis.ConnectionError):
+    """The broker answers, but it is not the server we were talking to: its streams are gone."""
+
+
+class Backoff:
+    """Exponential backoff with jitter for reconnect loops: first, 2x, 4x ... up to `cap` seconds."""
+
+    def __init__(self, first: float = 0.1, cap: float = 2.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.failures = 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.first * 2 ** self.failures)
+        self.failures += 1
+        return delay * random.uniform(0.75, 1.0)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def _client_name(name: str | None) -> str | None:
+    """CLIENT SETNAME refuses spaces and the like; a bad name must not break connecting."""
+    return None if not name else re.sub(r"[^A-Za-z0-9_.:@-]", "_", name)[:64]
+
+
+def connect(url: str, socket_timeout: float | None = None, name: str | None = None) -> redis.Redis:
+    """A client that retries a command once, at once (see module doc); None: no read timeout.
+    `name` is shown by CLIENT LIST (which replica holds which connection)."""
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
+                                socket_keepalive=True, retry=Retry(NoBackoff(), 1), decode_responses=False,
+                                client_name=_client_name(name))
+
+
+def aconnect(url: str, socket_timeout: float | None = None, single: bool = False,
+             name: str | None = None) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
+                                   socket_keepalive=True, retry=AsyncRetry(NoBackoff(), 1),
+                                   decode_responses=False, single_connection_client=single,
+                                   client_name=_client_name(name))
+
+
+def server_id_of(info: dict) -> str:
+    """The broker's run_id from INFO server: it changes whenever the server restarts."""
+    run_id = info.get("run_id", "")
+    return run_id.decode() if isinstance(run_id, bytes) else str(run_id)
+
+
+# Ack one entry and forward its outputs, atomically, and only if nobody acked it before: a
+# replica that claimed a slow replica's entry and the slow replica itself cannot both forward.
+# KEYS[1] source stream, KEYS[2..n] destinations; ARGV[1] group, ARGV[2] entry id, then a
+# (maxlen, payload) pair per destination.
+_ACK_AND_SEND = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+for i = 2, #KEYS do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2 * i - 1], '*', 'm', ARGV[2 * i])
+end
+return 1
+"""
+
+
 class Bus:
     """Synchronous bus for the step loop (scheduler, worker) and the CPU-bound stages."""
 
-    def __init__(self, url: str, prefix: str = "rill") -> None:
+    def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
+        self.url = url
         self.streams = Streams(prefix)
-        self.r = redis.Redis.from_url(url, socket_timeout=None, decode_responses=False)
+        self.r = connect(url, name=name)
+        self._ack_and_send = self.r.register_script(_ACK_AND_SEND)
 
     def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
         return self.r.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
@@ -113,14 +225,104 @@ class Bus:
 
     def read_group(self, stream: str, group: str, consumer: str, block_ms: int | None,
                    count: int = 100, pending: bool = False) -> list[Entry]:
-        """New entries for this consumer; with pending=True, its own unacked ones (after a restart)."""
-        resp = self.r.xreadgroup(group, consumer, {stream: "0" if pending else ">"},
-                                 count=count, block=None if pending else block_ms)
+        """New entries for this consumer; with pending=True, its own unacked ones (after a restart).
+
+        A group lost with a restarted broker is re-created (from the stream's start: whatever
+        was added since the restart is still unread)."""
+        args = (group, consumer, {stream: "0" if pending else ">"})
+        try:
+            resp = self.r.xreadgroup(*args, count=count, block=None if pending else block_ms)
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            self.ensure_group(stream, group)
+            resp = self.r.xreadgroup(*args, count=count, block=None if pending else block_ms)
         return _entries(resp)
 
     def ack(self, stream: str, group: str, ids: list[bytes]) -> None:
         if ids:
             self.r.xack(stream, group, *ids)
+
+    def ack_and_send_many(self, stream: str, group: str,
+                          items: list[tuple[bytes, list[tuple[str, Struct, int]]]]) -> list[bool]:
+        """For each (entry id, sends): ack the entry and do its sends in one atomic step, unless
+        the entry was acked already (then nothing is sent). True where this call sent."""
+        if not items:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, sends in items:
+            args: list[bytes | str | int] = [group, entry_id]
+            for _, msg, maxlen in sends:
+                args += [maxlen, encode(msg)]
+            self._ack_and_send(keys=[stream, *(dest for dest, _, _ in sends)], args=args, client=pipe)
+        return [bool(n) for n in pipe.execute()]
+
+    def claim(self, stream: str, group: str, consumer: str, idle_ms: int = CLAIM_IDLE_MS,
+              count: int = 64, max_batches: int = 100) -> list[list[Entry]]:
+        """Take over entries other consumers read and left unacked for `idle_ms` (they died).
+
+        Returns batches of claimed entries; entries deleted or trimmed meanwhile are acked."""
+        batches: list[list[Entry]] = []
+        cursor: bytes | str = "0-0"
+        for _ in range(max_batches):  # each call scans a bounded slice of the pending list
+            resp = self.r.xautoclaim(stream, group, consumer, min_idle_time=idle_ms, start_id=cursor, count=count)
+            cursor, claimed = resp[0], resp[1]
+            entries = [(eid, fields[FIELD]) for eid, fields in claimed if fields and FIELD in fields]
+            gone = [eid for eid, fields in claimed if not fields or FIELD not in fields]
+            if len(resp) > 2:
+                gone += list(resp[2])
+            if entries:
+                batches.append(entries)
+            self.ack(stream, group, gone)
+            if cursor in (b"0-0", "0-0"):
+                break
+        return batches
+
+    def trim_consumed(self, stream: str) -> None:
+        """Drop entries every group has read and acked (XTRIM MINID ~ below the oldest pending
+        or undelivered one): trimming that can never lose work."""
+        try:
+            groups = self.r.xinfo_groups(stream)
+        except redis.ResponseError:
+            return  # no such stream
+        if not groups:
+            return
+        floor: tuple[int, int] | None = None
+        for g in groups:
+            oldest = g["last-delivered-id"]
+            if g["pending"]:
+                summary = self.r.xpending(stream, g["name"])
+                if summary["min"] is not None:
+                    oldest = summary["min"]
+            ms, seq = (int(x) for x in (oldest.decode() if isinstance(oldest, bytes) else oldest).split("-"))
+            floor = (ms, seq) if floor is None else min(floor, (ms, seq))
+        if floor is not None and floor > (0, 0):
+            self.r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=True)
+
+    def reap_consumers(self, stream: str, group: str, idle_ms: int = 60_000) -> int:
+        """Delete consumers (dead replicas' names) idle that long with nothing pending."""
+        try:
+            consumers = self.r.xinfo_consumers(stream, group)
+        except redis.ResponseError:
+            return 0
+        dead = [c["name"] for c in consumers if not c["pending"] and c["idle"] >= idle_ms]
+        for name in dead:
+            self.r.xgroup_delconsumer(stream, group, name)
+        return len(dead)
+
+    def server_id(self) -> str:
+        return server_id_of(self.r.info("server"))
+
+    def wait_for_broker(self, stop: StopFlag, backoff: Backoff | None = None) -> bool:
+        """Ping with backoff until the broker answers (True) or `stop` is set (False)."""
+        backoff = backoff or Backoff()
+        while not stop:
+            try:
+                self.r.ping()
+                return True
+            except redis.RedisError:
+                stop.wait(backoff.next())
+        return False
 
     def close(self) -> None:
         self.r.close()
@@ -129,11 +331,10 @@ class Bus:
 class AsyncBus:
     """asyncio bus for the gateway. Blocking reads get their own connection."""
 
-    def __init__(self, url: str, prefix: str = "rill") -> None:
+    def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
         self.streams = Streams(prefix)
-        self.r = aioredis.Redis.from_url(url, socket_timeout=None, decode_responses=False)
-        self.reader = aioredis.Redis.from_url(url, socket_timeout=None, decode_responses=False,
-                                              single_connection_client=True)
+        self.r = aconnect(url, name=name)
+        self.reader = aconnect(url, single=True, name=name)
 
     async def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
         return await self.r.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)

@@ -5,7 +5,9 @@ carries its own decode context (see incremental.py), so consecutive steps of a r
 decoded by different replicas. Entries are acked only after their replies were sent, so a
 killed replica's entries are redone: by itself on restart (its pending list), or by a live
 replica that claims entries idle for longer than `claim_idle_ms`. Redoing is harmless: the
-gateway applies each offset once and aborts are idempotent.
+gateway applies each offset once and aborts are idempotent. Broker errors never end the loop:
+it backs off, reconnects (re-creating the group if the broker lost it) and redoes its own
+unacked entries. Consumed entries are trimmed away (Bus.trim_consumed), never unread ones.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ import redis
 from msgspec import Struct
 
 from rill.services.detokenizer.incremental import Detokenizer
-from rill.shared.bus import DETOKENIZER_GROUP, FIELD, MAXLEN, Bus, Entry
+from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Backoff, Bus, Entry
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
 
 log = logging.getLogger("rill.detokenizer")
 
 READ_COUNT = 64  # entries (steps) per read: one ReplyBatch per gateway covers all of them
-CLAIM_EVERY_S = 5.0
-RETRY_S = 1.0  # pause after a broker error before re-reading our pending entries
+CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
+TRIM_EVERY_S = 2.0  # trimming entries every detokenizer has read and acked
+REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
 
 
 def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
@@ -73,19 +76,9 @@ def _drain_pending(bus: Bus, detok: Detokenizer, consumer: str, stop: StopFlag) 
 
 def _claim_abandoned(bus: Bus, detok: Detokenizer, consumer: str, idle_ms: int) -> None:
     """Take over entries another replica read and left unacked for `idle_ms` (it died)."""
-    cursor: bytes | str = "0-0"
-    for _ in range(100):  # each call scans a bounded slice of the pending list
-        resp = bus.r.xautoclaim(bus.streams.detok, DETOKENIZER_GROUP, consumer, min_idle_time=idle_ms,
-                                start_id=cursor, count=READ_COUNT)
-        cursor, claimed = resp[0], resp[1]
-        entries = [(entry_id, fields[FIELD]) for entry_id, fields in claimed if fields and FIELD in fields]
-        gone = [entry_id for entry_id, fields in claimed if not fields or FIELD not in fields]
-        if entries:
-            log.info("claimed %d abandoned detok entries", len(entries))
-            handle_entries(bus, detok, entries)
-        bus.ack(bus.streams.detok, DETOKENIZER_GROUP, gone)
-        if cursor in (b"0-0", "0-0"):
-            return
+    for batch in bus.claim(bus.streams.detok, DETOKENIZER_GROUP, consumer, idle_ms, count=READ_COUNT):
+        log.info("claimed %d abandoned detok entries", len(batch))
+        handle_entries(bus, detok, batch)
 
 
 def load_detokenizer(model_dir: str) -> Detokenizer:
@@ -95,16 +88,17 @@ def load_detokenizer(model_dir: str) -> Detokenizer:
 
 
 def run(redis_url: str, prefix: str, model_dir: str, consumer: str, stop: StopFlag | None = None,
-        claim_idle_ms: int | None = 30_000, detok: Detokenizer | None = None) -> None:
+        claim_idle_ms: int | None = CLAIM_IDLE_MS, detok: Detokenizer | None = None) -> None:
     """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
     replicas' entries idle that long (None: never); `detok`: reuse an already loaded tokenizer."""
     stop = stop if stop is not None else StopFlag()
     detok = detok or load_detokenizer(model_dir)
-    bus = Bus(redis_url, prefix)
+    bus = Bus(redis_url, prefix, name=consumer)
     stream = bus.streams.detok
+    backoff = Backoff()
     log.info("detokenizer consumer=%s stream=%s byte_level=%s", consumer, stream, detok.byte_level)
     recover = True  # first finish what this consumer had pending
-    next_claim = time.monotonic()  # at start too: this replica may replace one that died
+    next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace one that died
     try:
         while not stop:
             try:
@@ -116,13 +110,23 @@ def run(redis_url: str, prefix: str, model_dir: str, consumer: str, stop: StopFl
                                          count=READ_COUNT)
                 if entries:
                     handle_entries(bus, detok, entries)
-                if claim_idle_ms is not None and time.monotonic() >= next_claim:
+                now = time.monotonic()
+                if claim_idle_ms is not None and now >= next_claim:
                     _claim_abandoned(bus, detok, consumer, claim_idle_ms)
-                    next_claim = time.monotonic()  # at start too: this replica may replace one that died
+                    next_claim = now + CLAIM_EVERY_S
+                if now >= next_trim:
+                    bus.trim_consumed(stream)
+                    next_trim = now + TRIM_EVERY_S
+                if now >= next_reap:
+                    bus.reap_consumers(stream, DETOKENIZER_GROUP)
+                    next_reap = now + REAP_EVERY_S
+                backoff.reset()
             except redis.RedisError as exc:  # broker gone or group deleted: retry, redo unacked work
-                log.warning("broker error, retrying in %.0fs: %r", RETRY_S, exc)
+                if not backoff.failures:  # once per outage; the retries that follow are quiet
+                    log.warning("broker error, reconnecting with backoff: %r", exc)
+                delay = backoff.next()
                 recover = True
-                stop.wait(RETRY_S)
+                stop.wait(delay)
     finally:
         bus.close()
         log.info("detokenizer consumer=%s stopped", consumer)

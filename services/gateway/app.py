@@ -4,6 +4,13 @@ One gateway owns one reply stream. A single background task reads it and routes 
 delta to the request it belongs to; handlers only ever wait on their own RequestStream.
 Detokenizer replicas may deliver a request's deltas out of order or twice (after a crash),
 so each request keeps a DeltaSequencer that releases text exactly once, in offset order.
+
+Faults: the gateway beats a heartbeat key (so schedulers abort the requests of a gateway that
+died) and a watch task checks, every WATCH_S, the broker (unreachable for BROKER_GRACE_S, or
+restarted: a new run_id) and, with `watch_engine`, the engine's scheduler and worker
+heartbeats. Each of those fails the requests in flight with a clear 503 error instead of
+leaving them hanging; /health answers 503 and new requests are refused while no engine is
+live. Several gateway replicas can share one port (SO_REUSEPORT, see `run`).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,15 +27,18 @@ from dataclasses import dataclass, field
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rill.services.gateway import openai_api, websocket
+from rill.services.gateway import chat_page, openai_api, websocket
 from rill.services.gateway.errors import (
     APIError,
     api_error_handler,
     http_exception_handler,
     internal_error_handler,
 )
-from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Streams
+from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
+from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
@@ -187,7 +198,16 @@ class RequestTracker:
 
 
 # ---------------------------------------------------------------------------------------------
-# The gateway: bus, reader task, submit / abort
+# The gateway: bus, reader task, watch task, submit / abort
+
+WATCH_S = 0.5  # how often the watch task looks at the broker and the engine heartbeats
+BROKER_GRACE_S = 2.0  # the broker unreachable this long fails the requests in flight
+TRIM_EVERY_S = 2.0  # trimming what we already read from our reply stream
+ENGINE_UNAVAILABLE = "the engine is not available: no scheduler and worker are running; retry later"
+ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no heartbeat) while this "
+               "request was in flight; the request was not completed")
+BROKER_LOST = "the message broker is unreachable; the request was not completed"
+BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
 
 
 @dataclass
@@ -198,31 +218,53 @@ class Gateway:
     max_model_len: int
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Refuse and fail requests while no engine heartbeats (the deployed gateway does; a gateway
+    # whose downstream services are played by a test harness does not).
+    watch_engine: bool = False
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
         self.tracker = RequestTracker()
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._heartbeat: Heartbeat | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._cursor = b"0-0"  # last entry read from our reply stream
+        self.engine_live = True  # as of the last watch; only consulted with watch_engine
+        self.broker_ok = True
+        self._server: str | None = None  # the broker's run_id
+        self._engine_gone = Absence()
+        self._broker_gone = Absence(BROKER_GRACE_S)
 
     @property
     def reply_stream(self) -> str:
         return Streams(self.prefix).reply(self.gateway_id)
 
     async def start(self) -> None:
-        self.bus = AsyncBus(self.redis_url, self.prefix)
+        self.bus = AsyncBus(self.redis_url, self.prefix, name=self.gateway_id)
         # Read only what arrives after start; the id is taken before any request is sent.
-        last = await self.bus.last_id(self.reply_stream)
-        self._reader = asyncio.create_task(self._read_loop(last), name="gateway-reply-reader")
+        self._cursor = await self.bus.last_id(self.reply_stream)
+        s = self.bus.streams
+        self._heartbeat = Heartbeat(self.redis_url, s.heartbeat("gateway", self.reply_stream),
+                                    members=[(s.gateways_key(), self.reply_stream)],
+                                    expire=[(self.reply_stream, REPLY_TTL_S)])
+        await asyncio.to_thread(self._heartbeat.start)
+        await self._watch_once()
+        self._reader = asyncio.create_task(self._read_loop(), name="gateway-reply-reader")
+        self._watcher = asyncio.create_task(self._watch_loop(), name="gateway-watch")
         log.info("gateway started id=%s reply=%s model=%s", self.gateway_id, self.reply_stream,
                  self.model_name)
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._reader = self._watcher = None
+        if self._heartbeat is not None:
+            await asyncio.to_thread(self._heartbeat.stop)
+            self._heartbeat = None
         if self.bus is None:
             return
         # Free engine resources held by requests that will never be read now.
@@ -238,19 +280,22 @@ class Gateway:
         await self.bus.close()
         self.bus = None
 
-    async def _read_loop(self, last: bytes) -> None:
+    async def _read_loop(self) -> None:
         assert self.bus is not None
+        backoff = Backoff()
         while True:
             try:
-                entries = await self.bus.read(self.reply_stream, last, POLL_MS)
+                entries = await self.bus.read(self.reply_stream, self._cursor, POLL_MS)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis restarting or unreachable: keep trying.
-                log.warning("reply stream read failed: %r", exc)
-                await asyncio.sleep(0.5)
+            except Exception as exc:  # Redis restarting or unreachable: keep trying (the watch
+                if not backoff.failures:  # task fails the requests if it lasts)
+                    log.warning("reply stream read failed, retrying: %r", exc)
+                await asyncio.sleep(backoff.next())
                 continue
+            backoff.reset()
             for entry_id, payload in entries:
-                last = entry_id
+                self._cursor = entry_id
                 try:
                     msg = gateway_input_decoder.decode(payload)
                 except msgspec.DecodeError as exc:
@@ -260,6 +305,77 @@ class Gateway:
                     self.tracker.dispatch(msg)
                 except Exception:  # one bad message must not stop every other request's replies
                     log.exception("could not route reply entry %s", entry_id)
+
+    # -------------------------------------------------------------------------- watching
+
+    async def _watch_loop(self) -> None:
+        next_trim = time.monotonic() + TRIM_EVERY_S
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._watch_once()
+                if self.broker_ok and time.monotonic() >= next_trim:
+                    next_trim = time.monotonic() + TRIM_EVERY_S
+                    await self._trim_reply_stream()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the watch must outlive any bug in one round
+                log.exception("gateway watch round failed")
+
+    async def _watch_once(self) -> None:
+        """One look at the broker and the engines; fails the requests in flight when they are lost."""
+        assert self.bus is not None
+        now = time.monotonic()
+        try:
+            pipe = self.bus.r.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.smembers(self.bus.streams.engines_key())
+            info, members = await asyncio.wait_for(pipe.execute(), 5.0)
+            live = True
+            if self.watch_engine:
+                engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
+                s = self.bus.streams
+                beats = await self.bus.r.mget([k for e in engines for k in (s.heartbeat("scheduler", e),
+                                                                          s.heartbeat("worker", e))])
+                live = any(beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines)))
+        except Exception as exc:  # the broker is unreachable (or answers with errors)
+            if self.broker_ok:
+                log.warning("broker unreachable: %r", exc)
+            self.broker_ok = False
+            if self._broker_gone.observe(False, now):
+                self.fail_in_flight(BROKER_LOST)
+            return
+        self.broker_ok = True
+        self._broker_gone.observe(True, now)
+        server = server_id_of(info)
+        if self._server is not None and server != self._server:
+            # Everything in flight went down with the old server (requests, replies, groups).
+            log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
+            self.fail_in_flight(BROKER_RESTARTED)
+            self._cursor = b"0-0"  # our reply stream starts afresh
+        self._server = server
+        if live != self.engine_live:
+            log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
+        self.engine_live = live
+        if self._engine_gone.observe(live, now):
+            self.fail_in_flight(ENGINE_LOST)
+
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 error, and tell the engines to drop them."""
+        ids = self.tracker.ids()
+        if not ids:
+            return
+        for rid in ids:
+            self.tracker.dispatch(ErrorReply(request_id=rid, message=message, status=503, type="server_error"))
+        self.abort_soon(ids)
+
+    async def _trim_reply_stream(self) -> None:
+        """Everything up to our cursor was read: drop it (XTRIM MINID ~)."""
+        assert self.bus is not None
+        if self._cursor != b"0-0":
+            await self.bus.r.xtrim(self.reply_stream, minid=self._cursor, approximate=True)
+
+    # ---------------------------------------------------------------------------- requests
 
     async def submit(self, req: GenerateRequest) -> RequestStream:
         """Register first, then send, so a fast reply can never arrive before its stream exists."""
@@ -274,6 +390,8 @@ class Gateway:
     async def send_request(self, req: GenerateRequest) -> None:
         """Queue a registered request for the tokenizers."""
         assert self.bus is not None
+        if self.watch_engine and not self.engine_live:
+            raise APIError(ENGINE_UNAVAILABLE, 503, type="server_error")
         try:
             await self.bus.send(self.bus.streams.requests, req, maxlen=MAXLEN["requests"])
         except Exception as exc:
@@ -319,8 +437,30 @@ class Gateway:
 # App factory and entry point
 
 
-def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int) -> Starlette:
-    gateway = Gateway(redis_url, prefix, model_name, max_model_len)
+class GatewayHeader:
+    """Names the replica that answered (`x-rill-gateway`), for clients of a shared port and tests."""
+
+    def __init__(self, app: ASGIApp, gateway_id: str) -> None:
+        self.app = app
+        self.header = (b"x-rill-gateway", gateway_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
+               gateway_id: str | None = None, watch_engine: bool = False) -> Starlette:
+    gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
+                      **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -331,23 +471,46 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int)
             await gateway.stop()
 
     app = Starlette(
-        routes=[*openai_api.routes(), *websocket.routes()],
+        routes=[*openai_api.routes(), *websocket.routes(), *chat_page.routes()],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_exception_handler, APIError: api_error_handler,
                             Exception: internal_error_handler},
+        middleware=[Middleware(GatewayHeader, gateway_id=gateway.gateway_id)],
     )
     app.state.gateway = gateway
     return app
 
 
-def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int) -> None:
+def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int,
+        replica: str | None = None, reuse_port: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT. `reuse_port`: bind with SO_REUSEPORT, so several gateway
+    replicas listen on the same port and the kernel spreads connections across them (Linux)."""
     import uvicorn
 
     from rill.shared.logs import setup_logging
 
     setup_logging("gateway")
-    app = create_app(redis_url, prefix, model_name, max_model_len)
+    # Unique per process start: a restarted replica gets a fresh reply stream, and the requests
+    # of the one that died are aborted by the engines once its heartbeat expires.
+    gateway_id = f"{replica}-{uuid.uuid4().hex[:8]}" if replica else uuid.uuid4().hex
+    app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True)
     # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
     # shutdown timeout stops a stream whose engine died from holding the process open.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    if not reuse_port:
+        server.run()
+        return
+    server.run(sockets=[reuse_port_socket(host, port)])
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise SystemExit("rill: several gateway replicas on one port need SO_REUSEPORT (Linux)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock

@@ -253,9 +253,10 @@ def parse_generate(body: Any, kind: str, model_name: str, request_id: str, reply
         if "prompt" not in body:
             raise _bad("prompt is required.", "prompt")
         messages, prompt = None, parse_prompt(body["prompt"])
+    priority = _opt_int(body, "priority")  # vLLM's extension: lower runs first (--scheduling-policy priority)
     return GenerateRequest(request_id=request_id, reply_to=reply_to, kind=kind,
                            params=parse_sampling(body, kind), arrival_time=time.time(),
-                           messages=messages, prompt=prompt)
+                           messages=messages, prompt=prompt, priority=priority or 0)
 
 
 def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -532,12 +533,16 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 while the broker answers and (for a deployed gateway) an engine heartbeats; else 503."""
     gw = _gateway(request)
     try:
         assert gw.bus is not None
         await asyncio.wait_for(gw.bus.r.ping(), 2.0)
     except Exception:
-        return json_response({"status": "unavailable"}, 503)
+        return json_response({"status": "unavailable", "reason": "the message broker is unreachable"}, 503)
+    if gw.watch_engine and not gw.engine_live:
+        return json_response({"status": "unavailable", "reason": "no engine is live (no scheduler and worker "
+                                                                 "heartbeat)"}, 503)
     return json_response({"status": "ok"})
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger("rill.scheduler.guard")
 WORKER_CHECK_S = 0.5
 GATEWAY_CHECK_S = 1.0
 BROKER_CHECK_S = 1.0
-TRIM_EVERY_S = 10.0
+TRIM_EVERY_S = 2.0
 WORKER_LOST = ("the engine is not available: its worker stopped (no heartbeat); "
                "the request was not completed, retry once the engine is back")
 

@@ -12,6 +12,7 @@ loop over (new handshake) once the broker answers again.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -198,7 +199,7 @@ class SchedulerService:
 
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
     stop = stop if stop is not None else StopFlag()
-    bus = Bus(redis_url, prefix)
+    bus = Bus(redis_url, prefix, name=f"scheduler-{args.engine_id}-{os.getpid()}")
     service = SchedulerService(bus, args, stop)
     backoff = Backoff()
     service.guard.start()

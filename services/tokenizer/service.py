@@ -1,17 +1,23 @@
 """Tokenizer replicas: chat template + text -> token ids, validation, routing to an engine.
 
 Stateless: replicas share the requests stream through one consumer group, so any replica
-takes any request; a replica acks only after the request was forwarded (or answered with an
-error), so a killed replica's requests are redelivered.
+takes any request. A replica acks a request in the same atomic step that forwards it (or
+answers it with an error), so a killed replica's requests stay pending: it redoes them itself
+on restart, or a live replica claims them once idle for CLAIM_IDLE_MS. Either way a request
+reaches the engine exactly once, since a step whose ack finds the entry already acked sends
+nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
+import redis
+from msgspec import Struct
 
-from rill.shared.bus import MAXLEN, TOKENIZER_GROUP, Bus
+from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Backoff, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizedRequest, generate_decoder
@@ -87,7 +93,7 @@ class Tokenizer:
         params = msgspec.structs.replace(req.params, max_tokens=max_tokens)
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
-                                arrival_time=req.arrival_time)
+                                arrival_time=req.arrival_time, priority=req.priority)
 
 
 class Router:
@@ -108,43 +114,86 @@ class Router:
         return choice
 
 
+CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's requests
+TRIM_EVERY_S = 2.0  # trimming requests every tokenizer has read and acked
+REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
+
+
 def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
-        stop: StopFlag | None = None) -> None:
+        stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS) -> None:
+    """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
+    replicas' requests unacked that long (None: never). Broker errors never end the loop: it
+    backs off, reconnects and first redoes its own unacked requests."""
     stop = stop if stop is not None else StopFlag()
-    bus = Bus(redis_url, prefix)
+    bus = Bus(redis_url, prefix, name=consumer)
     tokenizer = Tokenizer(model_dir, max_model_len)
     router = Router(bus)
     stream = bus.streams.requests
-    bus.ensure_group(stream, TOKENIZER_GROUP)
+    backoff = Backoff()
     log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
-    pending = True  # first finish what this consumer took before a restart
+    recover = True  # first finish what this consumer took before a restart or a broker error
+    next_claim = next_trim = next_reap = time.monotonic()  # at start too: we may replace a dead replica
     try:
         while not stop:
-            entries = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=POLL_MS, count=64,
-                                     pending=pending)
-            pending = False
-            for entry_id, data in entries:
-                handle(bus, tokenizer, router, data)
-                bus.ack(stream, TOKENIZER_GROUP, [entry_id])
+            try:
+                if recover:
+                    bus.ensure_group(stream, TOKENIZER_GROUP)
+                    while not stop:
+                        mine = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=None, count=64,
+                                              pending=True)
+                        if not mine:
+                            break
+                        handle_entries(bus, tokenizer, router, mine)
+                    recover = False
+                entries = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=POLL_MS, count=64)
+                handle_entries(bus, tokenizer, router, entries)
+                now = time.monotonic()
+                if claim_idle_ms is not None and now >= next_claim:
+                    for batch in bus.claim(stream, TOKENIZER_GROUP, consumer, claim_idle_ms):
+                        log.info("claimed %d requests abandoned by another tokenizer", len(batch))
+                        handle_entries(bus, tokenizer, router, batch)
+                    next_claim = now + CLAIM_EVERY_S
+                if now >= next_trim:
+                    bus.trim_consumed(stream)
+                    next_trim = now + TRIM_EVERY_S
+                if now >= next_reap:
+                    bus.reap_consumers(stream, TOKENIZER_GROUP)
+                    next_reap = now + REAP_EVERY_S
+                backoff.reset()
+            except redis.RedisError as exc:  # broker restarting or unreachable: retry, redo unacked work
+                if not backoff.failures:  # once per outage; the retries that follow are quiet
+                    log.warning("broker error, reconnecting with backoff: %r", exc)
+                delay = backoff.next()
+                recover = True
+                stop.wait(delay)
     finally:
         bus.close()
+        log.info("tokenizer %s stopped", consumer)
 
 
-def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> None:
+def handle_entries(bus: Bus, tokenizer: Tokenizer, router: Router, entries: list[Entry]) -> None:
+    """Tokenize each entry; ack it and forward its output in one atomic step per entry, so an
+    entry redone by another replica after a crash or a claim is forwarded exactly once."""
+    if not entries:
+        return
+    items = [(entry_id, handle(bus, tokenizer, router, data)) for entry_id, data in entries]
+    bus.ack_and_send_many(bus.streams.requests, TOKENIZER_GROUP, items)
+
+
+def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[tuple[str, Struct, int]]:
+    """What one request entry turns into: (stream, message, maxlen) sends, none if it is malformed."""
     try:
         req = generate_decoder.decode(data)
     except msgspec.DecodeError as exc:
         log.warning("dropping malformed request entry: %s", exc)
-        return
+        return []
     try:
         out = tokenizer(req)
     except RequestError as exc:
-        bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=str(exc), status=exc.status,
-                                          param=exc.param), MAXLEN["reply"])
-        return
+        return [(req.reply_to, ErrorReply(request_id=req.request_id, message=str(exc), status=exc.status,
+                                          param=exc.param), MAXLEN["reply"])]
     except Exception as exc:  # never let one request take the replica down
         log.exception("tokenizing %s failed", req.request_id)
-        bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
-                                          status=500, type="server_error"), MAXLEN["reply"])
-        return
-    bus.send(bus.streams.engine_in(router.pick()), out, MAXLEN["engine_in"])
+        return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
+                                          status=500, type="server_error"), MAXLEN["reply"])]
+    return [(bus.streams.engine_in(router.pick()), out, MAXLEN["engine_in"])]

@@ -2,7 +2,9 @@
 
 One process, one synchronous loop: read the engine's plan stream, execute, answer on the
 engine's result stream. The worker announces itself with WorkerReady at start and again after
-every Hello, so the handshake works whichever of scheduler and worker starts first.
+every Hello, so the handshake works whichever of scheduler and worker starts first. Once ready
+it keeps a heartbeat key alive (shared/heartbeat.py), by which the scheduler and the gateways
+learn that it died; broker errors are retried with backoff.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import logging
 import os
 
 import msgspec
+import redis
 import torch
 
 from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device, resolve_dtype
-from rill.shared.bus import MAXLEN, Bus
+from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
+from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
-from rill.shared.schema import Hello, Shutdown, StepPlan, WorkerReady, worker_input_decoder
+from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
 
 log = logging.getLogger("rill.worker")
 
@@ -66,35 +70,69 @@ def build_runner(args: EngineArgs) -> ModelRunner:
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
     stop = stop if stop is not None else StopFlag()
     runner = build_runner(args)
-    bus = Bus(redis_url, prefix)
+    bus = Bus(redis_url, prefix, name=f"worker-{args.engine_id}-{os.getpid()}")
     plan_stream = bus.streams.plan(args.engine_id)
     result_stream = bus.streams.result(args.engine_id)
     result_maxlen = MAXLEN["result"]
     ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
                         block_size=runner.block_size, max_model_len=runner.max_model_len,
                         dtype=runner.dtype, device=runner.device)
-    # Read from the newest entry before announcing: a Hello sent in answer is not missed, and
-    # plans meant for a previous worker are not replayed.
-    last_id = bus.last_id(plan_stream)
-    bus.send(result_stream, ready, maxlen=result_maxlen)
-    log.info("worker ready: engine=%d plan_stream=%s", args.engine_id, plan_stream)
+    heartbeat: Heartbeat | None = None
+    backoff = Backoff()
+    last_id: bytes | None = None  # None until announced
+    server = ""  # the broker we announced ourselves to
+    unsent: StepResult | None = None  # a result a broker error kept from going out
+    reconnected = False
     try:
         while not stop:
-            for entry_id, payload in bus.read(plan_stream, last_id, block_ms=POLL_MS):
-                last_id = entry_id
-                try:
-                    msg = worker_input_decoder.decode(payload)
-                except msgspec.DecodeError as exc:
-                    log.warning("undecodable message %s on %s: %s", entry_id, plan_stream, exc)
-                    continue
-                if isinstance(msg, StepPlan):
-                    bus.send(result_stream, runner.execute(msg), maxlen=result_maxlen)
-                elif isinstance(msg, Hello):
-                    log.info("hello from scheduler %s: state reset", msg.scheduler_id)
-                    runner.reset()
+            try:
+                if last_id is None:
+                    # Read from the newest entry before announcing: a Hello sent in answer is not
+                    # missed, and plans meant for a previous worker are not replayed.
+                    last_id = bus.last_id(plan_stream)
+                    server = bus.server_id()
+                    # Beat before announcing, so the scheduler never sees us ready yet "dead".
+                    heartbeat = heartbeat or Heartbeat(
+                        redis_url, bus.streams.heartbeat("worker", args.engine_id)).start()
                     bus.send(result_stream, ready, maxlen=result_maxlen)
-                elif isinstance(msg, Shutdown):
-                    log.info("shutdown requested: %s", msg.reason or "no reason given")
-                    return
+                    log.info("worker ready: engine=%d plan_stream=%s", args.engine_id, plan_stream)
+                elif reconnected:
+                    # Same broker: the scheduler still waits for that result. A restarted broker lost
+                    # the plan too; the scheduler starts over with a Hello, so the result is stale.
+                    if bus.server_id() != server:
+                        log.warning("the broker restarted; waiting for the scheduler's hello")
+                        server, unsent = bus.server_id(), None
+                    if unsent is not None:
+                        bus.send(result_stream, unsent, maxlen=result_maxlen)
+                        unsent = None
+                    reconnected = False
+                for entry_id, payload in bus.read(plan_stream, last_id, block_ms=POLL_MS):
+                    last_id = entry_id
+                    try:
+                        msg = worker_input_decoder.decode(payload)
+                    except msgspec.DecodeError as exc:
+                        log.warning("undecodable message %s on %s: %s", entry_id, plan_stream, exc)
+                        continue
+                    if isinstance(msg, StepPlan):
+                        unsent = runner.execute(msg)
+                        bus.send(result_stream, unsent, maxlen=result_maxlen)
+                        unsent = None
+                    elif isinstance(msg, Hello):
+                        log.info("hello from scheduler %s: state reset", msg.scheduler_id)
+                        runner.reset()
+                        unsent = None
+                        bus.send(result_stream, ready, maxlen=result_maxlen)
+                    elif isinstance(msg, Shutdown):
+                        log.info("shutdown requested: %s", msg.reason or "no reason given")
+                        return
+                backoff.reset()
+            except redis.RedisError as exc:  # broker restarting or unreachable: back off, reconnect
+                if not backoff.failures:  # once per outage; the retries that follow are quiet
+                    log.warning("broker error, reconnecting with backoff: %r", exc)
+                delay = backoff.next()
+                reconnected = last_id is not None
+                stop.wait(delay)
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         bus.close()

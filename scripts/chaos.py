@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Chaos run: a streaming load against `rill serve` while replicas are SIGKILLed at random moments.
+
+Starts a broker and `rill serve` with several tokenizer, detokenizer and gateway replicas, runs
+a set of greedy streaming requests once without faults (the reference), then runs the same set
+again, round after round for --duration seconds, while a killer SIGKILLs a random replica every
+few seconds (the supervisor restarts it). Prints one table:
+
+  requests     requests sent during the chaos phase
+  completed    ended with a finish reason
+  failed       ended with a clear error (an error event, an HTTP error, or the connection of a
+               killed gateway dropping: the client knows it failed)
+  lost         neither, within --request-timeout: the request hung
+  dup deltas   chunks a completed stream showed that the reference does not have (repeats)
+  missing      reference chunks a completed stream did not show
+  mismatches   completed requests whose text differs from the reference
+
+    .venv/bin/python scripts/chaos.py --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from rill.shared.broker import EmbeddedBroker, free_port
+from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
+from rill.shared.model_files import resolve_model
+
+TOPICS = ["the sea", "a mountain", "a robot", "coffee", "trains", "winter", "music", "a cat", "the moon",
+          "gardens", "chess", "rain", "a library", "volcanoes", "bread", "a friend", "the desert", "birds",
+          "a city", "snow", "a river", "clocks", "a ship", "stars"]
+
+
+@dataclass
+class Outcome:
+    chunks: list[str] = field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+    lost: bool = False
+
+
+async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, timeout: float) -> Outcome:
+    out = Outcome()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+    async def read() -> None:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    return
+                if not line.startswith("data: "):
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    out.error = obj["error"]["message"]
+                    continue
+                for choice in obj["choices"]:
+                    if choice["text"]:
+                        out.chunks.append(choice["text"])
+                    if choice["finish_reason"]:
+                        out.finish = choice["finish_reason"]
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        out.lost = out.finish is None and out.error is None
+    except httpx.HTTPError as exc:
+        out.error = f"connection failed: {type(exc).__name__}"
+    return out
+
+
+async def run_set(base_url: str, prompts: list[str], max_tokens: int, concurrency: int,
+                  timeout: float) -> list[Outcome]:
+    sem = asyncio.Semaphore(concurrency)
+    # No keep-alive: every request opens its own connection, so the kernel spreads them over
+    # the gateway replicas sharing the port.
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        async def one(p: str) -> Outcome:
+            async with sem:
+                return await stream(client, p, max_tokens, timeout)
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+
+def children_of(pid: int) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` (from /proc/net/tcp*)."""
+    out: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.add(f[9])
+    return out
+
+
+def holds_socket(pid: int, inodes: set[str]) -> bool:
+    try:
+        return any(os.readlink(fd)[8:-1] in inodes for fd in Path(f"/proc/{pid}/fd").iterdir()
+                   if os.readlink(fd).startswith("socket:"))
+    except OSError:
+        return False
+
+
+class Killer(threading.Thread):
+    """SIGKILLs a random serving replica of the given kinds every `every` seconds on average.
+
+    Only replicas that serve are candidates (a tokenizer or detokenizer whose consumer polled
+    the broker in the last 2 s, a gateway that listens, a worker that heartbeats): killing one
+    that still loads tests nothing. Never the last serving replica of its kind, except the
+    worker (there is one): the point is that the survivors take over."""
+
+    def __init__(self, serve_pid: int, kinds: list[str], every: float, rng: random.Random,
+                 redis_url: str, prefix: str, port: int) -> None:
+        super().__init__(daemon=True)
+        self.serve_pid, self.kinds, self.every, self.rng = serve_pid, kinds, every, rng
+        self.r = redis.Redis.from_url(redis_url)
+        self.streams = Streams(prefix)
+        self.port = port
+        self.stop = threading.Event()
+        self.kills: dict[str, int] = {}
+
+    def serving(self, pid: int, kind: str, cmd: str) -> bool:
+        args = cmd.split()
+        if kind in ("tokenizer", "detokenizer"):
+            name = args[args.index("--replica-name") + 1]
+            stream, group = ((self.streams.requests, TOKENIZER_GROUP) if kind == "tokenizer"
+                             else (self.streams.detok, DETOKENIZER_GROUP))
+            try:
+                consumers = self.r.xinfo_consumers(stream, group)
+            except redis.RedisError:
+                return False
+            return any(c["name"].decode() == name and c["idle"] < 2000 for c in consumers)
+        if kind == "gateway":
+            return holds_socket(pid, listening_inodes(self.port))
+        if kind == "worker":
+            return bool(self.r.exists(self.streams.heartbeat("worker", 0)))
+        return True
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(0.3, 1.7) * self.every):
+            ready: dict[str, list[int]] = {}
+            for pid, cmd in children_of(self.serve_pid).items():
+                for kind in self.kinds:
+                    if f" service {kind} " in cmd and self.serving(pid, kind, cmd):
+                        ready.setdefault(kind, []).append(pid)
+            victims = [(pid, kind) for kind, pids in ready.items() if len(pids) > 1 or kind == "worker"
+                       for pid in pids]
+            if not victims:
+                continue
+            pid, kind = self.rng.choice(victims)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.kills[kind] = self.kills.get(kind, 0) + 1
+            except ProcessLookupError:
+                pass
+
+
+def compare(ref: Outcome, got: Outcome) -> tuple[int, int]:
+    """(repeated chunks, missing chunks) of a completed stream against its reference."""
+    dup = missing = 0
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=ref.chunks, b=got.chunks, autojunk=False).get_opcodes():
+        if op in ("insert", "replace"):
+            dup += j2 - j1
+        if op in ("delete", "replace"):
+            missing += i2 - i1
+    return dup, missing
+
+
+def wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "ready at" in line:
+            return
+        if not line and proc.poll() is not None:
+            raise SystemExit(f"rill serve exited with code {proc.returncode}")
+    raise SystemExit("rill serve did not become ready in time")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of chaos (rounds of the request set)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per round")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
+    ap.add_argument("--kinds", default="tokenizer,detokenizer,gateway",
+                    help="which replicas to kill (comma-separated; worker works too)")
+    ap.add_argument("--tokenizer-replicas", type=int, default=3)
+    ap.add_argument("--detokenizer-replicas", type=int, default=3)
+    ap.add_argument("--gateway-replicas", type=int, default=2)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", default="chaos-serve.log", help="where rill serve's logs go")
+    ns = ap.parse_args()
+
+    rng = random.Random(ns.seed)
+    model = str(resolve_model(ns.model))
+    prompts = [f"A short story about {TOPICS[i % len(TOPICS)]} (part {i // len(TOPICS) + 1}):"
+               for i in range(ns.requests)]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with EmbeddedBroker() as broker, open(ns.log, "w") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "rill.services.cli", "serve", model, "--redis-url", broker.url,
+             "--prefix", "chaos", "--host", "127.0.0.1", "--port", str(port), "--dtype", ns.dtype,
+             "--max-model-len", "512", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
+             "--tokenizer-replicas", str(ns.tokenizer_replicas),
+             "--detokenizer-replicas", str(ns.detokenizer_replicas),
+             "--gateway-replicas", str(ns.gateway_replicas)],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        killer: Killer | None = None
+        try:
+            wait_ready(serve, 600)
+            time.sleep(1.0)  # every gateway replica has seen the engine live
+            t0 = time.monotonic()
+            reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
+            bad = [o for o in reference if o.finish is None]
+            if bad:
+                raise SystemExit(f"the fault-free run failed: {bad[0]}")
+            print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
+
+            killer = Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port)
+            killer.start()
+            rows = {"requests": 0, "completed": 0, "failed": 0, "lost": 0, "dup deltas": 0, "missing": 0,
+                    "mismatches": 0}
+            errors: dict[str, int] = {}
+            start = time.monotonic()
+            rounds = 0
+            while time.monotonic() - start < ns.duration:
+                got = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
+                rounds += 1
+                for ref, out in zip(reference, got, strict=True):
+                    rows["requests"] += 1
+                    if out.lost:
+                        rows["lost"] += 1
+                    elif out.finish is not None and out.error is None:
+                        rows["completed"] += 1
+                        dup, missing = compare(ref, out)
+                        rows["dup deltas"] += dup
+                        rows["missing"] += missing
+                        rows["mismatches"] += "".join(out.chunks) != "".join(ref.chunks)
+                    else:
+                        rows["failed"] += 1
+                        key = (out.error or "no finish").split(":")[0][:60]
+                        errors[key] = errors.get(key, 0) + 1
+            killer.stop.set()
+            elapsed = time.monotonic() - start
+            print(f"\nchaos: {rounds} rounds in {elapsed:.0f}s; SIGKILLs: "
+                  + ", ".join(f"{k} x{n}" for k, n in sorted(killer.kills.items())))
+            width = max(len(k) for k in rows)
+            print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
+            for k, v in rows.items():
+                print(f"| {k:<{width}} | {v:>8} |")
+            print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
+            for key, n in sorted(errors.items(), key=lambda kv: -kv[1]):
+                print(f"  failed with: {key} ({n})")
+            alive = serve.poll() is None
+            print(f"rill serve still running: {alive}")
+            if rows["lost"] or rows["dup deltas"] or rows["missing"] or not alive:
+                raise SystemExit(1)
+        finally:
+            if killer is not None:
+                killer.stop.set()
+            serve.send_signal(signal.SIGTERM)
+            try:
+                serve.wait(30)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Rill's services as separate OS processes against the test Redis (for the deployment and
+client tests): start them from given command lines, wait until they serve, restart one, stop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import redis
+
+from rill.shared.bus import Streams
+from rill.shared.schema import EngineStats
+
+SERVICES = ("worker", "scheduler", "tokenizer", "detokenizer", "gateway")
+
+
+def rill_executable() -> list[str]:
+    """The `rill` console script of this environment (what the image's ENTRYPOINT runs)."""
+    script = Path(sys.executable).with_name("rill")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rill.services.cli"]
+
+
+def fast_flags(model_dir: str, redis_url: str, prefix: str, port: int) -> list[str]:
+    """Settings that make a test stack start and answer quickly on a small CPU."""
+    return [model_dir, "--redis-url", redis_url, "--prefix", prefix, "--port", str(port), "--host", "127.0.0.1",
+            "--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
+            "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+
+
+@dataclass
+class ServiceStack:
+    redis_url: str
+    prefix: str
+    port: int
+    commands: dict[str, list[str]]  # process name -> argv
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ, RILL_WORKER_THREADS="2",
+                                                             PYTHONUNBUFFERED="1"))
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.redis = redis.Redis.from_url(self.redis_url)
+        self.streams = Streams(self.prefix)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    def start(self, timeout: float = 240.0) -> ServiceStack:
+        for name, argv in self.commands.items():
+            self.procs[name] = subprocess.Popen(argv, env=self.env)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Until the engine has published stats and the gateway's /health says 200."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            assert not dead, f"services died during start-up: {dead}"
+            assert time.monotonic() < deadline, "the stack did not become ready in time"
+            try:
+                if self.redis.exists(self.streams.stats_key(0)):
+                    with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                        if r.status == 200:
+                            return
+            except OSError:
+                pass
+            time.sleep(0.3)
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Stop one process (its connections drop) and start it again with the same command."""
+        proc = self.procs[name]
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self.procs[name] = subprocess.Popen(self.commands[name], env=self.env)
+        self.wait_ready(timeout)
+
+    def stats(self) -> EngineStats:
+        raw = self.redis.get(self.streams.stats_key(0))
+        assert raw is not None
+        return msgspec.msgpack.decode(raw, type=EngineStats)
+
+    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if (st.num_running == 0 and st.num_waiting == 0) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def standard_stack(redis_url: str, model_dir: str, prefix: str, port: int) -> ServiceStack:
+    """One process per service, started the way `rill service NAME` is deployed."""
+    flags = fast_flags(model_dir, redis_url, prefix, port)
+    return ServiceStack(redis_url, prefix, port, {
+        name: [*rill_executable(), "service", name, *flags, "--replica-name", f"{name}-0"] for name in SERVICES})
