@@ -185,7 +185,9 @@ class SchedulerService:
             self.bus.send(self.bus.streams.detok, outcome.detok, MAXLEN["detok"])
 
     def send_error(self, req: Request, message: str, status: int) -> None:
-        self.bus.send(req.reply_to, ErrorReply(request_id=req.request_id, message=message, status=status,
+        # The gateway knows the client's id; a failing sample of an n > 1 request fails the request.
+        self.bus.send(req.reply_to, ErrorReply(request_id=req.group_id or req.request_id, message=message,
+                                               status=status,
                                                type="server_error" if status >= 500 else "invalid_request_error"),
                       MAXLEN["reply"])
 
