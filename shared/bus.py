@@ -19,8 +19,11 @@ so trimming never drops work; the MAXLEN caps on XADD stay as the hard bound.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -30,7 +33,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rill.shared.lifecycle import StopFlag
+from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.schema import encode
 
 FIELD = b"m"
@@ -352,3 +355,52 @@ class AsyncBus:
     async def close(self) -> None:
         await self.reader.aclose()
         await self.r.aclose()
+
+
+CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
+TRIM_EVERY_S = 2.0  # trimming entries every replica has read and acked
+REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
+
+
+def serve_group(bus: Bus, stream: str, group: str, consumer: str, handle: Callable[[list[Entry]], None],
+                stop: StopFlag, claim_idle_ms: int | None = CLAIM_IDLE_MS, count: int = 64,
+                log: logging.Logger | None = None) -> None:
+    """The loop of a replicated stateless stage, until `stop`: `handle` each batch of entries (it
+    acks them). First, and after every broker error, it redoes this consumer's own unacked entries;
+    it takes over entries other replicas left unacked for `claim_idle_ms` (they died), trims what
+    every replica has consumed, forgets dead consumers, and rides out broker outages with backoff."""
+    log = log or logging.getLogger("rill.bus")
+    backoff = Backoff()
+    recover = True
+    next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace a dead one
+    while not stop:
+        try:
+            if recover:
+                bus.ensure_group(stream, group)
+                while not stop:
+                    mine = bus.read_group(stream, group, consumer, block_ms=None, count=count, pending=True)
+                    if not mine:
+                        break
+                    handle(mine)
+                recover = False
+            entries = bus.read_group(stream, group, consumer, block_ms=POLL_MS, count=count)
+            if entries:
+                handle(entries)
+            now = time.monotonic()
+            if claim_idle_ms is not None and now >= next_claim:
+                for batch in bus.claim(stream, group, consumer, claim_idle_ms, count=count):
+                    log.info("claimed %d entries of %s abandoned by another replica", len(batch), stream)
+                    handle(batch)
+                next_claim = now + CLAIM_EVERY_S
+            if now >= next_trim:
+                bus.trim_consumed(stream)
+                next_trim = now + TRIM_EVERY_S
+            if now >= next_reap:
+                bus.reap_consumers(stream, group)
+                next_reap = now + REAP_EVERY_S
+            backoff.reset()
+        except redis.RedisError as exc:  # broker gone or group deleted: retry, then redo unacked work
+            if not backoff.failures:  # once per outage; the retries that follow are quiet
+                log.warning("broker error, reconnecting with backoff: %r", exc)
+            recover = True
+            stop.wait(backoff.next())

@@ -13,22 +13,17 @@ unacked entries. Consumed entries are trimmed away (Bus.trim_consumed), never un
 from __future__ import annotations
 
 import logging
-import time
 
-import redis
 from msgspec import Struct
 
 from rill.services.detokenizer.incremental import Detokenizer
-from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Backoff, Bus, Entry
-from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Bus, Entry, serve_group
+from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
 
 log = logging.getLogger("rill.detokenizer")
 
 READ_COUNT = 64  # entries (steps) per read: one ReplyBatch per gateway covers all of them
-CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
-TRIM_EVERY_S = 2.0  # trimming entries every detokenizer has read and acked
-REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
 
 
 def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
@@ -64,23 +59,6 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
     bus.ack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])
 
 
-def _drain_pending(bus: Bus, detok: Detokenizer, consumer: str, stop: StopFlag) -> None:
-    """Finish the entries this consumer read but did not ack (before a restart or an error)."""
-    while not stop:
-        entries = bus.read_group(bus.streams.detok, DETOKENIZER_GROUP, consumer, block_ms=None,
-                                 count=READ_COUNT, pending=True)
-        if not entries:
-            return
-        handle_entries(bus, detok, entries)
-
-
-def _claim_abandoned(bus: Bus, detok: Detokenizer, consumer: str, idle_ms: int) -> None:
-    """Take over entries another replica read and left unacked for `idle_ms` (it died)."""
-    for batch in bus.claim(bus.streams.detok, DETOKENIZER_GROUP, consumer, idle_ms, count=READ_COUNT):
-        log.info("claimed %d abandoned detok entries", len(batch))
-        handle_entries(bus, detok, batch)
-
-
 def load_detokenizer(model_dir: str) -> Detokenizer:
     from transformers import AutoTokenizer
 
@@ -95,38 +73,10 @@ def run(redis_url: str, prefix: str, model_dir: str, consumer: str, stop: StopFl
     detok = detok or load_detokenizer(model_dir)
     bus = Bus(redis_url, prefix, name=consumer)
     stream = bus.streams.detok
-    backoff = Backoff()
     log.info("detokenizer consumer=%s stream=%s byte_level=%s", consumer, stream, detok.byte_level)
-    recover = True  # first finish what this consumer had pending
-    next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace one that died
     try:
-        while not stop:
-            try:
-                if recover:
-                    bus.ensure_group(stream, DETOKENIZER_GROUP)
-                    _drain_pending(bus, detok, consumer, stop)
-                    recover = False
-                entries = bus.read_group(stream, DETOKENIZER_GROUP, consumer, block_ms=POLL_MS,
-                                         count=READ_COUNT)
-                if entries:
-                    handle_entries(bus, detok, entries)
-                now = time.monotonic()
-                if claim_idle_ms is not None and now >= next_claim:
-                    _claim_abandoned(bus, detok, consumer, claim_idle_ms)
-                    next_claim = now + CLAIM_EVERY_S
-                if now >= next_trim:
-                    bus.trim_consumed(stream)
-                    next_trim = now + TRIM_EVERY_S
-                if now >= next_reap:
-                    bus.reap_consumers(stream, DETOKENIZER_GROUP)
-                    next_reap = now + REAP_EVERY_S
-                backoff.reset()
-            except redis.RedisError as exc:  # broker gone or group deleted: retry, redo unacked work
-                if not backoff.failures:  # once per outage; the retries that follow are quiet
-                    log.warning("broker error, reconnecting with backoff: %r", exc)
-                delay = backoff.next()
-                recover = True
-                stop.wait(delay)
+        serve_group(bus, stream, DETOKENIZER_GROUP, consumer, lambda entries: handle_entries(bus, detok, entries),
+                    stop, claim_idle_ms, count=READ_COUNT, log=log)
     finally:
         bus.close()
         log.info("detokenizer consumer=%s stopped", consumer)

@@ -11,15 +11,13 @@ nothing.
 from __future__ import annotations
 
 import logging
-import time
 
 import msgspec
-import redis
 from msgspec import Struct
 
-from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Backoff, Bus, Entry
+from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Bus, Entry, serve_group
 from rill.shared.config import ModelConfig
-from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizedRequest, generate_decoder
 
 log = logging.getLogger("rill.tokenizer")
@@ -114,11 +112,6 @@ class Router:
         return choice
 
 
-CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's requests
-TRIM_EVERY_S = 2.0  # trimming requests every tokenizer has read and acked
-REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
-
-
 def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
         stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS) -> None:
     """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
@@ -128,44 +121,10 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     bus = Bus(redis_url, prefix, name=consumer)
     tokenizer = Tokenizer(model_dir, max_model_len)
     router = Router(bus)
-    stream = bus.streams.requests
-    backoff = Backoff()
     log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
-    recover = True  # first finish what this consumer took before a restart or a broker error
-    next_claim = next_trim = next_reap = time.monotonic()  # at start too: we may replace a dead replica
     try:
-        while not stop:
-            try:
-                if recover:
-                    bus.ensure_group(stream, TOKENIZER_GROUP)
-                    while not stop:
-                        mine = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=None, count=64,
-                                              pending=True)
-                        if not mine:
-                            break
-                        handle_entries(bus, tokenizer, router, mine)
-                    recover = False
-                entries = bus.read_group(stream, TOKENIZER_GROUP, consumer, block_ms=POLL_MS, count=64)
-                handle_entries(bus, tokenizer, router, entries)
-                now = time.monotonic()
-                if claim_idle_ms is not None and now >= next_claim:
-                    for batch in bus.claim(stream, TOKENIZER_GROUP, consumer, claim_idle_ms):
-                        log.info("claimed %d requests abandoned by another tokenizer", len(batch))
-                        handle_entries(bus, tokenizer, router, batch)
-                    next_claim = now + CLAIM_EVERY_S
-                if now >= next_trim:
-                    bus.trim_consumed(stream)
-                    next_trim = now + TRIM_EVERY_S
-                if now >= next_reap:
-                    bus.reap_consumers(stream, TOKENIZER_GROUP)
-                    next_reap = now + REAP_EVERY_S
-                backoff.reset()
-            except redis.RedisError as exc:  # broker restarting or unreachable: retry, redo unacked work
-                if not backoff.failures:  # once per outage; the retries that follow are quiet
-                    log.warning("broker error, reconnecting with backoff: %r", exc)
-                delay = backoff.next()
-                recover = True
-                stop.wait(delay)
+        serve_group(bus, bus.streams.requests, TOKENIZER_GROUP, consumer,
+                    lambda entries: handle_entries(bus, tokenizer, router, entries), stop, claim_idle_ms, log=log)
     finally:
         bus.close()
         log.info("tokenizer %s stopped", consumer)
