@@ -62,6 +62,7 @@ class Connection:
         self.ws = ws
         self.gw = gateway
         self.conn_id = uuid.uuid4().hex
+        self.started = 0  # requests started on this socket: keeps engine ids unique when a client id is reused
         self.inflight: dict[str | int, _Entry] = {}
         self.lock = asyncio.Lock()
         self.closed = False
@@ -144,7 +145,10 @@ class Connection:
             await self._send(_error_frame(cid, APIError(
                 f"Too many requests in flight on this socket (max {MAX_INFLIGHT}).", 429)))
             return
-        request_id = f"ws-{self.conn_id}-{cid}"
+        # A client may reuse an id once its request ended; late or redelivered deltas of the old
+        # request must not reach the new one, so the engine-side id is unique per request.
+        self.started += 1
+        request_id = f"ws-{self.conn_id}-{self.started}-{cid}"
         try:
             req = parse_generate(frame, kind, self.gw.model_name, request_id, self.gw.reply_stream)
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
