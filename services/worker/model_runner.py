@@ -242,13 +242,7 @@ class ModelRunner:
                 s.num_computed += n
             if not sampled:
                 return [], []
-            rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
-                              states[i].generator) for i in sampled]
-            tokens = self.sampler.sample(logits, rows)
-        self.last_logits = logits
-        for i, tok in zip(sampled, tokens, strict=True):
-            states[i].token_ids.append(tok)
-        return [states[i].request_id for i in sampled], tokens
+            return self._sample(states, sampled, logits)
 
     def _run_graph(self, states: list[RequestState]) -> tuple[list[str], list[int]]:
         """A pure-decode step through a captured CUDA graph (same results as `_run`)."""
@@ -264,9 +258,14 @@ class ModelRunner:
             # A copy: the graph's output buffer is overwritten by the next replay.
             logits = all_logits.clone() if len(sampled) == len(states) else \
                 all_logits.index_select(0, torch.tensor(sampled, device=all_logits.device))
-            rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
-                              states[i].generator) for i in sampled]
-            tokens = self.sampler.sample(logits, rows)
+            return self._sample(states, sampled, logits)
+
+    def _sample(self, states: list[RequestState], sampled: list[int],
+                logits: torch.Tensor) -> tuple[list[str], list[int]]:
+        """Sample one token for each row of `logits` (the states at `sampled`) and append it."""
+        rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
+                          states[i].generator) for i in sampled]
+        tokens = self.sampler.sample(logits, rows)
         self.last_logits = logits
         for i, tok in zip(sampled, tokens, strict=True):
             states[i].token_ids.append(tok)
