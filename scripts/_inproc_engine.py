@@ -43,7 +43,7 @@ class Engine:
                                eos_token_ids=[], arrival_time=time.time())
         why = self.sched.check_admissible(msg)
         if why:
-            raise ValueError(why)
+            raise ValueError(why.message)
         self.sched.add(msg)
         self.timeline.arrival[rid] = time.perf_counter()
 

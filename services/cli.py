@@ -43,7 +43,31 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--engine-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top logprobs a request may ask for per token (logprobs / top_logprobs)")
     p.add_argument("--log-level", default=None, help="Rill's log level (default INFO: start-up facts only)")
+
+
+def _body_size(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError:
+        size = None
+    if size is None or size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 16MiB, got {text!r}")
+    return size
+
+
+def _gateway_flags(p: argparse.ArgumentParser) -> None:
+    from rill.services.gateway.auth import ENV_VAR
+    from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES
+
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                        f"(default: ${ENV_VAR}; unset or empty: no key)")
+    p.add_argument("--max-request-body-bytes", type=_body_size, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES >> 20}MiB; "
+                        f"accepts e.g. 4MiB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--tokenizer-replicas", type=int, default=1)
     serve.add_argument("--detokenizer-replicas", type=int, default=1)
+    _gateway_flags(serve)
     serve.add_argument("--gateway-replicas", type=int, default=1,
                        help="gateway processes; with more than one they share --port (SO_REUSEPORT, Linux)")
 
@@ -70,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--host", default="0.0.0.0")
     one.add_argument("--port", type=int, default=8000)
     one.add_argument("--replica-name", default=None, help="consumer name (default: host-pid)")
+    _gateway_flags(one)
     one.add_argument("--reuse-port", action="store_true",
                      help="gateway: bind with SO_REUSEPORT so several replicas share one port")
     from rill.services.chat_client import add_arguments as chat_arguments
@@ -116,8 +142,10 @@ def run_service(ns: argparse.Namespace) -> None:
         run(ns.redis_url, ns.prefix, model_dir, consumer)
     elif ns.name == "gateway":
         from rill.services.gateway.app import run
+        from rill.services.gateway.auth import api_key_from_env
         run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
-            reuse_port=ns.reuse_port)
+            reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
+            max_request_body_bytes=ns.max_request_body_bytes)
 
 
 def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
@@ -128,7 +156,8 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
             "--host", ns.host, "--port", str(ns.port),
             "--long-prefill-token-threshold", str(ns.long_prefill_token_threshold),
-            "--scheduling-policy", ns.scheduling_policy,
+            "--scheduling-policy", ns.scheduling_policy, "--max-logprobs", str(ns.max_logprobs),
+            "--max-request-body-bytes", str(ns.max_request_body_bytes),
             "--enable-prefix-caching" if ns.enable_prefix_caching else "--no-enable-prefix-caching"]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
@@ -172,6 +201,12 @@ def serve(ns: argparse.Namespace) -> int:
     if not redis_url:
         broker = EmbeddedBroker().start()
         redis_url = broker.url
+    if ns.api_key is not None:
+        # The gateways inherit the key through the environment: on their command lines it would
+        # show in every process listing.
+        from rill.services.gateway.auth import ENV_VAR
+
+        os.environ[ENV_VAR] = ns.api_key
     sup = Supervisor(build_children(ns, redis_url, model_dir))
     sup.start()
     try:

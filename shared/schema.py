@@ -27,6 +27,13 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1  # parallel samples; they share the prompt's KV blocks
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # CTRL/HF: divides positive (multiplies negative) logits of
+    #                                  tokens in the prompt or the output
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -73,6 +80,26 @@ class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
     reason: str = "abort"
 
 
+class TokenizeRequest(Struct, tag_field="_t", tag="tokenize", omit_defaults=True):
+    """Gateway -> tokenizer (/tokenize): text or chat messages to token ids, nothing generated."""
+
+    request_id: str
+    reply_to: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, tag_field="_t", tag="detokenize", omit_defaults=True):
+    """Gateway -> tokenizer (/detokenize, and echo of a token-id prompt)."""
+
+    request_id: str
+    reply_to: str
+    token_ids: list[int]
+
+
+TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
 EngineInput = TokenizedRequest | AbortRequest
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +160,14 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     device: str
 
 
+class TokenLogprobs(Struct, array_like=True):
+    """Log-probabilities (log_softmax of the model's raw logits) around one sampled token:
+    index 0 is the sampled token, then the `logprobs` most likely tokens, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_defaults=True):
     """Worker -> scheduler: sampled tokens of the requests that finished their prompt."""
 
@@ -141,6 +176,9 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     token_ids: list[int]
     forward_ms: float = 0.0
     error: str | None = None  # a failed step; the scheduler fails the step's requests
+    # Aligned with request_ids when any sampled row asked for logprobs (None for the others);
+    # empty when none did, so steps without logprobs carry nothing extra.
+    logprobs: list[TokenLogprobs | None] = []
 
 
 WorkerOutput = WorkerReady | StepResult
@@ -168,6 +206,23 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     stop: list[list[str]]
     skip_special_tokens: list[bool]
     include_stop_str: list[bool]
+    # Per row, one entry per new token (empty for rows without logprobs); empty when no row has any.
+    logprobs: list[list[TokenLogprobs]] = []
+
+
+class TopLogprob(Struct, array_like=True):
+    token: str  # the token decoded on its own
+    logprob: float
+    token_id: int
+
+
+class TextLogprob(Struct, array_like=True):
+    """One output token with its logprob and the most likely alternatives at its position."""
+
+    token: str
+    logprob: float
+    token_id: int
+    top: list[TopLogprob]
 
 
 class TextDelta(Struct, array_like=True, omit_defaults=True):
@@ -178,6 +233,7 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TextLogprob] = []  # one per token of this delta, when the request asked
 
 
 class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
@@ -196,7 +252,16 @@ class ErrorReply(Struct, tag_field="_t", tag="error", array_like=True, omit_defa
     param: str | None = None
 
 
-GatewayInput = ReplyBatch | ErrorReply
+class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=True, omit_defaults=True):
+    """Tokenizer -> gateway: the answer to a TokenizeRequest or a DetokenizeRequest."""
+
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    max_model_len: int = 0
+
+
+GatewayInput = ReplyBatch | ErrorReply | TokenizeReply
 
 # ---------------------------------------------------------------------------------------------
 # Observability
@@ -225,6 +290,12 @@ class EngineStats(Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     updated_at: float = 0.0
+    # Queue time (first schedule - arrival at the gateway) of every request since the scheduler
+    # started, as a cumulative histogram: counts[i] requests waited <= bounds[i] (the last count,
+    # one past the bounds, is the total); the gateway exports it as rill:request_queue_time_seconds.
+    queue_time_bounds: list[float] = []
+    queue_time_counts: list[int] = []
+    queue_time_sum: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,4 +314,5 @@ worker_output_decoder = msgspec.msgpack.Decoder(WorkerOutput)
 detok_decoder = msgspec.msgpack.Decoder(DetokBatch)
 gateway_input_decoder = msgspec.msgpack.Decoder(GatewayInput)
 generate_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+tokenizer_input_decoder = msgspec.msgpack.Decoder(TokenizerInput)
 stats_decoder = msgspec.msgpack.Decoder(EngineStats)

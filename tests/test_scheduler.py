@@ -161,8 +161,8 @@ def test_abort_in_every_state_frees_exactly_once() -> None:
 
 def test_admission_rejects_what_can_never_fit() -> None:
     s = sched(num_blocks=4, block_size=4, max_model_len=64)
-    assert "maximum context length" in s.check_admissible(make("a", 60, max_tokens=10))
-    assert "KV cache" in s.check_admissible(make("b", 10, max_tokens=10))
+    assert "maximum context length" in s.check_admissible(make("a", 60, max_tokens=10)).message
+    assert "KV cache" in s.check_admissible(make("b", 10, max_tokens=10)).message
     assert s.check_admissible(make("c", 10, max_tokens=6)) is None
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from rill.shared.schema import DetokBatch, TextDelta
+from rill.shared.schema import DetokBatch, TextDelta, TextLogprob, TokenLogprobs, TopLogprob
 
 _FFFD = "\ufffd"
 
@@ -191,7 +191,8 @@ def apply_stops(window: str, prev_len: int, stops: Sequence[str], include_stop_s
 
 
 class Detokenizer:
-    """Decodes DetokBatch rows for one tokenizer. Holds only read-only tables built once."""
+    """Decodes DetokBatch rows for one tokenizer. Holds only read-only tables built once (and a
+    cache of single-token texts for logprobs)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -200,6 +201,7 @@ class Detokenizer:
         if backend is not None and _is_byte_level(backend):
             self._tables = self._build_tables(backend)
         self._decode_many = self._make_text_decoder(tokenizer, backend)
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (logprobs)
 
     @property
     def byte_level(self) -> bool:
@@ -275,6 +277,21 @@ class Detokenizer:
         # Assumes decode(context) is a prefix of decode(context + new), as for common decoders.
         return full, min(len(prev), len(full))
 
+    def token_str(self, token_id: int) -> str:
+        """A token decoded on its own, as logprobs show it (a partial UTF-8 byte shows as U+FFFD)."""
+        s = self._pieces.get(token_id)
+        if s is None:
+            s = self._decode_many([[token_id]], False)[0]
+            if len(self._pieces) < 1 << 20:
+                self._pieces[token_id] = s
+        return s
+
+    def text_logprob(self, lp: TokenLogprobs) -> TextLogprob:
+        """The sampled token (index 0) with its logprob and the top alternatives, as text."""
+        ids, vals = lp.token_ids, lp.logprobs
+        top = [TopLogprob(self.token_str(t), v, t) for t, v in zip(ids[1:], vals[1:], strict=True)]
+        return TextLogprob(self.token_str(ids[0]), vals[0], ids[0], top)
+
     def detokenize_batch(self, batch: DetokBatch) -> BatchOutput:
         """One TextDelta for every row (the gateway waits for every offset), grouped by reply
         stream. A row that fails gets finish_reason "error"; the others are unaffected."""
@@ -295,9 +312,11 @@ class Detokenizer:
                 out = self.detokenize_row(batch.context_ids[i], new, offset, batch.stop[i],
                                           batch.skip_special_tokens[i], batch.include_stop_str[i],
                                           finish_reason=reason)
+                lps = batch.logprobs[i] if batch.logprobs else []
                 delta = TextDelta(request_id=request_id, offset=offset, num_tokens=len(new), text=out.text,
                                   finish_reason=out.finish_reason, prompt_tokens=batch.prompt_tokens[i],
-                                  completion_tokens=offset + len(new))
+                                  completion_tokens=offset + len(new),
+                                  logprobs=[self.text_logprob(lp) for lp in lps])
                 if out.stopped and reason is None:
                     stopped.append(request_id)
             except Exception as exc:  # bad ids or columns: fail this request only

@@ -30,25 +30,33 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rill.services.gateway import chat_page, openai_api, websocket
+from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, websocket
+from rill.services.gateway.auth import BearerAuth
 from rill.services.gateway.errors import (
     APIError,
     api_error_handler,
     http_exception_handler,
     internal_error_handler,
 )
+from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
+from rill.services.gateway.openai_api import DEFAULT_MAX_LOGPROBS
 from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
+    DetokenizeRequest,
     ErrorReply,
     GatewayInput,
     GenerateRequest,
     ReplyBatch,
     TextDelta,
+    TokenizeReply,
+    TokenizeRequest,
     encode,
     gateway_input_decoder,
+    sample_request_id,
 )
 
 log = logging.getLogger("rill.gateway")
@@ -100,19 +108,32 @@ Event = TextDelta | ErrorReply
 class RequestStream:
     """What one handler waits on: batches of in-order TextDeltas, ending with a finish or an error.
 
+    A request with n > 1 samples receives the deltas of all of them (engine ids
+    `sample_request_id(id, i, n)`), each sample sequenced on its own; `index(delta)` says which
+    choice a delta belongs to, and the stream ends when every sample finished.
     Iterating yields lists (everything that arrived since the last wake-up), so a slow
     consumer sends one chunk per wake-up instead of falling behind one chunk per step.
     Iteration stops after the terminal event, or at once when the request was cancelled here.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, n: int = 1, metrics: RequestMetrics | None = None) -> None:
         self.request_id = request_id
-        self.sequencer = DeltaSequencer()
+        self.n = n
+        self.metrics = metrics  # timings and counts for /metrics; None when not measured
+        self.sequencers = [DeltaSequencer() for _ in range(n)]
         self._buf: list[Event] = []
         self._wake = asyncio.Event()
-        self.terminal = False  # a finish or error was queued
+        self.terminal = False  # every sample finished, or an error was queued
         self.closed = False  # cancelled locally: stop without a terminal event
         self._done = False  # the terminal event was handed out
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_request_id(self.request_id, i, self.n) for i in range(self.n)]
+
+    def index(self, delta: TextDelta) -> int:
+        """The choice index of a delta of this request."""
+        return 0 if self.n == 1 else int(delta.request_id.rsplit(":", 1)[1])
 
     def _put(self, events: list[Event]) -> None:
         if events and not self.closed:
@@ -120,17 +141,26 @@ class RequestStream:
             self._wake.set()
 
     def feed(self, delta: TextDelta) -> None:
-        out = self.sequencer.push(delta)
-        if out and out[-1].finish_reason is not None:
+        index = self.index(delta)
+        out = self.sequencers[index].push(delta)
+        if out and self.metrics is not None:
+            self.metrics.deltas(index, out)
+        if out and out[-1].finish_reason is not None and all(s.finished for s in self.sequencers):
             self.terminal = True
+            if self.metrics is not None:
+                self.metrics.finish()
         self._put(out)
 
     def fail(self, err: ErrorReply) -> None:
         if not self.terminal:
             self.terminal = True
+            if self.metrics is not None:
+                self.metrics.fail(err)
             self._put([err])
 
     def close(self) -> None:
+        if not self.terminal and not self.closed and self.metrics is not None:
+            self.metrics.abort()  # cancelled or disconnected before its end
         self.closed = True
         self._buf.clear()
         self._wake.set()
@@ -147,45 +177,73 @@ class RequestStream:
                 await self._wake.wait()
                 continue
             batch, self._buf = self._buf, []
-            if isinstance(batch[-1], ErrorReply) or batch[-1].finish_reason is not None:
+            if self.terminal:  # the final events were queued with (or before) the flag
                 self._done = True
             yield batch
 
 
 class RequestTracker:
-    """Registry of this gateway's in-flight requests; routes reply messages to their streams."""
+    """Registry of this gateway's in-flight requests; routes reply messages to their streams.
 
-    def __init__(self) -> None:
-        self._streams: dict[str, RequestStream] = {}
+    A stream is reachable under the client's request id (errors, aborts) and under each of its
+    samples' engine ids (deltas)."""
 
-    def register(self, request_id: str) -> RequestStream:
+    def __init__(self, metrics: GatewayMetrics | None = None) -> None:
+        self.metrics = metrics
+        self._streams: dict[str, RequestStream] = {}  # client request id -> stream
+        self._routes: dict[str, RequestStream] = {}  # engine id of every sample -> stream
+        # One-shot calls to a tokenizer replica (/tokenize, /detokenize): id -> its answer.
+        self.calls: dict[str, asyncio.Future[TokenizeReply | ErrorReply]] = {}
+
+    def register(self, request_id: str, n: int = 1) -> RequestStream:
         if request_id in self._streams:
             raise KeyError(f"request {request_id} is already in flight")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, n, self.metrics.request(n) if self.metrics is not None else None)
         self._streams[request_id] = stream
+        for sid in stream.sample_ids:
+            self._routes[sid] = stream
         return stream
+
+    def _drop(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        for sid in stream.sample_ids:
+            self._routes.pop(sid, None)
 
     def unregister(self, request_id: str) -> bool:
         """Forget a request (cancelled, disconnected); its stream stops. True if it was in flight."""
-        stream = self._streams.pop(request_id, None)
+        stream = self._streams.get(request_id)
         if stream is None:
             return False
+        self._drop(stream)
         stream.close()
         return True
 
     def dispatch(self, msg: GatewayInput) -> None:
         if isinstance(msg, ReplyBatch):
             for delta in msg.deltas:
-                stream = self._streams.get(delta.request_id)
+                stream = self._routes.get(delta.request_id)
                 if stream is None:
                     continue  # finished, cancelled, or another gateway generation's id
                 stream.feed(delta)
                 if stream.terminal:
-                    del self._streams[delta.request_id]
+                    self._drop(stream)
         elif isinstance(msg, ErrorReply):
-            stream = self._streams.pop(msg.request_id, None)
+            stream = self._streams.get(msg.request_id) or self._routes.get(msg.request_id)
             if stream is not None:
+                self._drop(stream)
                 stream.fail(msg)
+            else:
+                self._answer(msg)
+        elif isinstance(msg, TokenizeReply):
+            self._answer(msg)
+
+    def _answer(self, msg: TokenizeReply | ErrorReply) -> None:
+        fut = self.calls.pop(msg.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
 
     def ids(self) -> list[str]:
         return list(self._streams)
@@ -208,6 +266,7 @@ ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no
                "request was in flight; the request was not completed")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
+CALL_TIMEOUT_S = 30.0  # a /tokenize or /detokenize answer; tokenizer replicas answer in milliseconds
 
 
 @dataclass
@@ -221,10 +280,12 @@ class Gateway:
     # Refuse and fail requests while no engine heartbeats (the deployed gateway does; a gateway
     # whose downstream services are played by a test harness does not).
     watch_engine: bool = False
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
-        self.tracker = RequestTracker()
+        self.metrics = GatewayMetrics(self.model_name)  # this gateway's own registry (/metrics)
+        self.tracker = RequestTracker(self.metrics)
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._heartbeat: Heartbeat | None = None
@@ -379,7 +440,7 @@ class Gateway:
 
     async def submit(self, req: GenerateRequest) -> RequestStream:
         """Register first, then send, so a fast reply can never arrive before its stream exists."""
-        stream = self.tracker.register(req.request_id)
+        stream = self.tracker.register(req.request_id, req.params.n)
         try:
             await self.send_request(req)
         except APIError:
@@ -387,16 +448,49 @@ class Gateway:
             raise
         return stream
 
+    def _mark_accepted(self, request_id: str, accepted: bool) -> None:
+        stream = self.tracker.get(request_id)
+        if stream is not None and stream.metrics is not None:
+            stream.metrics.accepted = accepted
+
     async def send_request(self, req: GenerateRequest) -> None:
         """Queue a registered request for the tokenizers."""
         assert self.bus is not None
         if self.watch_engine and not self.engine_live:
             raise APIError(ENGINE_UNAVAILABLE, 503, type="server_error")
         try:
+            # Counted in /metrics from now on (set before the send: its replies may come first).
+            self._mark_accepted(req.request_id, True)
             await self.bus.send(self.bus.streams.requests, req, maxlen=MAXLEN["requests"])
         except Exception as exc:
+            self._mark_accepted(req.request_id, False)  # answered with an error at once: not counted
             log.warning("could not submit %s: %r", req.request_id, exc)
             raise APIError("The server could not queue the request; try again.", 503) from exc
+
+    async def call(self, msg: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
+        """Ask a tokenizer replica (through the requests stream, like generate requests) and wait."""
+        assert self.bus is not None
+        msg = msgspec.structs.replace(msg, request_id=f"call-{uuid.uuid4().hex}", reply_to=self.reply_stream)
+        fut: asyncio.Future[TokenizeReply | ErrorReply] = asyncio.get_running_loop().create_future()
+        self.tracker.calls[msg.request_id] = fut
+        try:
+            try:
+                await self.bus.send(self.bus.streams.requests, msg, maxlen=MAXLEN["requests"])
+            except Exception as exc:
+                raise APIError("The server could not queue the request; try again.", 503) from exc
+            try:
+                reply = await asyncio.wait_for(fut, CALL_TIMEOUT_S)
+            except TimeoutError:
+                raise APIError("No tokenizer answered in time; try again.", 503, type="server_error") from None
+        finally:
+            self.tracker.calls.pop(msg.request_id, None)
+        if isinstance(reply, ErrorReply):
+            raise APIError(reply.message, reply.status if 400 <= reply.status <= 599 else 500, type=reply.type,
+                           param=reply.param)
+        return reply
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeReply:
+        return await self.call(DetokenizeRequest(request_id="", reply_to="", token_ids=token_ids))
 
     async def engine_ids(self) -> list[int]:
         assert self.bus is not None
@@ -458,9 +552,12 @@ class GatewayHeader:
 
 
 def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
-               gateway_id: str | None = None, watch_engine: bool = False) -> Starlette:
+               gateway_id: str | None = None, watch_engine: bool = False,
+               max_logprobs: int = DEFAULT_MAX_LOGPROBS, api_key: str | None = None,
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
-                      **({"gateway_id": gateway_id} if gateway_id else {}))
+                      max_logprobs=max_logprobs, **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -471,18 +568,23 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
             await gateway.stop()
 
     app = Starlette(
-        routes=[*openai_api.routes(), *websocket.routes(), *chat_page.routes()],
+        routes=[*openai_api.routes(), *websocket.routes(), *chat_page.routes(), *metrics.routes(),
+                *openapi_spec.routes()],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_exception_handler, APIError: api_error_handler,
                             Exception: internal_error_handler},
-        middleware=[Middleware(GatewayHeader, gateway_id=gateway.gateway_id)],
+        # Outermost first: the key is checked before any body is read, then the body limits.
+        middleware=[Middleware(GatewayHeader, gateway_id=gateway.gateway_id),
+                    *([Middleware(BearerAuth, api_key=api_key)] if api_key else []),
+                    Middleware(RequestLimits, max_body_bytes=max_request_body_bytes)],
     )
     app.state.gateway = gateway
     return app
 
 
 def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int,
-        replica: str | None = None, reuse_port: bool = False) -> None:
+        replica: str | None = None, reuse_port: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve until SIGTERM/SIGINT. `reuse_port`: bind with SO_REUSEPORT, so several gateway
     replicas listen on the same port and the kernel spreads connections across them (Linux)."""
     import uvicorn
@@ -493,7 +595,8 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
     # Unique per process start: a restarted replica gets a fresh reply stream, and the requests
     # of the one that died are aborted by the engines once its heartbeat expires.
     gateway_id = f"{replica}-{uuid.uuid4().hex[:8]}" if replica else uuid.uuid4().hex
-    app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True)
+    app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True,
+                     max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes)
     # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
     # shutdown timeout stops a stream whose engine died from holding the process open.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,

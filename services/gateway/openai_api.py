@@ -20,21 +20,33 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rill.services.gateway.errors import APIError, json_response
+from rill.services.gateway.responses import (
+    GENERATION_FAILED,
+    ChunkFormatter,
+    Event,
+    Output,
+    error_from_reply,
+    full_response,
+)
 from rill.shared.schema import (
     ChatMessage,
     ErrorReply,
     GenerateRequest,
     SamplingParams,
-    TextDelta,
+    TokenizeRequest,
     stats_decoder,
 )
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Event, Gateway, RequestStream
+    from rill.services.gateway.app import Gateway, RequestStream
 
 T = TypeVar("T")
 
 MAX_STOP = 16
+MAX_N = 128  # OpenAI's bound on parallel samples
+MAX_LOGIT_BIAS = 1024
+MAX_REPETITION_PENALTY = 100.0
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _INT64 = 2**63
 MAX_TOKEN_ID = 2**31 - 1
@@ -99,7 +111,7 @@ def check_model(body: dict[str, Any], model_name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def parse_sampling(body: dict[str, Any], kind: str) -> SamplingParams:
+def parse_sampling(body: dict[str, Any], kind: str, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
     """Sampling fields as vLLM accepts them (top_k at top level, as `extra_body` sends it)."""
     kw: dict[str, Any] = {}
 
@@ -173,12 +185,85 @@ def parse_sampling(body: dict[str, Any], kind: str) -> SamplingParams:
 
     n = _opt_int(body, "n")
     if n is not None:
-        if n < 1:
-            raise _bad(f"n must be at least 1, got {n}.", "n")
-        if n > 1:
-            raise _bad("n > 1 is not supported yet; send n separate requests instead.", "n")
+        if not 1 <= n <= MAX_N:
+            raise _bad(f"n must be in [1, {MAX_N}], got {n}.", "n")
+        kw["n"] = n
+
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _opt_num(body, name)
+        if v is not None:
+            if not -2.0 <= v <= 2.0:
+                raise _bad(f"{name} must be in [-2, 2], got {v}.", name)
+            kw[name] = v
+
+    rep = _opt_num(body, "repetition_penalty")
+    if rep is not None:
+        if not 0.0 < rep <= MAX_REPETITION_PENALTY:
+            raise _bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rep}.",
+                       "repetition_penalty")
+        kw["repetition_penalty"] = rep
+
+    min_p = _opt_num(body, "min_p")
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise _bad(f"min_p must be in [0, 1], got {min_p}.", "min_p")
+        kw["min_p"] = min_p
+
+    bias = _parse_logit_bias(body.get("logit_bias"))
+    if bias:
+        kw["logit_bias"] = bias
+
+    logprobs = _parse_logprobs(body, kind, max_logprobs)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
 
     return SamplingParams(**kw)
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's map of token id (a JSON object key, so a string) to a bias in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad("logit_bias must be an object mapping token ids to numbers in [-100, 100].", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}.", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+        if not _is_token_id(token):
+            raise _bad(f"logit_bias token id {key!r} is out of range.", "logit_bias")
+        if not _is_num(bias) or not -100.0 <= bias <= 100.0:
+            raise _bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}.",
+                       "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _parse_logprobs(body: dict[str, Any], kind: str, max_logprobs: int) -> int | None:
+    """How many top logprobs per output token (0: only the sampled token's), None: no logprobs.
+
+    Completions take `logprobs` as that number; chat takes `logprobs: true` and `top_logprobs`."""
+    if kind == "chat":
+        want = _opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs")
+        if top is not None and not want:
+            raise _bad("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if not want:
+            return None
+        name, n = "top_logprobs", top or 0
+    else:
+        name, n = "logprobs", _opt_int(body, "logprobs")
+        if n is None:
+            return None
+    if n < 0:
+        raise _bad(f"{name} must be non-negative, got {n}.", name)
+    if n > max_logprobs:
+        raise _bad(f"Requested sample logprobs of {n}, which is greater than max allowed: {max_logprobs}.", name)
+    return n
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -240,7 +325,8 @@ def new_request_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def parse_generate(body: Any, kind: str, model_name: str, request_id: str, reply_to: str) -> GenerateRequest:
+def parse_generate(body: Any, kind: str, model_name: str, request_id: str, reply_to: str,
+                   max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> GenerateRequest:
     """Validate a chat / completion body into the message the tokenizer consumes."""
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.", None)
@@ -255,7 +341,7 @@ def parse_generate(body: Any, kind: str, model_name: str, request_id: str, reply
         messages, prompt = None, parse_prompt(body["prompt"])
     priority = _opt_int(body, "priority")  # vLLM's extension: lower runs first (--scheduling-policy priority)
     return GenerateRequest(request_id=request_id, reply_to=reply_to, kind=kind,
-                           params=parse_sampling(body, kind), arrival_time=time.time(),
+                           params=parse_sampling(body, kind, max_logprobs), arrival_time=time.time(),
                            messages=messages, prompt=prompt, priority=priority or 0)
 
 
@@ -270,44 +356,6 @@ def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if not stream:
         raise _bad("stream_options is only allowed when stream is true.", "stream_options")
     return stream, bool(_opt_bool(opts, "include_usage"))
-
-
-def error_from_reply(err: ErrorReply) -> APIError:
-    status = err.status if 400 <= err.status <= 599 else 500  # never let a bad status break the reply
-    return APIError(err.message, status, type=err.type, param=err.param)
-
-
-GENERATION_FAILED = "The request failed during generation."
-
-# ---------------------------------------------------------------------------------------------
-# Output accumulation
-
-
-class Output:
-    """Text, finish reason and token counts of one request, built from its in-order deltas."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.finish_reason: str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-
-    def add(self, d: TextDelta) -> None:
-        if d.text:
-            self.parts.append(d.text)
-        self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
-        # Offsets count output tokens, so they bound the count even if a delta omits it.
-        self.completion_tokens = max(self.completion_tokens, d.completion_tokens, d.offset + d.num_tokens)
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,71 +392,6 @@ async def or_disconnect(receive: Receive, aw: Awaitable[T]) -> T | _Disconnected
 # ---------------------------------------------------------------------------------------------
 # Server-sent events
 
-_json = msgspec.json.Encoder()
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-class ChunkFormatter:
-    """Builds the SSE chunks of one streamed request (chat.completion.chunk or text_completion)."""
-
-    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool) -> None:
-        self.kind = kind
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.include_usage = include_usage
-        self.output = Output()
-        self.failed = False
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        obj: dict[str, Any] = {"id": self.request_id,
-                               "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                               "created": self.created, "model": self.model, "choices": choices}
-        if self.include_usage:
-            obj["usage"] = None
-        return sse(obj)
-
-    def _choice(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        if self.kind == "chat":
-            return {"index": 0, "delta": {"content": text} if text else {},
-                    "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-
-    def start(self) -> bytes:
-        if self.kind != "chat":
-            return b""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
-
-    def render(self, batch: list[Event]) -> bytes:
-        out: list[bytes] = []
-        for ev in batch:
-            if isinstance(ev, ErrorReply):
-                out.append(sse(error_from_reply(ev).body()))
-                self.failed = True
-                continue
-            self.output.add(ev)
-            if ev.finish_reason == "error":
-                out.append(sse(APIError(GENERATION_FAILED, 500).body()))
-                self.failed = True
-            elif ev.text or ev.finish_reason is not None:
-                out.append(self._chunk([self._choice(ev.text, ev.finish_reason)]))
-        return b"".join(out)
-
-    def end(self) -> bytes:
-        tail = b""
-        if self.include_usage and not self.failed:
-            tail = sse({"id": self.request_id,
-                        "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                        "created": self.created, "model": self.model, "choices": [],
-                        "usage": self.output.usage()})
-        return tail + DONE
-
-
 class SSEResponse:
     """Streams a request's events; a client disconnect before the finish aborts the request.
 
@@ -438,10 +421,13 @@ class SSEResponse:
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
                     "more_body": True})
-        async for batch in self.events:
-            body = self.fmt.render(batch)
-            if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+        if not self.fmt.failed:
+            async for batch in self.events:
+                body = self.fmt.render(batch)
+                if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                if self.fmt.failed:
+                    break  # one failed sample fails the request; the others are aborted on return
         await send({"type": "http.response.body", "body": self.fmt.end(), "more_body": False})
 
 
@@ -461,15 +447,33 @@ async def _json_body(request: Request) -> Any:
         raise _bad(f"Malformed JSON body: {exc}", None) from exc
 
 
+def parse_echo(body: dict[str, Any], kind: str, params: SamplingParams) -> bool:
+    echo = bool(_opt_bool(body, "echo")) if kind == "completion" else False
+    if echo and params.logprobs is not None:
+        # Would need the prompt's logprobs, which the engine does not compute.
+        raise _bad("echo together with logprobs (prompt logprobs) is not supported.", "echo")
+    return echo
+
+
+async def _echo_text(gw: Gateway, req: GenerateRequest) -> str:
+    """The prompt as text, for echo: as given, or decoded by a tokenizer replica from its ids."""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return (await gw.detokenize(list(req.prompt or []))).text
+
+
 async def _generate(request: Request, kind: str) -> Response | SSEResponse:
     gw = _gateway(request)
     body = await _json_body(request)
     request_id = new_request_id(kind)
-    req = parse_generate(body, kind, gw.model_name, request_id, gw.reply_stream)
+    req = parse_generate(body, kind, gw.model_name, request_id, gw.reply_stream, gw.max_logprobs)
     stream, include_usage = parse_stream_options(body)
+    as_ids = bool(_opt_bool(body, "return_tokens_as_token_ids"))
+    echo_text = await _echo_text(gw, req) if parse_echo(body, kind, req.params) else ""
     rs = await gw.submit(req)
     events = aiter(rs)
     handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself
+    logprobs = req.params.logprobs is not None
     try:
         if stream:
             first = await or_disconnect(request.receive, anext(events))
@@ -482,39 +486,28 @@ async def _generate(request: Request, kind: str) -> Response | SSEResponse:
                 return APIError(GENERATION_FAILED, 500).response()
             handed_off = True
             return SSEResponse(gw, rs, events, first,
-                               ChunkFormatter(kind, request_id, gw.model_name, include_usage))
-        out = await or_disconnect(request.receive, _collect(events))
+                               ChunkFormatter(kind, request_id, gw.model_name, include_usage, req.params.n,
+                                              rs.index, logprobs, echo_text, as_ids))
+        out = await or_disconnect(request.receive, _collect(rs, events, as_ids))
         if isinstance(out, _Disconnected):
             return Response(status_code=499)
-        return json_response(_full_response(kind, request_id, gw.model_name, out))
+        return json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text))
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
         if not handed_off and not rs.terminal:
             gw.abort_soon([request_id])
 
 
-async def _collect(events: AsyncIterator[list[Event]]) -> Output:
-    out = Output()
+async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens_as_ids: bool) -> Output:
+    out = Output(rs.n, tokens_as_ids)
     async for batch in events:
         for ev in batch:
             if isinstance(ev, ErrorReply):
                 raise error_from_reply(ev)
-            out.add(ev)
-    if out.finish_reason == "error":
-        raise APIError(GENERATION_FAILED, 500)
+            out.add(ev, rs.index(ev))
+            if ev.finish_reason == "error":
+                raise APIError(GENERATION_FAILED, 500)
     return out
-
-
-def _full_response(kind: str, request_id: str, model: str, out: Output) -> dict[str, Any]:
-    if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                  "logprobs": None, "finish_reason": out.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": out.usage()}
 
 
 async def completions(request: Request) -> Response | SSEResponse:
@@ -523,6 +516,42 @@ async def completions(request: Request) -> Response | SSEResponse:
 
 async def chat_completions(request: Request) -> Response | SSEResponse:
     return await _generate(request, "chat")
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: the ids a prompt (or chat messages, templated) turns into."""
+    gw = _gateway(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", None)
+    check_model(body, gw.model_name)
+    add_special = _opt_bool(body, "add_special_tokens")
+    add_generation_prompt = _opt_bool(body, "add_generation_prompt")
+    if "messages" in body:
+        msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream, messages=parse_messages(body["messages"]),
+                              add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
+    elif isinstance(body.get("prompt"), str):
+        msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream, prompt=body["prompt"],
+                              add_special_tokens=True if add_special is None else add_special)
+    else:
+        raise _bad("prompt (a string) or messages is required.", "prompt")
+    reply = await gw.call(msg)
+    return json_response({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                          "tokens": reply.token_ids})
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: token ids back to text."""
+    gw = _gateway(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", None)
+    check_model(body, gw.model_name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
+        raise _bad("tokens must be a list of non-negative token ids.", "tokens")
+    reply = await gw.detokenize(tokens)
+    return json_response({"prompt": reply.text})
 
 
 async def models(request: Request) -> Response:
@@ -571,6 +600,8 @@ def routes() -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
     ]

@@ -3,8 +3,12 @@
 Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
                 {"type": "completion", "id": .., "prompt": .., ...sampling}
                 {"type": "cancel", "id": ..}
-Server frames:  {"id": .., "type": "delta", "text": ..}
-                {"id": .., "type": "done", "finish_reason": .., "usage": {..}}
+Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..]}
+                {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..}}
+
+Sampling fields are the chat/completions ones; `logprobs` (true, with `top_logprobs`) adds the
+chat-shaped logprobs of a delta's tokens; with `n` > 1 each delta names its sample's `index`
+and the done frame, sent once every sample ended, lists each sample's finish reason.
                 {"id": .., "type": "error", "error": {"message": .., "type": .., "param": .., "code": ..}}
 
 Every request ends with exactly one `done` or `error` frame. A bad frame only earns an error
@@ -25,8 +29,9 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.openai_api import GENERATION_FAILED, Output, error_from_reply, parse_generate
-from rill.shared.schema import ErrorReply
+from rill.services.gateway.openai_api import parse_generate
+from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
+from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
     from rill.services.gateway.app import Gateway, RequestStream
@@ -94,9 +99,14 @@ class Connection:
                 del self.inflight[entry.client_id]
                 await self._send_locked(frame)
 
-    def _done_frame(self, entry: _Entry, finish_reason: str) -> dict[str, Any]:
-        return {"id": entry.client_id, "type": "done", "finish_reason": finish_reason,
-                "usage": entry.output.usage()}
+    def _done_frame(self, entry: _Entry, finish_reason: str | None = None) -> dict[str, Any]:
+        choices = entry.output.choices
+        frame: dict[str, Any] = {"id": entry.client_id, "type": "done",
+                                 "finish_reason": finish_reason or choices[0].finish_reason,
+                                 "usage": entry.output.usage()}
+        if len(choices) > 1:
+            frame["finish_reasons"] = [finish_reason or c.finish_reason for c in choices]
+        return frame
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -150,9 +160,11 @@ class Connection:
         self.started += 1
         request_id = f"ws-{self.conn_id}-{self.started}-{cid}"
         try:
-            req = parse_generate(frame, kind, self.gw.model_name, request_id, self.gw.reply_stream)
+            req = parse_generate(frame, kind, self.gw.model_name, request_id, self.gw.reply_stream,
+                                 self.gw.max_logprobs)
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
-            entry = _Entry(cid, request_id, self.gw.tracker.register(request_id))
+            stream = self.gw.tracker.register(request_id, req.params.n)
+            entry = _Entry(cid, request_id, stream, Output(stream.n))
         except APIError as err:
             await self._send(_error_frame(cid, err))
             return
@@ -170,36 +182,44 @@ class Connection:
         entry.task = asyncio.create_task(self._run(entry), name=f"ws-{request_id}")
 
     async def _run(self, entry: _Entry) -> None:
-        out = entry.output
+        out, stream = entry.output, entry.stream
         try:
-            async for batch in entry.stream:
-                parts: list[str] = []
+            async for batch in stream:
+                pending: dict[int, tuple[list[str], list[TextLogprob]]] = {}
                 for ev in batch:
                     if isinstance(ev, ErrorReply):
-                        await self._flush(entry, parts)
+                        await self._flush(entry, pending)
                         await self._finish(entry, _error_frame(entry.client_id, error_from_reply(ev)))
                         return
-                    out.add(ev)
+                    i = stream.index(ev)
+                    out.add(ev, i)
+                    parts, lps = pending.setdefault(i, ([], []))
                     if ev.text:
                         parts.append(ev.text)
+                    lps.extend(ev.logprobs)
                     if ev.finish_reason == "error":
-                        await self._flush(entry, parts)
+                        await self._flush(entry, pending)
                         await self._finish(entry, _error_frame(entry.client_id, APIError(GENERATION_FAILED, 500)))
                         return
-                    if ev.finish_reason is not None:
-                        await self._flush(entry, parts)
-                        await self._finish(entry, self._done_frame(entry, ev.finish_reason))
-                        return
-                await self._flush(entry, parts)
+                await self._flush(entry, pending)
+            if all(c.finish_reason is not None for c in out.choices):  # else cancelled: cancel() answered
+                await self._finish(entry, self._done_frame(entry))
         except Exception:
             log.exception("websocket request %s failed", entry.request_id)
             await self._finish(entry, _error_frame(entry.client_id, APIError("Internal server error", 500)))
 
-    async def _flush(self, entry: _Entry, parts: list[str]) -> None:
-        # One frame per wake-up: deltas that queued up meanwhile go out together.
-        if parts:
-            await self._send_owned(entry, {"id": entry.client_id, "type": "delta", "text": "".join(parts)})
-            parts.clear()
+    async def _flush(self, entry: _Entry, pending: dict[int, tuple[list[str], list[TextLogprob]]]) -> None:
+        # One frame per sample per wake-up: deltas that queued up meanwhile go out together.
+        for i, (parts, lps) in sorted(pending.items()):
+            if not parts and not lps:
+                continue
+            frame: dict[str, Any] = {"id": entry.client_id, "type": "delta", "text": "".join(parts)}
+            if entry.stream.n > 1:
+                frame["index"] = i
+            if lps:
+                frame["logprobs"] = chat_logprobs(lps)["content"]
+            await self._send_owned(entry, frame)
+        pending.clear()
 
     async def cancel(self, cid: str | int) -> None:
         entry = self.inflight.pop(cid, None)

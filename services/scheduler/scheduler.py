@@ -15,7 +15,10 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -28,6 +31,7 @@ from rill.shared.schema import (
     StepPlan,
     StepResult,
     TokenizedRequest,
+    TokenLogprobs,
     sample_request_id,
 )
 
@@ -96,6 +100,13 @@ class Request:
         return out
 
 
+class Refusal(NamedTuple):
+    """A request that can never run on this engine: the message for the client, the field at fault."""
+
+    message: str
+    param: str | None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -119,6 +130,30 @@ class StepCounters:
     preemptions: int = 0
 
 
+# Bucket bounds (seconds) of the queue-time histogram; fixed, so every scrape of every engine
+# lines up, and the gateway exports them as they come (rill:request_queue_time_seconds).
+QUEUE_TIME_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                     120.0, 300.0, 600.0, 1800.0)
+
+
+class QueueTimeHistogram:
+    """Counts per bucket and the sum of observed queue times, since this scheduler started."""
+
+    def __init__(self, bounds: tuple[float, ...] = QUEUE_TIME_BOUNDS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)  # the gateway's clock may run a little ahead of ours
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[int]:
+        """Prometheus' shape: requests with a queue time <= each bound, then the total."""
+        return list(itertools.accumulate(self.counts))
+
+
 @dataclass
 class StepOutcome:
     """What one step's result turned into: text work for detokenizers, freed requests."""
@@ -138,6 +173,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # client request id -> sample ids
         self.counters = StepCounters()
+        self.queue_time = QueueTimeHistogram()
+        self._started_groups: set[str] = set()  # client requests already scheduled once
+        self.clock: Callable[[], float] = time.time  # wall clock, as the gateway's arrival_time
         self._step_id = 0
         self._forget: list[str] = []  # ids the worker must drop at the next plan
         self._in_flight: StepPlan | None = None
@@ -160,25 +198,27 @@ class Scheduler:
 
     # ----------------------------------------------------------------- admission and abort
 
-    def check_admissible(self, msg: TokenizedRequest) -> str | None:
-        """Why this request can never run here, or None. Checked before it is queued."""
+    def check_admissible(self, msg: TokenizedRequest) -> Refusal | None:
+        """Why this request can never run here (and which request field to blame), or None.
+        Checked before it is queued."""
         p = msg.params
         total = len(msg.prompt_token_ids) + (p.max_tokens or 0)
         if msg.request_id in self.groups or msg.request_id in self.requests:
-            return f"duplicate request id {msg.request_id}"
+            return Refusal(f"duplicate request id {msg.request_id}", None)
         if not msg.prompt_token_ids:
-            return "the prompt is empty"
+            return Refusal("the prompt is empty", "prompt")
         if p.n < 1:
-            return "n must be at least 1"
+            return Refusal("n must be at least 1", "n")
         if total > self.config.max_model_len:
-            return (f"This model's maximum context length is {self.config.max_model_len} tokens. "
-                    f"However, you requested {total} tokens ({len(msg.prompt_token_ids)} in the "
-                    f"prompt, {p.max_tokens} for the completion).")
+            return Refusal(f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                           f"However, you requested {total} tokens ({len(msg.prompt_token_ids)} in the "
+                           f"prompt, {p.max_tokens} for the completion).", "max_tokens")
         if p.n > self.config.max_num_seqs:
-            return f"n={p.n} is more than this engine runs at once (max_num_seqs={self.config.max_num_seqs})"
+            return Refusal(f"n={p.n} is more than this engine runs at once "
+                           f"(max_num_seqs={self.config.max_num_seqs})", "n")
         if not self.kv.can_ever_fit(total):
-            return (f"the request needs {total} tokens of KV cache but the whole cache holds "
-                    f"{self.kv.num_blocks * self.kv.block_size}")
+            return Refusal(f"the request needs {total} tokens of KV cache but the whole cache holds "
+                           f"{self.kv.num_blocks * self.kv.block_size}", "max_tokens")
         return None
 
     def add(self, msg: TokenizedRequest) -> list[Request]:
@@ -213,6 +253,7 @@ class Scheduler:
         group = self.groups.get(req.group_id)
         if group is not None and all(rid not in self.requests for rid in group):
             del self.groups[req.group_id]
+            self._started_groups.discard(req.group_id)
         if req.known_to_worker:
             self._forget.append(req.request_id)
             req.known_to_worker = False
@@ -297,12 +338,22 @@ class Scheduler:
             req.num_computed_tokens = computed
             req.status = Status.RUNNING
             self.running.append(req)
+            self._observe_queue_time(req)
             scheduled[req.request_id] = n
             budget -= n
 
         if not scheduled and not self._forget:
             return None
         return self._build_plan(scheduled)
+
+    def _observe_queue_time(self, req: Request) -> None:
+        """The first time any sample of a client request is scheduled: its queue time, once
+        (a preempted request coming back, or sample i > 0 of the group, is not counted again)."""
+        if req.group_id in self._started_groups:
+            return
+        self._started_groups.add(req.group_id)
+        if req.arrival_time > 0:  # 0: a message built without an arrival time (tests, tools)
+            self.queue_time.observe(self.clock() - req.arrival_time)
 
     def _reusable_prefix(self, req: Request) -> list[int] | None:
         """Blocks the request can start from: its group's prompt blocks or prefix-cache hits.
@@ -374,6 +425,7 @@ class Scheduler:
         self._in_flight = None
         bs = self.kv.block_size
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
+        logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
         rows = _DetokRows()
         finished: list[Request] = []
         for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
@@ -389,7 +441,8 @@ class Scheduler:
                 offset = len(req.output_token_ids)
                 req.output_token_ids.append(token)
                 reason = self._stop_reason(req, token)
-                rows.add(req, offset, [token], reason)
+                lp = logprobs.get(rid)
+                rows.add(req, offset, [token], reason, [lp] if lp is not None else [])
                 if reason is not None:
                     self.running.remove(req)
                     self._finish(req)
@@ -430,7 +483,7 @@ class Scheduler:
             return "length"
         return None
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | list[int] | list[float]]:
         c = self.counters
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),
                     num_blocks=self.kv.num_blocks, num_free_blocks=self.kv.num_free_blocks,
@@ -440,7 +493,8 @@ class Scheduler:
                     finished_requests=c.finished_requests, aborted_requests=c.aborted_requests,
                     preemptions=c.preemptions, kv_usage=round(self.kv.usage, 4),
                     num_cached_blocks=len(self.kv.cached), prefix_cache_queries=self.kv.queries,
-                    prefix_cache_hits=self.kv.hits)
+                    prefix_cache_hits=self.kv.hits, queue_time_bounds=list(self.queue_time.bounds),
+                    queue_time_counts=self.queue_time.cumulative(), queue_time_sum=self.queue_time.sum)
 
     def check_invariants(self) -> None:
         """For tests: scheduler state and block manager agree."""
@@ -468,11 +522,14 @@ class _DetokRows:
         self.stop: list[list[str]] = []
         self.skip_special: list[bool] = []
         self.include_stop: list[bool] = []
+        self.logprobs: list[list[TokenLogprobs]] = []
+        self.any_logprobs = False
 
     def __bool__(self) -> bool:
         return bool(self.ids)
 
-    def add(self, req: Request, offset: int, new: list[int], reason: str | None) -> None:
+    def add(self, req: Request, offset: int, new: list[int], reason: str | None,
+            logprobs: list[TokenLogprobs]) -> None:
         p = req.params
         ctx = req.detok_context
         self.ids.append(req.request_id)
@@ -485,10 +542,13 @@ class _DetokRows:
         self.stop.append(p.stop)
         self.skip_special.append(p.skip_special_tokens)
         self.include_stop.append(p.include_stop_str_in_output)
+        self.logprobs.append(logprobs)
+        self.any_logprobs |= bool(logprobs)
 
     def batch(self, engine_id: int, step_id: int) -> DetokBatch:
         return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
                           reply_to=self.reply_to, offsets=self.offsets, new_token_ids=self.new,
                           context_ids=self.context, finish_reasons=self.reasons,
                           prompt_tokens=self.prompt_tokens, stop=self.stop,
-                          skip_special_tokens=self.skip_special, include_stop_str=self.include_stop)
+                          skip_special_tokens=self.skip_special, include_stop_str=self.include_stop,
+                          logprobs=self.logprobs if self.any_logprobs else [])

@@ -137,8 +137,8 @@ class SchedulerService:
         assert sched is not None
         why = sched.check_admissible(msg)
         if why is not None:
-            self.bus.send(msg.reply_to, ErrorReply(request_id=msg.request_id, message=why, status=400,
-                                                   param="max_tokens"), MAXLEN["reply"])
+            self.bus.send(msg.reply_to, ErrorReply(request_id=msg.request_id, message=why.message, status=400,
+                                                   param=why.param), MAXLEN["reply"])
             return
         sched.add(msg)
 

@@ -18,7 +18,16 @@ from msgspec import Struct
 from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Bus, Entry, serve_group
 from rill.shared.config import ModelConfig
 from rill.shared.lifecycle import StopFlag
-from rill.shared.schema import ErrorReply, GenerateRequest, TokenizedRequest, generate_decoder
+from rill.shared.schema import (
+    ChatMessage,
+    DetokenizeRequest,
+    ErrorReply,
+    GenerateRequest,
+    TokenizedRequest,
+    TokenizeReply,
+    TokenizeRequest,
+    tokenizer_input_decoder,
+)
 
 log = logging.getLogger("rill.tokenizer")
 
@@ -45,27 +54,48 @@ class Tokenizer:
         self.eos_token_ids = sorted(eos)
         self.vocab_size = max(self.config.vocab_size, len(self.tok))
 
+    def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise RequestError("messages must be a non-empty list", "messages")
+        if self.tok.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            out = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                               add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as exc:  # a template can reject roles or orderings
+            raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})", param)
+        return ids
+
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
-            if not req.messages:
-                raise RequestError("messages must be a non-empty list", "messages")
-            if self.tok.chat_template is None:
-                raise RequestError("this model has no chat template; use /v1/completions", "messages")
-            try:
-                out = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
-                                                   add_generation_prompt=True, tokenize=True)
-            except Exception as exc:  # a template can reject roles or orderings
-                raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
-            # transformers 5 returns a BatchEncoding here; older versions a plain list.
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return self.chat_ids(req.messages)
         if isinstance(req.prompt, str):
             return list(self.tok(req.prompt, add_special_tokens=True)["input_ids"])
         if isinstance(req.prompt, list):
-            bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
-            return list(req.prompt)
+            return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        """/tokenize: the ids a generate request with this prompt or these messages would run."""
+        if req.messages is not None:
+            ids = self.chat_ids(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = list(self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            raise RequestError("either prompt or messages is required", "prompt")
+        return TokenizeReply(request_id=req.request_id, token_ids=ids, max_model_len=self.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> TokenizeReply:
+        ids = self.check_ids(list(req.token_ids), "tokens")
+        return TokenizeReply(request_id=req.request_id, text=self.tok.decode(ids),
+                             max_model_len=self.max_model_len)
 
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
         ids = self.prompt_ids(req)
@@ -88,6 +118,10 @@ class Tokenizer:
         bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of range", "stop_token_ids")
+        bad_bias = [t for t in req.params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise RequestError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})",
+                               "logit_bias")
         params = msgspec.structs.replace(req.params, max_tokens=max_tokens)
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
@@ -142,11 +176,15 @@ def handle_entries(bus: Bus, tokenizer: Tokenizer, router: Router, entries: list
 def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[tuple[str, Struct, int]]:
     """What one request entry turns into: (stream, message, maxlen) sends, none if it is malformed."""
     try:
-        req = generate_decoder.decode(data)
+        req = tokenizer_input_decoder.decode(data)
     except msgspec.DecodeError as exc:
         log.warning("dropping malformed request entry: %s", exc)
         return []
     try:
+        if isinstance(req, TokenizeRequest):
+            return [(req.reply_to, tokenizer.tokenize(req), MAXLEN["reply"])]
+        if isinstance(req, DetokenizeRequest):
+            return [(req.reply_to, tokenizer.detokenize(req), MAXLEN["reply"])]
         out = tokenizer(req)
     except RequestError as exc:
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=str(exc), status=exc.status,

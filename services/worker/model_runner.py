@@ -22,7 +22,7 @@ from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, check_params
 from rill.shared.config import ModelConfig, kv_cache_blocks
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult
+from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 log = logging.getLogger("rill.worker")
 
@@ -91,6 +91,11 @@ class RequestState:
     params: SamplingParams
     num_prompt: int  # token_ids[:num_prompt] is the prompt; the rest are outputs
     generator: torch.Generator | None
+    history_slot: int | None = None  # its token statistics in the sampler (requests with penalties)
+
+
+# What a step returns: the sampled request ids, their tokens, and their logprobs (see StepResult).
+Sampled = tuple[list[str], list[int], list[TokenLogprobs | None]]
 
 
 class ModelRunner:
@@ -112,8 +117,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA + Triton only)
+        self.sampler = Sampler(self.device, self.cfg.eos_token_ids, seed, vocab_size=self.cfg.vocab_size)
         self.resize_kv_cache(num_blocks)
-        self.sampler = Sampler(self.device, self.cfg.eos_token_ids, seed)
         # Logits of the rows sampled by the last step, in result order (for tests and debugging).
         self.last_logits: torch.Tensor | None = None
 
@@ -121,7 +126,7 @@ class ModelRunner:
         """(Re)allocate the cache, as at start-up; every request is forgotten with its KV."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.requests.clear()
+        self._forget_all()
         self.graphs = None  # captured against the old cache
         self.kv_caches = []  # drop the old cache before allocating the new one
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
@@ -129,8 +134,17 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (the scheduler restarted)."""
-        self.requests.clear()
+        self._forget_all()
         self.last_logits = None
+
+    def _forget_all(self) -> None:
+        self.requests.clear()
+        self.sampler.release_all()
+
+    def _forget(self, rid: str) -> None:
+        state = self.requests.pop(rid, None)
+        if state is not None:
+            self.sampler.release(state.history_slot)
 
     # --------------------------------------------------------------------------------- a step
 
@@ -143,13 +157,13 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], error=str(exc))
         try:
             self._apply_diffs(plan)
-            ids, tokens = self._run(plan)
+            ids, tokens, logprobs = self._run(plan)
         except Exception as exc:  # one bad step must not take the worker down
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[],
                               error=f"{type(exc).__name__}: {exc}")
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens,
-                          forward_ms=(time.perf_counter() - start) * 1e3)
+                          forward_ms=(time.perf_counter() - start) * 1e3, logprobs=logprobs)
 
     def _check(self, plan: StepPlan) -> None:
         """Validate the whole plan against the state it would produce, before changing anything."""
@@ -205,20 +219,24 @@ class ModelRunner:
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
+            self._forget(rid)
         for new in plan.new_requests:
+            self._forget(new.request_id)  # sent again without being finished: start over
+            num_prompt = len(new.token_ids) - new.num_output_tokens
             self.requests[new.request_id] = RequestState(
                 request_id=new.request_id, token_ids=list(new.token_ids), block_ids=list(new.block_ids),
-                num_computed=new.num_computed_tokens, params=new.params,
-                num_prompt=len(new.token_ids) - new.num_output_tokens,
-                generator=self.sampler.make_generator(new.params))
+                num_computed=new.num_computed_tokens, params=new.params, num_prompt=num_prompt,
+                generator=self.sampler.make_generator(new.params),
+                # A resumed request's outputs so far count for its penalties too.
+                history_slot=self.sampler.track(new.params, new.token_ids[:num_prompt],
+                                                new.token_ids[num_prompt:]))
         for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
             self.requests[rid].block_ids.extend(blocks)
 
-    def _run(self, plan: StepPlan) -> tuple[list[str], list[int]]:
+    def _run(self, plan: StepPlan) -> Sampled:
         self.last_logits = None
         if not plan.scheduled_request_ids:
-            return [], []
+            return [], [], []
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
         if self.graphs is not None and self.graphs.fits(counts):
@@ -241,10 +259,10 @@ class ModelRunner:
             for s, n in zip(states, counts, strict=True):
                 s.num_computed += n
             if not sampled:
-                return [], []
+                return [], [], []
             return self._sample(states, sampled, logits)
 
-    def _run_graph(self, states: list[RequestState]) -> tuple[list[str], list[int]]:
+    def _run_graph(self, states: list[RequestState]) -> Sampled:
         """A pure-decode step through a captured CUDA graph (same results as `_run`)."""
         assert self.graphs is not None
         sampled = [i for i, s in enumerate(states) if s.num_computed + 1 == len(s.token_ids)]
@@ -254,22 +272,21 @@ class ModelRunner:
             for s in states:
                 s.num_computed += 1
             if not sampled:
-                return [], []
+                return [], [], []
             # A copy: the graph's output buffer is overwritten by the next replay.
             logits = all_logits.clone() if len(sampled) == len(states) else \
                 all_logits.index_select(0, torch.tensor(sampled, device=all_logits.device))
             return self._sample(states, sampled, logits)
 
-    def _sample(self, states: list[RequestState], sampled: list[int],
-                logits: torch.Tensor) -> tuple[list[str], list[int]]:
+    def _sample(self, states: list[RequestState], sampled: list[int], logits: torch.Tensor) -> Sampled:
         """Sample one token for each row of `logits` (the states at `sampled`) and append it."""
         rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
-                          states[i].generator) for i in sampled]
-        tokens = self.sampler.sample(logits, rows)
-        self.last_logits = logits
-        for i, tok in zip(sampled, tokens, strict=True):
+                          states[i].generator, states[i].history_slot) for i in sampled]
+        out = self.sampler.sample_batch(logits, rows)
+        self.last_logits = logits  # raw: the sampler never writes into them
+        for i, tok in zip(sampled, out.token_ids, strict=True):
             states[i].token_ids.append(tok)
-        return [states[i].request_id for i in sampled], tokens
+        return [states[i].request_id for i in sampled], out.token_ids, out.logprobs
 
     # ------------------------------------------------------------------------------ warm-up
 
@@ -283,7 +300,7 @@ class ModelRunner:
             block_ids=list(range(nblocks)))], cached_request_ids=[], cached_new_block_ids=[],
             scheduled_request_ids=[rid], num_scheduled_tokens=[num_tokens])
         result = self.execute(plan)
-        self.requests.pop(rid, None)
+        self._forget(rid)
         self.last_logits = None
         if result.error:
             raise RuntimeError(f"warm-up step failed: {result.error}")

@@ -1,4 +1,12 @@
-"""Token sampling on the worker: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on the worker: greedy, temperature, top-k, top-p, min_p, penalties, logit_bias,
+per-request seeds and logprobs.
+
+The order is vLLM's: min_tokens bans and logit_bias, then the repetition, frequency and presence
+penalties (greedy rows take their argmax here, so bias and penalties steer them too), then
+temperature, min_p, top-k and top-p, then the draw. Logprobs are log_softmax of the raw logits,
+before any of this (vLLM's default "raw_logprobs"). Every step is batched over rows; per-row
+Python work only builds index tensors, and a batch whose rows use none of the extras pays nothing
+for them.
 
 Each sampled row draws one uniform number and inverts its (filtered) CDF: one random draw per
 row, where an exponential race would need a whole vocabulary of them (~1 ms per row on CPU).
@@ -9,12 +17,13 @@ it was preempted and resumed in between.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rill.shared.schema import SamplingParams
+from rill.shared.schema import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,42 +43,220 @@ class SampleRow:
     params: SamplingParams
     output_index: int  # how many tokens this request has already generated
     generator: torch.Generator | None = None  # set for seeded requests
+    history_slot: int | None = None  # its row in the sampler's TokenHistory (requests with penalties)
+
+
+@dataclass
+class SampledBatch:
+    token_ids: list[int]
+    # Aligned with the rows when any row asked for logprobs (None for the others), else empty.
+    logprobs: list[TokenLogprobs | None]
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling these params reads the request's token history (the penalties)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def check_params(p: SamplingParams) -> str | None:
-    """Why these params cannot be sampled, or None."""
-    if not p.temperature >= 0:  # also catches NaN
+    """Why these params cannot be sampled, or None. The comparisons are written so NaN fails."""
+    if not p.temperature >= 0:
         return f"temperature must be >= 0, got {p.temperature}"
     if not 0 < p.top_p <= 1:
         return f"top_p must be in (0, 1], got {p.top_p}"
     if p.top_k < 0:
         return f"top_k must be >= 0, got {p.top_k}"
+    if not 0 <= p.min_p <= 1:
+        return f"min_p must be in [0, 1], got {p.min_p}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not -2 <= value <= 2:
+            return f"{name} must be in [-2, 2], got {value}"
+    if not (p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty)):
+        return f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}"
+    bad = [t for t, b in p.logit_bias.items() if not math.isfinite(b)]
+    if bad:
+        return f"logit_bias of token {bad[0]} must be a finite number, got {p.logit_bias[bad[0]]}"
+    if p.logprobs is not None and p.logprobs < 0:
+        return f"logprobs must be >= 0, got {p.logprobs}"
     return None
+
+
+class TokenHistory:
+    """What the penalties need from each tracked request's tokens, one row per request in two
+    pooled [slots, vocab] tensors: how often each token occurs in the output, and which tokens
+    occur in the prompt. A step gathers its rows with one index_select and adds its sampled
+    tokens with one index_put_, so a step costs O(batch x vocab) however long the outputs grow;
+    recounting the histories every step would cost (and copy to the device) O(tokens so far)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every request and give the memory back."""
+        self.counts = torch.zeros(0, self.vocab_size, dtype=torch.int32, device=self.device)
+        self.in_prompt = torch.zeros(0, self.vocab_size, dtype=torch.bool, device=self.device)
+        self._free: list[int] = []
+
+    def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
+        """Track a request (also a resumed one, outputs so far included); returns its slot."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.counts[slot].zero_()
+        self.in_prompt[slot].zero_()
+        if prompt_ids:
+            self.in_prompt[slot, self._ids(prompt_ids)] = True
+        if output_ids:
+            out = self._ids(output_ids)
+            self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def record(self, slots: Sequence[int], tokens: torch.Tensor) -> None:
+        """Count one more output occurrence of tokens[i] for the request at slots[i]."""
+        self.counts.index_put_((self._ids(slots), tokens),
+                               torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _grow(self) -> None:
+        """Double the pool (amortized: slots are reused, so this happens O(log peak) times)."""
+        old = self.counts.shape[0]
+        new = max(8, 2 * old)
+        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+        in_prompt = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts[:old] = self.counts
+        in_prompt[:old] = self.in_prompt
+        self.counts, self.in_prompt = counts, in_prompt
+        self._free.extend(range(new - 1, old - 1, -1))  # lowest slots first
 
 
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (),
-                 seed: int = 0) -> None:
+                 seed: int = 0, vocab_size: int = 0) -> None:
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
         self._shared = torch.Generator(device=self.device)  # noise for unseeded requests
         self._shared.manual_seed(seed)
+        # Token statistics for penalties; needs the vocabulary size, known to the model runner.
+        self.history = TokenHistory(vocab_size, self.device) if vocab_size > 0 else None
 
     def make_generator(self, params: SamplingParams) -> torch.Generator | None:
         return torch.Generator(device=self.device) if params.seed is not None else None
 
+    def track(self, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int | None:
+        """Start the token history of a request whose params need one; its slot, else None."""
+        if not needs_history(params):
+            return None
+        if self.history is None:
+            raise ValueError("penalties need a sampler built with vocab_size")
+        return self.history.add(prompt_ids, output_ids)
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None and self.history is not None:
+            self.history.release(slot)
+
+    def release_all(self) -> None:
+        if self.history is not None:
+            self.history.clear()
+
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
         """One token per row of fp32 logits [B, vocab]."""
-        logits = self._ban_early_stops(logits, rows)
-        temps = [r.params.temperature for r in rows]
-        idx = [i for i, t in enumerate(temps) if t > 0]
+        return self.sample_batch(logits, rows).token_ids
+
+    def sample_batch(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledBatch:
+        """One token per row of fp32 logits [B, vocab], with logprobs for the rows that ask.
+        Tracked rows get their token counted in their history."""
+        picks = self._pick(self.process(logits, rows), rows)
+        tracked = [(i, r.history_slot) for i, r in enumerate(rows) if r.history_slot is not None]
+        if tracked and self.history is not None:  # a slot comes from track(), so history exists
+            self.history.record([slot for _, slot in tracked], _take(picks, [i for i, _ in tracked]))
+        logprobs = _logprobs(logits, picks, rows)
+        return SampledBatch(picks.tolist(), logprobs)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """The logits after min_tokens bans, logit_bias and penalties: what greedy rows take the
+        argmax of and the others divide by their temperature. `logits` itself stays untouched."""
+        return self._penalize(self._bias_and_bans(logits, rows), rows, logits)
+
+    def probabilities(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """What rows with temperature > 0 sample from before top-k/top-p, given processed logits:
+        the softmax at their temperature, without the tokens below min_p x the top probability
+        (renormalized, so that top-p then reads the remaining mass as vLLM's does)."""
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
+        probs = torch.softmax(x / temps[:, None], dim=-1)
+        filtered = [j for j, r in enumerate(rows) if r.params.min_p > 0]
+        if not filtered:
+            return probs
+        sub = _take(probs, filtered)
+        min_p = torch.tensor([rows[j].params.min_p for j in filtered], dtype=x.dtype, device=x.device)
+        sub = torch.where(sub >= sub.amax(dim=-1, keepdim=True) * min_p[:, None], sub, 0.0)
+        sub = sub / sub.sum(dim=-1, keepdim=True)
+        if len(filtered) == len(rows):
+            return sub
+        return probs.index_copy_(0, torch.tensor(filtered, device=x.device), sub)  # probs is ours
+
+    def _bias_and_bans(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """logit_bias added; before min_tokens outputs, EOS and stop tokens cannot be sampled."""
+        vocab = logits.shape[1]
+        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items() if 0 <= t < vocab]
+        bans = [(i, t) for i, r in enumerate(rows) if r.output_index < r.params.min_tokens
+                for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
+        if not bias and not bans:
+            return logits
+        x = logits.clone()  # the caller's logits stay as the model produced them
+        dev = x.device
+        if bias:
+            r, c, b = zip(*bias, strict=True)
+            x.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
+                         torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
+        if bans:
+            r, c = zip(*bans, strict=True)
+            x[list(r), list(c)] = float("-inf")
+        return x
+
+    def _penalize(self, x: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
+        """Repetition penalty over prompt and output tokens, then frequency and presence penalties
+        over output tokens, on the rows that set any (`raw` is the caller's, never written)."""
+        idx = [i for i, r in enumerate(rows) if needs_history(r.params)]
         if not idx:
-            return logits.argmax(dim=-1).tolist()
-        vocab, dev = logits.shape[1], logits.device
+            return x
+        if self.history is None or any(rows[i].history_slot is None for i in idx):
+            raise ValueError("a row with penalties has no token history (see Sampler.track)")
+        dev = x.device
+        params = [rows[i].params for i in idx]
+        slots = torch.tensor([rows[i].history_slot for i in idx], device=dev)
+        counts = self.history.counts.index_select(0, slots)
+        in_output = counts > 0
+        sub = _take(x, idx)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+            seen = in_output | self.history.in_prompt.index_select(0, slots)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+            sub = sub - freq * counts - pres * in_output
+        if len(idx) == len(rows):
+            return sub
+        x = x.clone() if x is raw else x
+        return x.index_copy_(0, torch.tensor(idx, device=dev), sub)
+
+    def _pick(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """One token id per row of processed logits (int64, on their device)."""
+        idx = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        if not idx:
+            return x.argmax(dim=-1)
+        vocab, dev = x.shape[1], x.device
         sub = [rows[i] for i in idx]
         # Rows are copied out only when some are left behind: each copy moves B x vocab floats.
-        x = _take(logits, idx)
-        probs = torch.softmax(x / torch.tensor([r.params.temperature for r in sub], device=dev)[:, None], dim=-1)
+        probs = self.probabilities(_take(x, idx), sub)
         u = self._uniforms(sub)
         filtered = [j for j, r in enumerate(sub) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
         whole = sorted(set(range(len(sub))) - set(filtered))
@@ -80,21 +267,10 @@ class Sampler:
             picks[filtered] = _sample_top_k_top_p(_take(probs, filtered), [sub[j].params.top_k for j in filtered],
                                                   [sub[j].params.top_p for j in filtered], u[filtered])
         if len(idx) == len(rows):
-            return picks.tolist()
-        out = logits.argmax(dim=-1)  # the greedy rows
+            return picks
+        out = x.argmax(dim=-1)  # the greedy rows
         out[idx] = picks
-        return out.tolist()
-
-    def _ban_early_stops(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """Before min_tokens outputs, EOS and stop tokens cannot be sampled."""
-        cells = [(i, t) for i, r in enumerate(rows) if r.output_index < r.params.min_tokens
-                 for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < logits.shape[1]]
-        if not cells:
-            return logits
-        logits = logits.clone()  # the caller's logits stay as the model produced them
-        r, c = zip(*cells, strict=True)
-        logits[list(r), list(c)] = float("-inf")
-        return logits
+        return out
 
     def _uniforms(self, rows: Sequence[SampleRow]) -> torch.Tensor:
         """One U[0, 1) draw per row (fp64): from the request's own generator when seeded."""
@@ -104,6 +280,26 @@ class Sampler:
                 r.generator.manual_seed(_mix_seed(r.params.seed, r.output_index))
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=self.device)[0]
         return u
+
+
+def _logprobs(raw: torch.Tensor, picks: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
+    """For the rows that ask: log_softmax of the raw logits at the sampled token, then at the
+    row's `logprobs` most likely tokens, most likely first. Empty when no row asks."""
+    idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not idx:
+        return []
+    vocab = raw.shape[1]
+    wants = [min(rows[i].params.logprobs or 0, vocab) for i in idx]
+    lp = torch.log_softmax(_take(raw, idx).float(), dim=-1)
+    chosen_ids = _take(picks, idx)
+    chosen = lp.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    top_lp, top_ids = lp.topk(max(wants), dim=-1)  # one topk at the largest n; rows keep their own
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    for j, (i, tok) in enumerate(zip(idx, chosen_ids.tolist(), strict=True)):
+        n = wants[j]
+        out[i] = TokenLogprobs(token_ids=[tok, *top_id_rows[j][:n]], logprobs=[chosen[j], *top_lp_rows[j][:n]])
+    return out
 
 
 # The candidates for top-k/top-p come from topk() in growing sizes, each stage only for the rows

@@ -1,0 +1,246 @@
+"""Prometheus metrics at GET /metrics (prometheus-client), named `rill:*` after vLLM's V1 names
+where the meaning is the same. Every Gateway owns its own CollectorRegistry (several gateways can
+live in one process, as in the tests), and every series carries `model_name`.
+
+Frontend metrics are measured here, on the gateway's monotonic clock, per client request:
+
+- rill:time_to_first_token_seconds: from the request's arrival (its stream is registered, right
+  after validation) to the first delta that carries tokens, of any sample. A delta whose tokens
+  decode to no text yet (half a UTF-8 character) still counts: the token was generated.
+- rill:inter_token_latency_seconds: per token, between consecutive token deltas of one sample.
+  A delta with k tokens that arrives g seconds after the previous one observes g/k, k times, so
+  the histogram's count is the number of tokens after each sample's first one.
+- rill:e2e_request_latency_seconds, rill:prompt_tokens, rill:generation_tokens and
+  rill:request_success{finished_reason}: once per finished request. As in vLLM, "success" counts
+  every request that reached the pipeline and ended: stop, length, abort (cancelled, client
+  gone) and error (an error reply or a failed generation after the request was queued).
+  A request refused with a 4xx error reply before any token (the tokenizer's length checks)
+  never ran and is counted nowhere, like a request vLLM rejects in its frontend. With n > 1
+  samples the request counts once: its generation tokens are the sum over samples, its prompt
+  tokens counted once, its reason the most severe of its samples' (error > abort > length > stop).
+
+Engine metrics (running/waiting requests, KV cache usage, prefix cache queries/hits,
+preemptions, queue time) are read at scrape time from every engine's EngineStats key and
+labelled `engine` as well; queue time is known only to the scheduler, which keeps it as a
+cumulative histogram in EngineStats.
+
+Counters are per process: each gateway replica counts the requests it served (and exports every
+engine's series, identical across replicas). Prometheus sums the replicas' frontend counters;
+engine series should be read from one replica (or with max by engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rill.shared.schema import EngineStats, ErrorReply, TextDelta, stats_decoder
+
+if TYPE_CHECKING:
+    from rill.services.gateway.app import Gateway
+
+log = logging.getLogger("rill.gateway.metrics")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Fine at the low end: a small model on a GPU decodes a token every few milliseconds.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 3600.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_SEVERITY = {"error": 3, "abort": 2, "length": 1, "stop": 0}  # unknown reasons rank below stop
+
+
+class GatewayMetrics:
+    """The registry of one gateway and the frontend metrics' label-bound children."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("rill:time_to_first_token_seconds", "Time to first token, from arrival at the gateway.",
+                              lab, registry=reg, buckets=TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram("rill:inter_token_latency_seconds", "Time between consecutive tokens of a sample.",
+                             lab, registry=reg, buckets=ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("rill:e2e_request_latency_seconds", "Arrival to the end of a request.",
+                             lab, registry=reg, buckets=E2E_BUCKETS).labels(model_name)
+        self.prompt_tokens = Counter("rill:prompt_tokens", "Prompt tokens of finished requests.",
+                                     lab, registry=reg).labels(model_name)
+        self.generation_tokens = Counter("rill:generation_tokens", "Generated tokens of finished requests.",
+                                         lab, registry=reg).labels(model_name)
+        success = Counter("rill:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self._success = success
+        for reason in FINISH_REASONS:  # present (at 0) before the first request, as dashboards expect
+            success.labels(model_name, reason)
+        self.engines = EngineCollector(model_name)
+        reg.register(self.engines)
+
+    def request(self, n: int = 1) -> RequestMetrics:
+        return RequestMetrics(self, n)
+
+    def finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.e2e.observe(e2e_s)
+
+    def render(self, engine_stats: Sequence[EngineStats]) -> bytes:
+        """The exposition text, with the engine series taken from `engine_stats`."""
+        # Set and generate without an await in between: concurrent scrapes cannot interleave.
+        self.engines.snapshot = list(engine_stats)
+        return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """The timings and counts of one request, fed by its RequestStream; reports once at its end.
+
+    `accepted` is set while the request is (being) sent to the pipeline; a request whose send
+    failed was answered with an error at once and is not counted.
+    """
+
+    __slots__ = ("m", "arrival", "first_token", "last_token", "reasons", "prompt_tokens", "completion_tokens",
+                 "accepted", "done")
+
+    def __init__(self, m: GatewayMetrics, n: int = 1) -> None:
+        self.m = m
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: list[float | None] = [None] * n  # per sample
+        self.reasons: list[str | None] = [None] * n
+        self.prompt_tokens = 0
+        self.completion_tokens = [0] * n
+        self.accepted = False
+        self.done = False
+
+    def deltas(self, index: int, deltas: list[TextDelta]) -> None:
+        """In-order deltas of sample `index`, as its sequencer releases them."""
+        now = time.monotonic()
+        for d in deltas:
+            if d.num_tokens > 0:
+                if self.first_token is None:
+                    self.first_token = now
+                    self.m.ttft.observe(now - self.arrival)
+                last = self.last_token[index]
+                if last is not None:
+                    per_token = (now - last) / d.num_tokens
+                    for _ in range(d.num_tokens):
+                        self.m.itl.observe(per_token)
+                self.last_token[index] = now
+            self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
+            # Offsets count output tokens, so they bound the count even if a delta omits it.
+            self.completion_tokens[index] = max(self.completion_tokens[index], d.completion_tokens,
+                                                d.offset + d.num_tokens)
+            if d.finish_reason is not None:
+                self.reasons[index] = d.finish_reason
+
+    def finish(self) -> None:
+        """Every sample finished."""
+        reasons = [r for r in self.reasons if r is not None] or ["stop"]
+        self._end(max(reasons, key=lambda r: _SEVERITY.get(r, -1)))
+
+    def fail(self, err: ErrorReply) -> None:
+        if err.status < 500 and self.first_token is None:
+            self.done = True  # refused before it ran (e.g. the prompt is too long): not a request
+            return
+        self._end("error")
+
+    def abort(self) -> None:
+        self._end("abort")
+
+    def _end(self, reason: str) -> None:
+        if self.done or not self.accepted:
+            return
+        self.done = True
+        self.m.finished(reason, self.prompt_tokens, sum(self.completion_tokens), time.monotonic() - self.arrival)
+
+
+class EngineCollector:
+    """Engine-side series, from the EngineStats snapshot read just before each scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: list[EngineStats] = []
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.snapshot)
+
+    def _families(self, stats: list[EngineStats]) -> Iterator[Metric]:
+        lab = ["model_name", "engine"]
+        running = GaugeMetricFamily("rill:num_requests_running", "Requests in the engine's running batch.",
+                                    labels=lab)
+        waiting = GaugeMetricFamily("rill:num_requests_waiting", "Requests waiting to be scheduled.", labels=lab)
+        kv = GaugeMetricFamily("rill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels=lab)
+        queries = CounterMetricFamily("rill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=lab)
+        hits = CounterMetricFamily("rill:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.",
+                                   labels=lab)
+        preempt = CounterMetricFamily("rill:num_preemptions", "Requests preempted (recomputed later).", labels=lab)
+        queue = HistogramMetricFamily("rill:request_queue_time_seconds",
+                                      "Arrival at the gateway to the first schedule.", labels=lab)
+        for st in stats:
+            values = [self.model_name, str(st.engine_id)]
+            running.add_metric(values, st.num_running)
+            waiting.add_metric(values, st.num_waiting)
+            kv.add_metric(values, st.kv_usage)
+            queries.add_metric(values, st.prefix_cache_queries)
+            hits.add_metric(values, st.prefix_cache_hits)
+            preempt.add_metric(values, st.preemptions)
+            buckets = queue_buckets(st)
+            if buckets is not None:
+                queue.add_metric(values, buckets, st.queue_time_sum)
+        yield from (running, waiting, kv, queries, hits, preempt, queue)
+
+
+def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:
+    """The queue-time histogram of one engine as (le, cumulative count) pairs ending at +Inf,
+    or None when the scheduler sent none (or a malformed one: the counts must fit the bounds)."""
+    bounds, counts = st.queue_time_bounds, st.queue_time_counts
+    if not counts or len(counts) != len(bounds) + 1:
+        return None
+    return [(floatToGoString(b), c) for b, c in zip(bounds, counts[:-1], strict=True)] + [("+Inf", counts[-1])]
+
+
+async def read_engine_stats(gw: Gateway) -> list[EngineStats]:
+    """Every registered engine's latest EngineStats (engines that published none are skipped)."""
+    assert gw.bus is not None
+    engines = await gw.engine_ids()
+    raw = await gw.bus.r.mget([gw.bus.streams.stats_key(e) for e in engines])
+    out: list[EngineStats] = []
+    for payload in raw:
+        if payload is None:
+            continue
+        try:
+            out.append(stats_decoder.decode(payload))
+        except msgspec.DecodeError:
+            continue
+    return out
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        stats = await read_engine_stats(gw)
+    except Exception as exc:  # the broker is away: still serve the gateway's own series
+        log.debug("engine stats unavailable for /metrics: %r", exc)
+        stats = []
+    return Response(gw.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+def routes() -> list[Route]:
+    return [Route("/metrics", metrics, methods=["GET"])]

@@ -1,0 +1,234 @@
+"""OpenAI response objects built from a request's TextDeltas: full responses, SSE chunks,
+usage and logprobs, for completions and chat, with n choices.
+
+A request with n samples gets choice i from sample i (RequestStream.index tells which); every
+choice keeps its own text, finish reason, token count and logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rill.services.gateway.errors import APIError
+from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
+
+GENERATION_FAILED = "The request failed during generation."
+# JSON has no -inf; OpenAI reports an impossible token's logprob as -9999.0.
+MIN_LOGPROB = -9999.0
+
+
+def error_from_reply(err: ErrorReply) -> APIError:
+    status = err.status if 400 <= err.status <= 599 else 500  # never let a bad status break the reply
+    return APIError(err.message, status, type=err.type, param=err.param)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulation
+
+
+class Choice:
+    """One sample's text, finish reason, token count and logprobs, from its in-order deltas."""
+
+    __slots__ = ("parts", "finish_reason", "completion_tokens", "logprobs")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.logprobs: list[TextLogprob] = []
+
+    def add(self, d: TextDelta) -> None:
+        if d.text:
+            self.parts.append(d.text)
+        # Offsets count output tokens, so they bound the count even if a delta omits it.
+        self.completion_tokens = max(self.completion_tokens, d.completion_tokens, d.offset + d.num_tokens)
+        self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Output:
+    """Every choice of one request plus its prompt size."""
+
+    def __init__(self, n: int = 1, tokens_as_ids: bool = False) -> None:
+        self.choices = [Choice() for _ in range(n)]
+        self.prompt_tokens = 0
+        self.tokens_as_ids = tokens_as_ids
+
+    def add(self, d: TextDelta, index: int = 0) -> TextDelta:
+        """Take a delta (relabelled when tokens are shown as ids), and return it as taken."""
+        if self.tokens_as_ids and d.logprobs:
+            d = msgspec.structs.replace(d, logprobs=as_token_ids(d.logprobs))
+        self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
+        self.choices[index].add(d)
+        return d
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def failed(self) -> bool:
+        return any(c.finish_reason == "error" for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs in the two OpenAI shapes
+
+
+def as_token_ids(lps: list[TextLogprob]) -> list[TextLogprob]:
+    """vLLM's `return_tokens_as_token_ids`: tokens shown as "token_id:<id>", which stays exact
+    where a token's text alone is ambiguous (bytes of a split character, spaces)."""
+    return [TextLogprob(f"token_id:{lp.token_id}", lp.logprob, lp.token_id,
+                        [TopLogprob(f"token_id:{t.token_id}", t.logprob, t.token_id) for t in lp.top])
+            for lp in lps]
+
+
+def _lp(v: float) -> float:
+    return max(v, MIN_LOGPROB)
+
+
+def chat_logprobs(lps: list[TextLogprob]) -> dict[str, Any]:
+    """Chat: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    return {"content": [
+        {"token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.token.encode()),
+         "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.token.encode())}
+                          for t in lp.top]}
+        for lp in lps]}
+
+
+def completion_logprobs(lps: list[TextLogprob], text_offset: int) -> dict[str, Any]:
+    """Completions: parallel lists; each top_logprobs dict holds the top tokens and the sampled one.
+    text_offset: where the first token's text starts in the choice's text."""
+    offsets: list[int] = []
+    for lp in lps:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": [{**{t.token: _lp(t.logprob) for t in lp.top}, lp.token: _lp(lp.logprob)}
+                             for lp in lps],
+            "text_offset": offsets}
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-streamed responses
+
+
+def full_response(kind: str, request_id: str, model: str, out: Output, logprobs: bool,
+                  echo: str = "") -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    for i, c in enumerate(out.choices):
+        if kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
+                            "finish_reason": c.finish_reason})
+        else:
+            choices.append({"index": i, "text": echo + c.text,
+                            "logprobs": completion_logprobs(c.logprobs, len(echo)) if logprobs else None,
+                            "finish_reason": c.finish_reason})
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+Event = TextDelta | ErrorReply
+
+
+class ChunkFormatter:
+    """Builds the SSE chunks of one streamed request (chat.completion.chunk or text_completion)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool, n: int = 1,
+                 index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
+                 echo: str = "", tokens_as_ids: bool = False) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.index = index
+        self.logprobs = logprobs
+        self.echo = echo
+        self.output = Output(n, tokens_as_ids)
+        self.text_offsets = [len(echo)] * n  # completions logprobs: where the next token's text starts
+        self.failed = False
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        obj: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    def _choice(self, i: int, text: str, lps: list[TextLogprob], finish_reason: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"index": i, "delta": {"content": text} if text else {},
+                    "logprobs": chat_logprobs(lps) if self.logprobs else None, "finish_reason": finish_reason}
+        logprobs = None
+        if self.logprobs:
+            logprobs = completion_logprobs(lps, self.text_offsets[i])
+            self.text_offsets[i] += sum(len(lp.token) for lp in lps)
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start(self) -> bytes:
+        n = len(self.output.choices)
+        if self.kind == "chat":
+            return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for i in range(n)])
+        if self.echo:
+            return self._chunk([{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
+                                for i in range(n)])
+        return b""
+
+    def render(self, batch: list[Event]) -> bytes:
+        out: list[bytes] = []
+        for ev in batch:
+            if isinstance(ev, ErrorReply):
+                out.append(sse(error_from_reply(ev).body()))
+                self.failed = True
+                continue
+            i = self.index(ev)
+            ev = self.output.add(ev, i)
+            if ev.finish_reason == "error":
+                out.append(sse(APIError(GENERATION_FAILED, 500).body()))
+                self.failed = True
+            elif ev.text or ev.finish_reason is not None or (self.logprobs and ev.logprobs):
+                out.append(self._chunk([self._choice(i, ev.text, ev.logprobs, ev.finish_reason)]))
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        tail = b""
+        if self.include_usage and not self.failed:
+            tail = sse({"id": self.request_id, "object": self.object, "created": self.created,
+                        "model": self.model, "choices": [], "usage": self.output.usage()})
+        return tail + DONE

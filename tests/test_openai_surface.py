@@ -1,0 +1,324 @@
+"""The OpenAI surface end to end: every sampling parameter through the official openai client
+(sync and async, streamed and not) against the real stack of service processes (SmolLM2,
+float32), checked against transformers' logits where the result is determined."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from service_stack import ServiceStack, standard_stack
+
+from rill.shared.broker import free_port
+
+AsyncFactory = Callable[[], openai.AsyncOpenAI]
+NEAR_TIE = 2e-3
+LOGPROB_TOL = 1e-3
+CHAT = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
+PROMPT = "The three most important inventions in history are"
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
+    prefix = f"rilloai-{os.getpid()}-{time.time_ns() % 10**8}"
+    s = standard_stack(redis_url, smollm2_dir, prefix, free_port()).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient(stack: ServiceStack) -> AsyncFactory:
+    """A factory: an async client's connections belong to the event loop that opened them."""
+    return lambda: openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir: str):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def token_ids(logprobs_content) -> list[int]:
+    """Ids from logprob entries rendered with return_tokens_as_token_ids ("token_id:<id>")."""
+    return [int(t.split(":", 1)[1]) for t in logprobs_content]
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """Raw float32 logits at every position of `ids`."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer(stack: ServiceStack, hf) -> None:
+    tok, _ = hf
+    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+        r = c.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert r["tokens"] == tok(PROMPT)["input_ids"] and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 2048
+        chat = c.post("/tokenize", json={"messages": CHAT}).json()
+        expected = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert chat["tokens"] == expected
+        d = c.post("/detokenize", json={"tokens": r["tokens"]}).json()
+        assert d["prompt"] == tok.decode(r["tokens"])
+        bad = c.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_chat_logprobs_equal_transformers_log_softmax(stack: ServiceStack, client: openai.OpenAI, hf) -> None:
+    tok, model = hf
+    r = client.chat.completions.create(model=model_name(client), messages=CHAT, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=5,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    content = r.choices[0].logprobs.content
+    out = token_ids([c.token for c in content])
+    assert len(out) == r.usage.completion_tokens == 8
+    prompt = httpx.post(f"{stack.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    logp = torch.log_softmax(hf_logits(model, prompt + out), dim=-1)[len(prompt) - 1:-1]
+    for k, entry in enumerate(content):
+        ref = logp[k]
+        assert abs(entry.logprob - float(ref[out[k]])) < LOGPROB_TOL
+        assert len(entry.top_logprobs) == 5
+        top_ids = token_ids([t.token for t in entry.top_logprobs])
+        for t, tid in zip(entry.top_logprobs, top_ids, strict=True):
+            assert abs(t.logprob - float(ref[tid])) < LOGPROB_TOL
+        # The listed tokens are the 5 most likely (up to ties within the tolerance).
+        fifth = float(torch.topk(ref, 5).values[-1])
+        assert all(float(ref[tid]) >= fifth - LOGPROB_TOL for tid in top_ids)
+        assert out[k] == int(ref.argmax()) or float(ref.max() - ref[out[k]]) < NEAR_TIE
+
+
+def test_completion_logprobs_shape_and_stream(client: openai.OpenAI) -> None:
+    name = model_name(client)
+    full = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert lp.text_offset[0] == 0 and all(b > a for a, b in zip(lp.text_offset, lp.text_offset[1:], strict=False))
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert val <= 0 and tok in top and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(val)  # greedy: the sampled token is the most likely
+    streamed = list(client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0,
+                                              logprobs=3, stream=True))
+    tokens = [t for ch in streamed for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def reference_greedy(model, prompt: list[int], n: int, rep: float, freq: float, pres: float,
+                     bias: dict[int, float]) -> tuple[list[int], list[float]]:
+    """Greedy decoding with logit_bias, then repetition, frequency and presence penalties, as
+    plain per-token Python over transformers' logits. Also returns each step's top-2 gap."""
+    out: list[int] = []
+    gaps: list[float] = []
+    for _ in range(n):
+        x = hf_logits(model, prompt + out)[-1].clone()
+        for t, b in bias.items():
+            x[t] += b
+        for t in set(prompt + out):
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        for t, c in Counter(out).items():
+            x[t] -= freq * c + pres
+        top2 = torch.topk(x, 2).values
+        gaps.append(float(top2[0] - top2[1]))
+        out.append(int(x.argmax()))
+    return out, gaps
+
+
+def test_greedy_with_penalties_follows_the_reference(stack: ServiceStack, client: openai.OpenAI, hf) -> None:
+    _, model = hf
+    name = model_name(client)
+    prompt = httpx.post(f"{stack.base_url}/tokenize", json={"prompt": "List of animals: cat, dog, cat, dog,"}).json()
+    prompt_ids = prompt["tokens"]
+    n = 12
+    plain, _ = reference_greedy(model, prompt_ids, n, 1.0, 0.0, 0.0, {})
+    bias = {plain[1]: -5.0}
+    expected, gaps = reference_greedy(model, prompt_ids, n, 1.3, 0.4, 0.3, bias)
+    assert expected != plain  # the penalties matter for this prompt
+    r = client.completions.create(model=name, prompt=prompt_ids, max_tokens=n, temperature=0, logprobs=0,
+                                  frequency_penalty=0.4, presence_penalty=0.3,
+                                  logit_bias={str(k): v for k, v in bias.items()},
+                                  extra_body={"repetition_penalty": 1.3, "ignore_eos": True,
+                                              "return_tokens_as_token_ids": True})
+    got = token_ids(r.choices[0].logprobs.tokens)
+    for k, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if a != b:
+            assert gaps[k] < NEAR_TIE, f"diverged at token {k} (gap {gaps[k]:.3g}): {got} vs {expected}"
+            break
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI, hf) -> None:
+    tok, _ = hf
+    forced = tok(" banana", add_special_tokens=False)["input_ids"][0]
+    r = client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 4)
+
+
+# --------------------------------------------------------------------------- filters, seeds, n
+
+
+def test_filters_that_keep_only_the_top_token_equal_greedy(client: openai.OpenAI) -> None:
+    name = model_name(client)
+    greedy = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-9}):
+        r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5,
+                                      **({"top_p": extra["top_p"]} if "top_p" in extra else {}),
+                                      extra_body={k: v for k, v in extra.items() if k != "top_p"})
+        assert r.choices[0].text == greedy, extra
+
+
+def test_same_seed_same_text_alone_and_in_a_busy_batch(aclient: AsyncFactory, client: openai.OpenAI) -> None:
+    name = model_name(client)
+
+    async def seeded(ac: openai.AsyncOpenAI) -> str:
+        r = await ac.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                             top_p=0.95, seed=1234, extra_body={"min_p": 0.02})
+        return r.choices[0].text
+
+    async def noise(ac: openai.AsyncOpenAI, i: int) -> None:
+        await ac.completions.create(model=name, prompt=f"Count to {i + 5}:", max_tokens=24, temperature=1.0)
+
+    async def scenario() -> tuple[str, str, str]:
+        ac = aclient()
+        alone = await seeded(ac)
+        busy = await asyncio.gather(seeded(ac), *(noise(ac, i) for i in range(6)))
+        other = await ac.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                                 top_p=0.95, seed=99, extra_body={"min_p": 0.02})
+        return alone, busy[0], other.choices[0].text
+
+    alone, busy, other = asyncio.run(scenario())
+    assert alone == busy
+    assert other != alone  # the seed matters
+
+
+def test_n_choices_plain_and_streamed(client: openai.OpenAI, aclient: AsyncFactory) -> None:
+    name = model_name(client)
+    kw = dict(model=name, messages=CHAT, max_tokens=8, temperature=1.0, seed=7, n=3)
+    full = client.chat.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert len(set(texts)) > 1  # different seeds per sample
+    assert full.usage.completion_tokens == 24 and all(c.finish_reason == "length" for c in full.choices)
+
+    async def streamed() -> tuple[list[str], list[str | None], object]:
+        parts: list[list[str]] = [[], [], []]
+        reasons: list[str | None] = [None, None, None]
+        usage = None
+        stream = await aclient().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                parts[c.index].append(c.delta.content or "")
+                reasons[c.index] = c.finish_reason or reasons[c.index]
+        return ["".join(p) for p in parts], reasons, usage
+
+    s_texts, s_reasons, usage = asyncio.run(streamed())
+    assert s_texts == texts and s_reasons == ["length"] * 3
+    assert usage is not None and usage.completion_tokens == 24
+
+
+# --------------------------------------------------------------------------- lengths, stops, echo
+
+
+def test_lengths_stops_and_eos(client: openai.OpenAI, hf) -> None:
+    tok, _ = hf
+    name = model_name(client)
+    r = client.chat.completions.create(model=name, messages=CHAT, max_completion_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    base = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    text = base.choices[0].text
+    ids = token_ids(base.choices[0].logprobs.tokens)
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    assert stop.strip(), text
+    cut = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+    kept = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
+    by_id = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                      extra_body={"stop_token_ids": [ids[3]]})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ids.index(ids[3]) + 1
+    # A prompt the model answers briefly: EOS ends it early, ignore_eos and min_tokens do not.
+    short = [{"role": "user", "content": "Reply with just the word yes."}]
+    early = client.chat.completions.create(model=name, messages=short, max_tokens=48, temperature=0)
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens < 35
+    n_early = early.usage.completion_tokens
+    forced = client.chat.completions.create(model=name, messages=short, max_tokens=48, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 48 and forced.choices[0].finish_reason == "length"
+    at_least = client.chat.completions.create(model=name, messages=short, max_tokens=48, temperature=0,
+                                              extra_body={"min_tokens": n_early + 5})
+    assert at_least.usage.completion_tokens >= n_early + 5
+
+
+def test_echo_string_and_token_prompts(client: openai.OpenAI, hf) -> None:
+    tok, _ = hf
+    name = model_name(client)
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text == PROMPT + plain.choices[0].text
+    ids = tok(PROMPT)["input_ids"]
+    r_ids = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert r_ids.choices[0].text.startswith(tok.decode(ids))
+    chunks = list(client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_async_stream_with_usage_matches_plain(aclient: AsyncFactory, client: openai.OpenAI) -> None:
+    name = model_name(client)
+    plain = client.chat.completions.create(model=name, messages=CHAT, max_tokens=10, temperature=0)
+
+    async def run() -> tuple[str, object]:
+        text, usage = [], None
+        stream = await aclient().chat.completions.create(model=name, messages=CHAT, max_tokens=10, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True},
+                                                       presence_penalty=0.0, frequency_penalty=0.0)
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            text += [c.delta.content or "" for c in chunk.choices]
+        return "".join(text), usage
+
+    text, usage = asyncio.run(run())
+    assert text == plain.choices[0].message.content
+    assert usage.completion_tokens == plain.usage.completion_tokens == 10
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_prompt_too_long_names_the_numbers(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=2047)
+    msg = str(err.value)
+    assert "2048" in msg and "2047" in msg and err.value.param == "max_tokens"
