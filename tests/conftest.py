@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +40,19 @@ def smollm2_dir() -> str:
     from rill.shared.model_files import resolve_model
 
     return str(resolve_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny randomly initialised Llama (GQA) saved as a checkpoint folder, and the transformers
+    model itself as the reference: (path, LlamaForCausalLM)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.1, eos_token_id=299, bos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    path: Path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path, model

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from test_worker_runner import BLOCK, NUM_BLOCKS, HandScheduler, prompt
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.sampler import Sampler, SampleRow, check_params
@@ -252,15 +250,8 @@ def test_check_params_ranges() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.1, eos_token_id=299, bos_token_id=1, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny-llama-sampling")
-    model.save_pretrained(path)
-    return path, model
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture

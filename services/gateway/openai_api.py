@@ -100,6 +100,17 @@ def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
     return v
 
 
+def _opt_num_in(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    """An optional number in [lo, hi] ((lo, hi] with lo_open); the error names the range."""
+    v = _opt_num(body, name)
+    if v is None:
+        return None
+    above_lo = lo < v if lo_open else lo <= v
+    if not (above_lo and v <= hi):
+        raise _bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}.", name)
+    return v
+
+
 def check_model(body: dict[str, Any], model_name: str) -> None:
     model = body.get("model")
     if model is None:
@@ -128,17 +139,13 @@ def parse_sampling(body: dict[str, Any], kind: str, max_logprobs: int = DEFAULT_
             raise _bad(f"{name} must be at least 1, got {max_tokens}.", name)
         kw["max_tokens"] = max_tokens
 
-    temperature = _opt_num(body, "temperature")
-    if temperature is not None:
-        if not 0.0 <= temperature <= 2.0:
-            raise _bad(f"temperature must be in [0, 2], got {temperature}.", "temperature")
-        kw["temperature"] = temperature
-
-    top_p = _opt_num(body, "top_p")
-    if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise _bad(f"top_p must be in (0, 1], got {top_p}.", "top_p")
-        kw["top_p"] = top_p
+    for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                                  ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
+                                  ("frequency_penalty", -2.0, 2.0, False),
+                                  ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, True)):
+        v = _opt_num_in(body, name, lo, hi, lo_open)
+        if v is not None:
+            kw[name] = v
 
     top_k = _opt_int(body, "top_k")
     if top_k is not None:
@@ -188,26 +195,6 @@ def parse_sampling(body: dict[str, Any], kind: str, max_logprobs: int = DEFAULT_
         if not 1 <= n <= MAX_N:
             raise _bad(f"n must be in [1, {MAX_N}], got {n}.", "n")
         kw["n"] = n
-
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _opt_num(body, name)
-        if v is not None:
-            if not -2.0 <= v <= 2.0:
-                raise _bad(f"{name} must be in [-2, 2], got {v}.", name)
-            kw[name] = v
-
-    rep = _opt_num(body, "repetition_penalty")
-    if rep is not None:
-        if not 0.0 < rep <= MAX_REPETITION_PENALTY:
-            raise _bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rep}.",
-                       "repetition_penalty")
-        kw["repetition_penalty"] = rep
-
-    min_p = _opt_num(body, "min_p")
-    if min_p is not None:
-        if not 0.0 <= min_p <= 1.0:
-            raise _bad(f"min_p must be in [0, 1], got {min_p}.", "min_p")
-        kw["min_p"] = min_p
 
     bias = _parse_logit_bias(body.get("logit_bias"))
     if bias:
