@@ -48,6 +48,8 @@ def http_base(url: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("RILL_URL", DEFAULT_URL),
                    help=f"the server: ws://host:port/v1/ws or http://host:port (default {DEFAULT_URL}, or $RILL_URL)")
+    p.add_argument("--api-key", default=os.environ.get("RILL_API_KEY"),
+                   help="the server's --api-key (default $RILL_API_KEY)")
     p.add_argument("--system", default=None, help="a system prompt for the conversation")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=None)
@@ -71,8 +73,9 @@ class ChatSession:
     """One conversation over one (re)connecting socket."""
 
     def __init__(self, url: str, params: dict[str, Any], system: str | None = None,
-                 out: TextIO = sys.stdout) -> None:
+                 out: TextIO = sys.stdout, api_key: str | None = None) -> None:
         self.url = ws_url(url)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.params = params
         self.history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.out = out
@@ -88,7 +91,8 @@ class ChatSession:
 
         self.close()
         # __enter__ gives the connection on every websockets version (17.1 warns without it).
-        self.ws = connect(self.url, open_timeout=10, max_size=None, close_timeout=2).__enter__()
+        self.ws = connect(self.url, open_timeout=10, max_size=None, close_timeout=2,
+                          additional_headers=self.headers).__enter__()
 
     def close(self) -> None:
         if self.ws is not None:
@@ -232,7 +236,7 @@ def run(ns: argparse.Namespace) -> int:
     out = sys.stdout
     dim = (lambda s: f"\x1b[2m{s}\x1b[0m") if out.isatty() and not os.environ.get("NO_COLOR") else (lambda s: s)
     try:
-        session = ChatSession(ns.url, _params(ns), ns.system, out)
+        session = ChatSession(ns.url, _params(ns), ns.system, out, ns.api_key)
         session.connect()
     except Exception as exc:
         print(f"rill chat: cannot connect to {ns.url}: {exc}", file=sys.stderr)

@@ -87,9 +87,18 @@ class Streams:
         role "gateway": ident is its reply stream). It exists while the process beats."""
         return f"{self.prefix}:hb:{role}:{ident}"
 
+    def replicas_key(self, role: str) -> str:
+        """Set of the consumer names of a stateless role's replicas ("tokenizer", "detokenizer");
+        each one lives while its heartbeat(role, name) key does."""
+        return f"{self.prefix}:replicas:{role}"
+
     def gateways_key(self) -> str:
         """Set of the reply streams of gateways that have announced themselves."""
         return f"{self.prefix}:gateways"
+
+    def kv_chunk(self, transfer_id: str, index: int) -> str:
+        """One chunk of an exported KV payload (prefill/decode disaggregation); expires by itself."""
+        return f"{self.prefix}:kv:{transfer_id}:{index}"
 
     def cap(self, stream: str) -> int | None:
         """The MAXLEN of one of our streams, from its name (None: not one of ours)."""

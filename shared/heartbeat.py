@@ -1,7 +1,8 @@
 """Liveness in Redis: a key with a TTL, refreshed by a background thread while its process lives.
 
 Scheduler and worker beat `{prefix}:hb:scheduler:{engine}` / `{prefix}:hb:worker:{engine}`;
-a gateway beats `{prefix}:hb:gateway:{its reply stream}` (see Streams.heartbeat). A thread
+a gateway beats `{prefix}:hb:gateway:{its reply stream}`, a tokenizer or detokenizer replica
+`{prefix}:hb:{role}:{consumer}` (see Streams.heartbeat). A thread
 beats rather than the service loop, so a long model step or a slow request does not look like
 death, while a killed process stops beating and its key expires after TTL_S.
 
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import redis
 
-from rill.shared.bus import connect
+from rill.shared.bus import Streams, connect
 
 log = logging.getLogger("rill.heartbeat")
 
@@ -92,6 +93,13 @@ class Heartbeat:
             except redis.RedisError:
                 pass  # the key expires by itself
         self.r.close()
+
+
+def replica_heartbeat(url: str, prefix: str, role: str, consumer: str) -> Heartbeat:
+    """The started heartbeat of one stateless replica (tokenizer, detokenizer), listed in the
+    role's replica set so gateways can tell whether any replica of the role is alive."""
+    s = Streams(prefix)
+    return Heartbeat(url, s.heartbeat(role, consumer), members=[(s.replicas_key(role), consumer)]).start()
 
 
 class Absence:

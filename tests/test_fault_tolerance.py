@@ -462,6 +462,24 @@ def test_dead_gateway_requests_are_aborted(stack: Stack) -> None:
     assert stack.health() == 200  # the other gateway still answers on the shared port
 
 
+def test_health_needs_a_live_detokenizer(stack: Stack) -> None:
+    """Every detokenizer replica frozen (SIGSTOP: its heartbeat stops): /health turns 503 naming
+    the role; resumed, it is 200 again."""
+    frozen = [n for n, p in stack.procs.items() if n.startswith("detokenizer") and p.poll() is None]
+    assert frozen
+    for name in frozen:
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        stack.wait_health(503, 15)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{stack.url}/health", timeout=2)
+        assert "detokenizer" in json.loads(err.value.read())["reason"]
+    finally:
+        for name in frozen:
+            stack.signal(name, signal.SIGCONT)
+    stack.wait_health(200, 15)
+
+
 def test_worker_death_fails_requests_then_recovers(stack: Stack) -> None:
     async def in_flight() -> tuple[list[Outcome], float]:
         outcomes = [Outcome() for _ in range(6)]

@@ -348,6 +348,11 @@ async def test_api_key_guards_the_api_only(make_server, down_of) -> None:
     with pytest.raises(InvalidStatus):
         async with connect(ws_url, additional_headers={"Authorization": "Bearer nope"}):
             pass
+    with pytest.raises(InvalidStatus):
+        async with connect(f"{ws_url}?api_key=nope"):
+            pass
+    async with connect(f"{ws_url}?api_key={KEY}"):  # how the browser page sends it
+        pass
     async with connect(ws_url, additional_headers=good) as ws:
         await ws.send(json.dumps({"type": "completion", "id": 1, "prompt": "y"}))
         req = await down.next_request()

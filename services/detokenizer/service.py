@@ -18,6 +18,7 @@ from msgspec import Struct
 
 from rill.services.detokenizer.incremental import Detokenizer
 from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Bus, Entry, serve_group
+from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
 
@@ -73,10 +74,12 @@ def run(redis_url: str, prefix: str, model_dir: str, consumer: str, stop: StopFl
     detok = detok or load_detokenizer(model_dir)
     bus = Bus(redis_url, prefix, name=consumer)
     stream = bus.streams.detok
+    heartbeat = replica_heartbeat(redis_url, prefix, "detokenizer", consumer)
     log.info("detokenizer consumer=%s stream=%s byte_level=%s", consumer, stream, detok.byte_level)
     try:
         serve_group(bus, stream, DETOKENIZER_GROUP, consumer, lambda entries: handle_entries(bus, detok, entries),
                     stop, claim_idle_ms, count=READ_COUNT, log=log)
     finally:
+        heartbeat.stop()
         bus.close()
         log.info("detokenizer consumer=%s stopped", consumer)

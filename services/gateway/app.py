@@ -266,6 +266,7 @@ ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no
                "request was in flight; the request was not completed")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
+REPLICA_ROLES = ("tokenizer", "detokenizer")  # /health needs a live replica of each
 CALL_TIMEOUT_S = 30.0  # a /tokenize or /detokenize answer; tokenizer replicas answer in milliseconds
 
 
@@ -295,6 +296,7 @@ class Gateway:
         self.broker_ok = True
         self._server: str | None = None  # the broker's run_id
         self._engine_gone = Absence()
+        self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
         self._broker_gone = Absence(BROKER_GRACE_S)
 
     @property
@@ -391,7 +393,9 @@ class Gateway:
             pipe = self.bus.r.pipeline(transaction=False)
             pipe.info("server")
             pipe.smembers(self.bus.streams.engines_key())
-            info, members = await asyncio.wait_for(pipe.execute(), 5.0)
+            for role in REPLICA_ROLES:
+                pipe.smembers(self.bus.streams.replicas_key(role))
+            info, members, *replicas = await asyncio.wait_for(pipe.execute(), 5.0)
             live = True
             if self.watch_engine:
                 engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
@@ -399,6 +403,10 @@ class Gateway:
                 beats = await self.bus.r.mget([k for e in engines for k in (s.heartbeat("scheduler", e),
                                                                           s.heartbeat("worker", e))])
                 live = any(beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines)))
+                for role, names in zip(REPLICA_ROLES, replicas, strict=True):
+                    alive = bool(names) and any(b is not None for b in await self.bus.r.mget(
+                        [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]))
+                    self._replicas_gone[role].observe(alive, now)
         except Exception as exc:  # the broker is unreachable (or answers with errors)
             if self.broker_ok:
                 log.warning("broker unreachable: %r", exc)
@@ -420,6 +428,11 @@ class Gateway:
         self.engine_live = live
         if self._engine_gone.observe(live, now):
             self.fail_in_flight(ENGINE_LOST)
+
+    @property
+    def missing_roles(self) -> list[str]:
+        """Stateless roles with no live replica for a while (their requests wait in the stream)."""
+        return [role for role, gone in self._replicas_gone.items() if gone.lost] if self.watch_engine else []
 
     def fail_in_flight(self, message: str) -> None:
         """End every request in flight with a 503 error, and tell the engines to drop them."""

@@ -1,6 +1,7 @@
 """--api-key (or RILL_API_KEY): every request to the API routes needs `Authorization: Bearer <key>`.
 
-Guarded: /v1/* (the WebSocket /v1/ws too), /tokenize and /detokenize, as vLLM guards its API
+Guarded: /v1/* (the WebSocket /v1/ws too, which also takes the key as `?api_key=` since a
+browser cannot set headers on a WebSocket), /tokenize and /detokenize, as vLLM guards its API
 routes. Open: /health and /metrics (probes and scrapers carry no key), /stats, /openapi.json and
 the chat page's files (the page's own API calls are what need the key). A refused HTTP request
 gets 401 with the OpenAI error JSON; a refused WebSocket handshake gets the same 401 where the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from urllib.parse import parse_qs
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,6 +43,12 @@ def bearer_token(headers: Headers) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
+def query_token(scope: Scope) -> str | None:
+    """`?api_key=` on a WebSocket URL: browsers cannot set headers on a WebSocket handshake."""
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+    return values[0] if values else None
+
+
 class BearerAuth:
     """ASGI middleware: refuses guarded requests whose bearer token is not the key."""
 
@@ -52,6 +60,8 @@ class BearerAuth:
 
     def _error(self, scope: Scope) -> APIError | None:
         token = bearer_token(Headers(scope=scope))
+        if token is None and scope["type"] == "websocket":
+            token = query_token(scope)
         if token is None:
             return APIError(MISSING, 401, code="invalid_api_key")
         # Constant time: the comparison must not tell how much of a guess was right.

@@ -549,7 +549,8 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 while the broker answers and (for a deployed gateway) an engine heartbeats; else 503."""
+    """200 while the broker answers and (for a deployed gateway) an engine and at least one tokenizer
+    and one detokenizer replica heartbeat; else 503 with the reason."""
     gw = _gateway(request)
     try:
         assert gw.bus is not None
@@ -559,6 +560,11 @@ async def health(request: Request) -> Response:
     if gw.watch_engine and not gw.engine_live:
         return json_response({"status": "unavailable", "reason": "no engine is live (no scheduler and worker "
                                                                  "heartbeat)"}, 503)
+    missing = gw.missing_roles
+    if missing:
+        return json_response({"status": "unavailable",
+                              "reason": f"no live {' or '.join(missing)} replica (requests wait until one starts)"},
+                             503)
     return json_response({"status": "ok"})
 
 

@@ -17,6 +17,7 @@ from msgspec import Struct
 
 from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Bus, Entry, serve_group
 from rill.shared.config import ModelConfig
+from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
     ChatMessage,
@@ -155,11 +156,13 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     bus = Bus(redis_url, prefix, name=consumer)
     tokenizer = Tokenizer(model_dir, max_model_len)
     router = Router(bus)
+    heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer)
     log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
     try:
         serve_group(bus, bus.streams.requests, TOKENIZER_GROUP, consumer,
                     lambda entries: handle_entries(bus, tokenizer, router, entries), stop, claim_idle_ms, log=log)
     finally:
+        heartbeat.stop()
         bus.close()
         log.info("tokenizer %s stopped", consumer)
 

@@ -13,6 +13,9 @@
     temperature: $("temperature"), topP: $("top_p"), maxTokens: $("max_tokens"), system: $("system"),
   };
   const SETTINGS_KEY = "rill.chat.settings";
+  // A server started with --api-key: open the page as /?api_key=KEY. Browsers cannot put headers
+  // on a WebSocket, so the key travels as the socket URL's query (the gateway accepts it there).
+  const API_KEY = new URLSearchParams(location.search).get("api_key") || "";
   const RETRY_MIN_MS = 500;
   const RETRY_MAX_MS = 8000;
 
@@ -246,7 +249,7 @@
   }
 
   function loadModel() {
-    fetch("/v1/models").then((r) => r.json()).then((body) => {
+    fetch("/v1/models", API_KEY ? { headers: { Authorization: `Bearer ${API_KEY}` } } : {}).then((r) => r.json()).then((body) => {
       const m = body && body.data && body.data[0];
       if (m && typeof m.id === "string") els.model.textContent = m.id;
     }).catch(() => {});
@@ -255,7 +258,8 @@
   function connect() {
     reconnectTimer = null;
     setConn("connecting", "connecting…");
-    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/ws`;
+    const query = API_KEY ? `?api_key=${encodeURIComponent(API_KEY)}` : "";
+    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/ws${query}`;
     let sock;
     try {
       sock = new WebSocket(url);
