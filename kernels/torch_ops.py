@@ -132,9 +132,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2],
                                                        k_cache.shape[1], q.device)
     out = torch.empty_like(q)
-    if plan.decode_rows is not None:
-        out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows),
-                                                     k_cache, v_cache, plan, scale))
+    for group in plan.decode_groups:
+        out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
     for start, end, ctx_len, seq_len, blocks in plan.prefills:
         if ctx_len == 0 and k_new is not None and v_new is not None:
             k, v = k_new[start:end], v_new[start:end]
@@ -148,6 +147,60 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The blocks' rows, contiguous: [len(blocks) * block_size, kv_heads, head_dim]."""
     return cache.index_select(0, blocks).flatten(0, 1)
+
+
+# A decode group costs a handful of op launches per layer on top of its KV traffic; in units of
+# one (row, block) of padded KV, that overhead is worth about this many:
+_GROUP_OVERHEAD_BLOCKS = 48
+
+
+def split_by_length(nblocks: list[int], overhead: int = _GROUP_OVERHEAD_BLOCKS) -> list[list[int]]:
+    """Groups of row indices, each padded to its longest row's block count, chosen to minimise
+    padded (row, block) pairs plus `overhead` per group: rows of very different lengths then no
+    longer all pay for the longest one. Exact DP over the rows sorted by length (O(n^2), n <= a
+    few hundred, once per step)."""
+    order = sorted(range(len(nblocks)), key=lambda i: nblocks[i])
+    lens = [nblocks[i] for i in order]
+    n = len(lens)
+    best = [0] + [0] * n  # best[j]: cost of grouping the j shortest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        # The group ending at row j-1 (the longest so far) pads every member to lens[j-1].
+        best[j], cut[j] = min((best[i] + (j - i) * lens[j - 1] + overhead, i) for i in range(j))
+    groups: list[list[int]] = []
+    j = n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+class _DecodeGroup:
+    """Single-token rows of similar lengths: their KV gathered and padded together, with the mask
+    that drops positions past each row's end and (query head, kv head) pairs of other groups."""
+
+    def __init__(self, meta: AttentionMetadata, seqs: list[int], num_heads: int, num_kv_heads: int,
+                 block_size: int, device: torch.device) -> None:
+        qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+        idx = torch.tensor(seqs, dtype=torch.int64)
+        lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int64)
+        nblocks = -(-int(lens.max()) // block_size)
+        self.rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.int64, device=device)
+        self.blocks = meta.block_tables.index_select(0, idx.to(meta.block_tables.device))[:, :nblocks] \
+            .to(torch.int64).flatten()
+        self.num = len(seqs)
+        padded = nblocks * block_size
+        # Scores are taken against every (position, kv head) pair of a sequence in one bmm over a
+        # contiguous [padded * kv_heads, head_dim] view, so no per-head copy of the gathered KV is
+        # needed; the mask then drops positions past the sequence's end and the pairs whose kv head
+        # is not the query head's group. That trades kv_heads x more (cheap) FLOPs for one fewer
+        # pass over memory, which wins for the few-kv-head models a CPU serves.
+        group = num_heads // num_kv_heads
+        past_end = torch.arange(padded)[None, :] >= lens[:, None]  # [n, padded]
+        other_head = (torch.arange(num_heads)[:, None] // group) != torch.arange(num_kv_heads)[None, :]
+        masked = past_end[:, None, :, None] | other_head[None, :, None, :]  # [n, H, padded, Hkv]
+        self.mask = torch.zeros(masked.shape, dtype=torch.float32) \
+            .masked_fill_(masked, float("-inf")).view(len(seqs), num_heads, padded * num_kv_heads).to(device)
 
 
 class _AttentionPlan:
@@ -164,40 +217,19 @@ class _AttentionPlan:
                 nblocks = -(-seq_lens[i] // block_size)
                 blocks = meta.block_tables[i, :nblocks].to(torch.int64)
                 self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
-        self.decode_rows: torch.Tensor | None = None
-        if not decodes:
-            return
-        idx = torch.tensor(decodes, dtype=torch.int64)
-        lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
-        nblocks = -(-int(lens.max()) // block_size)
-        self.decode_rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64, device=device)
-        self.decode_blocks = meta.block_tables.index_select(0, idx.to(meta.block_tables.device))[:, :nblocks] \
-            .to(torch.int64).flatten()
-        self.num_decodes = len(decodes)
-        padded = nblocks * block_size
-        # Scores are taken against every (position, kv head) pair of a sequence in one bmm over a
-        # contiguous [padded * kv_heads, head_dim] view, so no per-head copy of the gathered KV is
-        # needed; the mask then drops positions past the sequence's end and the pairs whose kv head
-        # is not the query head's group. That trades kv_heads× more (cheap) FLOPs for one fewer
-        # pass over memory, which wins for the few-kv-head models a CPU serves.
-        group = num_heads // num_kv_heads
-        past_end = torch.arange(padded)[None, :] >= lens[:, None]  # [Bd, padded]
-        other_head = (torch.arange(num_heads)[:, None] // group) != torch.arange(num_kv_heads)[None, :]
-        masked = past_end[:, None, :, None] | other_head[None, :, None, :]  # [Bd, H, padded, Hkv]
-        self.decode_mask = torch.zeros(masked.shape, dtype=torch.float32) \
-            .masked_fill_(masked, float("-inf")).view(len(decodes), num_heads, padded * num_kv_heads) \
-            .to(device)
+        groups = split_by_length([-(-seq_lens[i] // block_size) for i in decodes]) if decodes else []
+        self.decode_groups = [_DecodeGroup(meta, [decodes[j] for j in g], num_heads, num_kv_heads, block_size,
+                                           device) for g in groups]
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _AttentionPlan,
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
             scale: float) -> torch.Tensor:
-    bd = plan.num_decodes
     head_dim = q.shape[-1]
-    k = k_cache.index_select(0, plan.decode_blocks).view(bd, -1, head_dim)  # [Bd, padded*Hkv, D]
-    v = v_cache.index_select(0, plan.decode_blocks).view(bd, -1, head_dim)
-    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(plan.decode_mask)
+    k = k_cache.index_select(0, group.blocks).view(group.num, -1, head_dim)  # [n, padded*Hkv, D]
+    v = v_cache.index_select(0, group.blocks).view(group.num, -1, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(group.mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.bmm(probs, v)  # [Bd, H, D]
+    return torch.bmm(probs, v)  # [n, H, D]
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float) -> torch.Tensor:
