@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flags(serve)
     serve.add_argument("--gateway-replicas", type=int, default=1,
                        help="gateway processes; with more than one they share --port (SO_REUSEPORT, Linux)")
+    serve.add_argument("--prefill-engines", type=int, default=0,
+                       help="disaggregated serving: engines 0..N-1 run prompts and hand requests with their KV "
+                            "to the decode engines (0 with --decode-engines 0: one colocated engine)")
+    serve.add_argument("--decode-engines", type=int, default=0,
+                       help="disaggregated serving: engines N..N+M-1 decode what the prefill engines hand over")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from rill.services.bench_serve import add_arguments as bench_serve_arguments
@@ -98,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flags(one)
     one.add_argument("--reuse-port", action="store_true",
                      help="gateway: bind with SO_REUSEPORT so several replicas share one port")
+    one.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                     help="scheduler and worker: both (colocated), prefill (runs prompts, hands requests "
+                          "and their KV to decode engines) or decode (continues them); give the scheduler "
+                          "and the worker of one engine the same --role and --engine-id")
     from rill.services.chat_client import add_arguments as chat_arguments
 
     chat_arguments(sub.add_parser("chat", help="chat with a running server in the terminal (over /v1/ws)"))
@@ -115,7 +124,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
         dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
-        enable_prefix_caching=ns.enable_prefix_caching)
+        enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"))
 
 
 def run_service(ns: argparse.Namespace) -> None:
@@ -174,9 +183,7 @@ def build_children(ns: argparse.Namespace, redis_url: str, model_dir: str) -> li
         if getattr(ns, flag) < 1:
             raise SystemExit(f"rill: --{flag.replace('_', '-')} must be at least 1")
     tag = uuid.uuid4().hex[:6]
-    children = [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
-                Child("scheduler", "scheduler",
-                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
+    children = engine_children(ns, redis_url, model_dir, tag)
     for kind, count in (("tokenizer", ns.tokenizer_replicas), ("detokenizer", ns.detokenizer_replicas)):
         for i in range(count):
             children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{i}")))
@@ -188,6 +195,34 @@ def build_children(ns: argparse.Namespace, redis_url: str, model_dir: str) -> li
     return children
 
 
+def engine_roles(ns: argparse.Namespace) -> list[tuple[int, str]]:
+    """(engine id, role) of every engine `rill serve` starts: one colocated engine (--engine-id),
+    or --prefill-engines prefill engines 0..N-1 then --decode-engines decode engines N..N+M-1."""
+    n, m = getattr(ns, "prefill_engines", 0), getattr(ns, "decode_engines", 0)
+    if n < 0 or m < 0 or (n == 0) != (m == 0):
+        raise SystemExit("rill: --prefill-engines and --decode-engines go together, each at least 1 "
+                         "(both 0: one colocated engine)")
+    if n == 0:
+        return [(ns.engine_id, "both")]
+    return [(e, "prefill") for e in range(n)] + [(n + e, "decode") for e in range(m)]
+
+
+def engine_children(ns: argparse.Namespace, redis_url: str, model_dir: str, tag: str) -> list[Child]:
+    """A worker and a scheduler per engine; a disaggregated engine's pair gets its id and role."""
+    roles = engine_roles(ns)
+    if len(roles) == 1 and roles[0][1] == "both":
+        return [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
+                Child("scheduler", "scheduler",
+                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
+    children: list[Child] = []
+    for e, role in roles:
+        for kind in ("worker", "scheduler"):
+            argv = _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{e}") + [
+                "--engine-id", str(e), "--role", role]  # argparse: the last --engine-id wins
+            children.append(Child(f"{kind}-{e}-{role}", kind, argv))
+    return children
+
+
 def serve(ns: argparse.Namespace) -> int:
     from rill.services.supervisor import Supervisor
     from rill.shared.broker import EmbeddedBroker
@@ -196,6 +231,7 @@ def serve(ns: argparse.Namespace) -> int:
     setup_logging("serve", ns.log_level)
     model_dir = str(resolve_model(ns.model))  # converts a GGUF once, with a progress bar
     engine_args(ns, model_dir)  # validate flags before starting anything
+    engine_roles(ns)
     broker = None
     redis_url = ns.redis_url
     if not redis_url:
@@ -227,13 +263,13 @@ def _announce_when_ready(ns: argparse.Namespace, sup: object, redis_url: str, ti
     host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
     url = f"http://{host}:{ns.port}"
     client = redis.Redis.from_url(redis_url)
-    stats_key = Streams(ns.prefix).stats_key(ns.engine_id)
+    stats_keys = [Streams(ns.prefix).stats_key(e) for e, _ in engine_roles(ns)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not sup.poll():  # type: ignore[attr-defined]
             return
         try:
-            if not client.exists(stats_key):
+            if client.exists(*stats_keys) < len(stats_keys):
                 time.sleep(0.5)
                 continue
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:

@@ -34,6 +34,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     #                                  tokens in the prompt or the output
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
+    prompt_logprobs: int | None = None  # per prompt token likewise (completions echo + logprobs)
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -99,8 +100,66 @@ class DetokenizeRequest(Struct, tag_field="_t", tag="detokenize", omit_defaults=
     token_ids: list[int]
 
 
+# ---------------------------------------------------------------------------------------------
+# Prefill/decode disaggregation: a prefill engine hands a request and its KV to a decode engine
+
+
+class KVManifest(Struct, omit_defaults=True):
+    """One exported KV payload: a request's blocks from every layer, as one array of `shape`
+    [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim] in `dtype`, cut into chunks that
+    each carry a checksum. `transport` names the KVTransport that stored it (and can fetch it)."""
+
+    transfer_id: str
+    transport: str = "redis"
+    num_tokens: int = 0  # leading positions whose KV is valid
+    block_size: int = 0
+    dtype: str = ""
+    shape: list[int] = []
+    chunk_bytes: list[int] = []
+    checksums: list[str] = []  # blake2b-128 of each chunk, hex
+    nbytes: int = 0
+    export_ms: float = 0.0
+    error: str | None = None  # the export failed; the prefill engine still holds the blocks
+
+
+class KVHandoff(Struct, tag_field="_t", tag="kv_handoff", omit_defaults=True):
+    """Prefill engine -> decode engine: continue this request; the KV of its first
+    `num_computed_tokens` tokens is in `manifest`. The decode engine allocates its own blocks,
+    has its worker import the KV, then decodes; it answers with a KVTransferAck."""
+
+    request_id: str  # engine-side (sample) id
+    group_id: str  # the client's request id (error replies and aborts use it)
+    reply_to: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled on the prefill engine (the first token, normally)
+    params: SamplingParams  # this sample's (n = 1)
+    eos_token_ids: list[int]  # every id that stops it (stop_token_ids included, eos unless ignored)
+    max_tokens: int
+    arrival_time: float
+    num_computed_tokens: int
+    source_engine: int
+    manifest: KVManifest
+    priority: int = 0
+    attempt: int = 1
+    first_token_at: float = 0.0  # wall clock when the prefill engine sampled the last output token
+
+
+class KVTransferAck(Struct, tag_field="_t", tag="kv_ack", omit_defaults=True):
+    """Decode engine -> prefill engine: what became of a hand-off. "ok": the KV is imported and
+    the request decodes there, so the prefill engine frees its blocks; "aborted": the request
+    ended on the decode engine (cancelled, or failed with its own error reply); "failed": the
+    import failed (`retryable`: a fresh export may succeed)."""
+
+    transfer_id: str
+    request_id: str
+    decode_engine: int
+    status: str  # "ok" | "aborted" | "failed"
+    error: str = ""
+    retryable: bool = False
+
+
 TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
-EngineInput = TokenizedRequest | AbortRequest
+EngineInput = TokenizedRequest | AbortRequest | KVHandoff | KVTransferAck
 
 # ---------------------------------------------------------------------------------------------
 # Scheduler <-> worker, once per step
@@ -117,6 +176,29 @@ class NewRequestData(Struct, array_like=True, omit_defaults=True):
     num_output_tokens: int = 0  # of token_ids, how many are outputs (for seeded sampling)
 
 
+class KVExport(Struct, array_like=True):
+    """Export the KV of these blocks (the first `num_tokens` positions of a request)."""
+
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVImport(Struct, array_like=True):
+    """Fetch a transfer and write it into these (freshly allocated) blocks."""
+
+    manifest: KVManifest
+    block_ids: list[int]
+
+
+class KVImportResult(Struct, array_like=True, omit_defaults=True):
+    transfer_id: str
+    error: str | None = None
+    retryable: bool = False
+    nbytes: int = 0
+    import_ms: float = 0.0
+
+
 class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_defaults=True):
     """Scheduler -> worker: one fused step. Running requests come as columnar diffs."""
 
@@ -130,6 +212,9 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     num_scheduled_tokens: list[int]
     # Requests the worker must forget (finished, aborted or preempted).
     finished_request_ids: list[str] = []
+    # Disaggregation: KV to export (prefill engine) or import (decode engine) after the step.
+    kv_exports: list[KVExport] = []
+    kv_imports: list[KVImport] = []
 
 
 class Hello(Struct, tag_field="_t", tag="hello", array_like=True):
@@ -179,6 +264,12 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     # Aligned with request_ids when any sampled row asked for logprobs (None for the others);
     # empty when none did, so steps without logprobs carry nothing extra.
     logprobs: list[TokenLogprobs | None] = []
+    # One per KVExport / KVImport of the plan, in any order.
+    kv_exports: list[KVManifest] = []
+    kv_imports: list[KVImportResult] = []
+    # With the first output token of a request that asked for prompt_logprobs: one entry per
+    # prompt token (the first has no logprobs), aligned with request_ids; empty when none did.
+    prompt_logprobs: list[list[TokenLogprobs]] = []
 
 
 WorkerOutput = WorkerReady | StepResult
@@ -208,6 +299,8 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     include_stop_str: list[bool]
     # Per row, one entry per new token (empty for rows without logprobs); empty when no row has any.
     logprobs: list[list[TokenLogprobs]] = []
+    # Per row, its prompt's logprobs (with its first output token only); empty when no row has any.
+    prompt_logprobs: list[list[TokenLogprobs]] = []
 
 
 class TopLogprob(Struct, array_like=True):
@@ -217,10 +310,11 @@ class TopLogprob(Struct, array_like=True):
 
 
 class TextLogprob(Struct, array_like=True):
-    """One output token with its logprob and the most likely alternatives at its position."""
+    """One token with its logprob and the most likely alternatives at its position (a prompt's
+    first token has neither: logprob None, no alternatives)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     token_id: int
     top: list[TopLogprob]
 
@@ -234,6 +328,7 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TextLogprob] = []  # one per token of this delta, when the request asked
+    prompt_logprobs: list[TextLogprob] = []  # with the first delta, when the request asked
 
 
 class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
@@ -296,6 +391,22 @@ class EngineStats(Struct, omit_defaults=True):
     queue_time_bounds: list[float] = []
     queue_time_counts: list[int] = []
     queue_time_sum: float = 0.0
+    # Prefill/decode disaggregation (services/scheduler/disagg.py): this engine's role, requests
+    # whose KV is on its way out or in, and transfer totals. Sent: hand-offs the decode engine
+    # acknowledged (transfer seconds: first token sampled -> ack, the time the prefill engine held
+    # the blocks); received: imports done (hand-off seconds: first token sampled on the prefill
+    # engine -> the request in this engine's batch, by wall clocks).
+    role: str = "both"  # "both" | "prefill" | "decode"
+    num_transferring: int = 0
+    kv_transfers_sent: int = 0
+    kv_transfers_received: int = 0
+    kv_transfer_failures: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_seconds_sum: float = 0.0
+    kv_export_seconds_sum: float = 0.0
+    kv_import_seconds_sum: float = 0.0
+    kv_handoff_seconds_sum: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------

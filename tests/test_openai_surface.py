@@ -297,6 +297,28 @@ def test_echo_string_and_token_prompts(client: openai.OpenAI, hf) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(stack: ServiceStack, client: openai.OpenAI, hf) -> None:
+    """lm-eval's loglikelihood request: echo + logprobs gives every prompt token's logprob (the
+    first has none) from the model's raw distribution, then the outputs'."""
+    tok, model = hf
+    ids = tok(PROMPT)["input_ids"]
+    r = client.completions.create(model=model_name(client), prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                  logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    got = token_ids(lp.tokens)
+    assert got[:len(ids)] == ids and len(got) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = torch.log_softmax(hf_logits(model, got), dim=-1)
+    for p in range(1, len(got)):
+        assert abs(lp.token_logprobs[p] - float(want[p - 1, got[p]])) < LOGPROB_TOL, p
+        assert len(lp.top_logprobs[p]) >= 2
+    streamed = list(client.completions.create(model=model_name(client), prompt=ids, max_tokens=2, temperature=0,
+                                              echo=True, logprobs=2, stream=True,
+                                              extra_body={"return_tokens_as_token_ids": True}))
+    tokens = [t for ch in streamed for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
 def test_async_stream_with_usage_matches_plain(aclient: AsyncFactory, client: openai.OpenAI) -> None:
     name = model_name(client)
     plain = client.chat.completions.create(model=name, messages=CHAT, max_tokens=10, temperature=0)

@@ -330,3 +330,32 @@ def test_step_result_logprobs_aligned_with_request_ids(tiny, runner: ModelRunner
                 lp = torch.log_softmax(ref(torch.tensor([context])).logits[0, -1].float(), dim=-1)
             assert entry.token_ids[1:] == lp.topk(want_n).indices.tolist()
             assert torch.allclose(torch.tensor(entry.logprobs), lp[entry.token_ids], atol=1e-4, rtol=0)
+
+
+def test_prompt_logprobs_across_chunks_equal_transformers(tiny, runner: ModelRunner) -> None:
+    """A prompt run in three chunks (beside another request) returns, with its first output
+    token, one entry per prompt token: the first unscored, the rest log_softmax of the model's
+    logits at the previous position, top-3 included."""
+    _, ref = tiny
+    sched = HandScheduler(seed=5)
+    ids = prompt(2, 41)
+    sched.add("p", ids, SamplingParams(temperature=0.0, prompt_logprobs=3))
+    sched.add("x", prompt(3, 9))
+    results = [runner.execute(sched.plan({"p": 13, "x": 0})), runner.execute(sched.plan({"p": 20})),
+               runner.execute(sched.plan({"p": 8}))]
+    assert all(not r.prompt_logprobs for r in results[:2])
+    last = results[2]
+    assert last.request_ids == ["p"]
+    lps = last.prompt_logprobs[0]
+    assert len(lps) == len(ids) and lps[0].token_ids == [ids[0]] and lps[0].logprobs == []
+    with torch.inference_mode():
+        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        entry, row = lps[p], want[p - 1]
+        assert entry.token_ids[0] == ids[p]
+        assert abs(entry.logprobs[0] - float(row[ids[p]])) < 1e-4
+        assert entry.token_ids[1:] == torch.topk(row, 3).indices.tolist()
+        assert torch.allclose(torch.tensor(entry.logprobs[1:]), torch.topk(row, 3).values, atol=1e-4)
+    # Later steps carry none.
+    sched.update(last)
+    assert not runner.execute(sched.plan({"p": 1})).prompt_logprobs

@@ -289,6 +289,8 @@ class Detokenizer:
     def text_logprob(self, lp: TokenLogprobs) -> TextLogprob:
         """The sampled token (index 0) with its logprob and the top alternatives, as text."""
         ids, vals = lp.token_ids, lp.logprobs
+        if not vals:  # a prompt's first token: nothing scored it
+            return TextLogprob(self.token_str(ids[0]), None, ids[0], [])
         top = [TopLogprob(self.token_str(t), v, t) for t, v in zip(ids[1:], vals[1:], strict=True)]
         return TextLogprob(self.token_str(ids[0]), vals[0], ids[0], top)
 
@@ -313,10 +315,12 @@ class Detokenizer:
                                           batch.skip_special_tokens[i], batch.include_stop_str[i],
                                           finish_reason=reason)
                 lps = batch.logprobs[i] if batch.logprobs else []
+                prompt_lps = batch.prompt_logprobs[i] if batch.prompt_logprobs else []
                 delta = TextDelta(request_id=request_id, offset=offset, num_tokens=len(new), text=out.text,
                                   finish_reason=out.finish_reason, prompt_tokens=batch.prompt_tokens[i],
                                   completion_tokens=offset + len(new),
-                                  logprobs=[self.text_logprob(lp) for lp in lps])
+                                  logprobs=[self.text_logprob(lp) for lp in lps],
+                                  prompt_logprobs=[self.text_logprob(lp) for lp in prompt_lps])
                 if out.stopped and reason is None:
                     stopped.append(request_id)
             except Exception as exc:  # bad ids or columns: fail this request only

@@ -434,12 +434,8 @@ async def _json_body(request: Request) -> Any:
         raise _bad(f"Malformed JSON body: {exc}", None) from exc
 
 
-def parse_echo(body: dict[str, Any], kind: str, params: SamplingParams) -> bool:
-    echo = bool(_opt_bool(body, "echo")) if kind == "completion" else False
-    if echo and params.logprobs is not None:
-        # Would need the prompt's logprobs, which the engine does not compute.
-        raise _bad("echo together with logprobs (prompt logprobs) is not supported.", "echo")
-    return echo
+def parse_echo(body: dict[str, Any], kind: str) -> bool:
+    return bool(_opt_bool(body, "echo")) if kind == "completion" else False
 
 
 async def _echo_text(gw: Gateway, req: GenerateRequest) -> str:
@@ -456,7 +452,11 @@ async def _generate(request: Request, kind: str) -> Response | SSEResponse:
     req = parse_generate(body, kind, gw.model_name, request_id, gw.reply_stream, gw.max_logprobs)
     stream, include_usage = parse_stream_options(body)
     as_ids = bool(_opt_bool(body, "return_tokens_as_token_ids"))
-    echo_text = await _echo_text(gw, req) if parse_echo(body, kind, req.params) else ""
+    echo = parse_echo(body, kind)
+    if echo and req.params.logprobs is not None:  # the prompt's tokens get logprobs too
+        req = msgspec.structs.replace(req, params=msgspec.structs.replace(
+            req.params, prompt_logprobs=req.params.logprobs))
+    echo_text = await _echo_text(gw, req) if echo else ""
     rs = await gw.submit(req)
     events = aiter(rs)
     handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself

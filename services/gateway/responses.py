@@ -62,11 +62,16 @@ class Output:
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = 0
         self.tokens_as_ids = tokens_as_ids
+        # Echo with logprobs: the prompt's, shared by every choice (sample 0 computes the prompt).
+        self.prompt_logprobs: list[TextLogprob] = []
 
     def add(self, d: TextDelta, index: int = 0) -> TextDelta:
         """Take a delta (relabelled when tokens are shown as ids), and return it as taken."""
-        if self.tokens_as_ids and d.logprobs:
-            d = msgspec.structs.replace(d, logprobs=as_token_ids(d.logprobs))
+        if self.tokens_as_ids and (d.logprobs or d.prompt_logprobs):
+            d = msgspec.structs.replace(d, logprobs=as_token_ids(d.logprobs),
+                                        prompt_logprobs=as_token_ids(d.prompt_logprobs))
+        if d.prompt_logprobs:
+            self.prompt_logprobs = d.prompt_logprobs
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
         self.choices[index].add(d)
         return d
@@ -101,8 +106,8 @@ def as_token_ids(lps: list[TextLogprob]) -> list[TextLogprob]:
             for lp in lps]
 
 
-def _lp(v: float) -> float:
-    return max(v, MIN_LOGPROB)
+def _lp(v: float | None) -> float | None:
+    return None if v is None else max(v, MIN_LOGPROB)
 
 
 def chat_logprobs(lps: list[TextLogprob]) -> dict[str, Any]:
@@ -122,9 +127,16 @@ def completion_logprobs(lps: list[TextLogprob], text_offset: int) -> dict[str, A
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {"tokens": [lp.token for lp in lps], "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{**{t.token: _lp(t.logprob) for t in lp.top}, lp.token: _lp(lp.logprob)}
+            "top_logprobs": [None if lp.logprob is None else
+                             {**{t.token: _lp(t.logprob) for t in lp.top}, lp.token: _lp(lp.logprob)}
                              for lp in lps],
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset: int) -> dict[str, Any]:
+    """Completions with echo: the prompt's tokens (offsets from 0) before the output's."""
+    head, tail = completion_logprobs(prompt, 0), completion_logprobs(lps, text_offset)
+    return {k: head[k] + tail[k] for k in head}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,9 +152,11 @@ def full_response(kind: str, request_id: str, model: str, out: Output, logprobs:
                             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                             "finish_reason": c.finish_reason})
         else:
-            choices.append({"index": i, "text": echo + c.text,
-                            "logprobs": completion_logprobs(c.logprobs, len(echo)) if logprobs else None,
-                            "finish_reason": c.finish_reason})
+            lp = None
+            if logprobs:
+                lp = echo_logprobs(out.prompt_logprobs, c.logprobs, len(echo)) if echo else \
+                    completion_logprobs(c.logprobs, 0)
+            choices.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage()}
 
@@ -177,6 +191,7 @@ class ChunkFormatter:
         self.echo = echo
         self.output = Output(n, tokens_as_ids)
         self.text_offsets = [len(echo)] * n  # completions logprobs: where the next token's text starts
+        self.prompt_sent = [False] * n
         self.failed = False
 
     @property
@@ -196,7 +211,11 @@ class ChunkFormatter:
                     "logprobs": chat_logprobs(lps) if self.logprobs else None, "finish_reason": finish_reason}
         logprobs = None
         if self.logprobs:
-            logprobs = completion_logprobs(lps, self.text_offsets[i])
+            if self.echo and not self.prompt_sent[i]:  # the prompt's logprobs go with the first output
+                logprobs = echo_logprobs(self.output.prompt_logprobs, lps, self.text_offsets[i])
+                self.prompt_sent[i] = True
+            else:
+                logprobs = completion_logprobs(lps, self.text_offsets[i])
             self.text_offsets[i] += sum(len(lp.token) for lp in lps)
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 

@@ -8,6 +8,11 @@ a block and none is free, a victim (the most recently admitted, or the lowest pr
 its blocks and is recomputed later. A waiting request first reuses whatever prefix of its tokens
 the KV cache already holds; the samples of an `n > 1` request share their prompt's blocks.
 The worker hears about a request once (NewRequestData) and afterwards only diffs.
+
+Disaggregation (disagg.py drives it): on a prefill engine a request whose prompt is done is
+*parked* — out of the batch, blocks kept — while its KV goes to a decode engine; a decode engine
+*adopts* a handed-over request as parked, with blocks for the incoming KV, and unparks it into
+the batch once the KV is in them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from rill.services.scheduler.kv_cache_manager import KVCacheManager, block_hashes
+from rill.services.scheduler.kv_cache_manager import KVCacheManager, block_hashes, blocks_for
 from rill.shared.config import detok_context_len
 from rill.shared.schema import (
     DetokBatch,
@@ -39,6 +44,7 @@ from rill.shared.schema import (
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # holds blocks, never scheduled: its KV is on its way to or from another engine
     FINISHED = "finished"
 
 
@@ -115,6 +121,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
     policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
+    role: str = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
 
 
 @dataclass
@@ -160,6 +167,7 @@ class StepOutcome:
 
     detok: DetokBatch | None
     finished: list[Request]
+    parked: list[Request] = field(default_factory=list)  # prefill role: prompts done this step
 
 
 class Scheduler:
@@ -170,6 +178,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Request] = []  # kept in scheduling order (see _queue_key)
         self.running: list[Request] = []  # in admission order
+        self.parked: dict[str, Request] = {}  # disaggregation: KV in transfer (see the module doc)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # client request id -> sample ids
         self.counters = StepCounters()
@@ -239,6 +248,8 @@ class Scheduler:
                 continue
             if req.status is Status.WAITING:
                 self.waiting.remove(req)
+            elif req.status is Status.PARKED:
+                del self.parked[rid]
             else:
                 self.running.remove(req)
             self._finish(req)
@@ -286,8 +297,9 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 and n > 1 else n
 
-    def schedule(self) -> StepPlan | None:
-        """Decide the next step. Returns None when there is nothing to run."""
+    def schedule(self, force: bool = False) -> StepPlan | None:
+        """Decide the next step. Returns None when there is nothing to run, unless `force` (the
+        step carries KV transfers only)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens, in batch order
         preempted = False
@@ -342,9 +354,14 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
 
-        if not scheduled and not self._forget:
+        if not scheduled and not self._forget and not force:
             return None
         return self._build_plan(scheduled)
+
+    def transfer_step(self) -> StepPlan:
+        """A step that runs no tokens: it carries the forget list and, added by the caller, KV
+        exports, so a prefill engine hands a request over without waiting for a prompt chunk."""
+        return self._build_plan({})
 
     def _observe_queue_time(self, req: Request) -> None:
         """The first time any sample of a client request is scheduled: its queue time, once
@@ -363,12 +380,15 @@ class Scheduler:
         if req.share_prompt_with is not None:
             first = self.requests.get(req.share_prompt_with)
             if first is not None and not req.output_token_ids:
-                if first.status is not Status.RUNNING or first.num_computed_tokens < len(first.prompt_token_ids):
+                if (first.status not in (Status.RUNNING, Status.PARKED)
+                        or first.num_computed_tokens < len(first.prompt_token_ids)):
                     return None
                 full = (len(req.prompt_token_ids) - 1) // self.kv.block_size
                 return self.kv.block_ids(first.request_id)[:full]
             req.share_prompt_with = None  # sample 0 is gone: fall back to the prefix cache
-        hashes = req.hashes(self.kv.block_size, req.num_tokens) if self.kv.enable_prefix_caching else []
+        # Prompt logprobs need every prompt position computed here: no cached prefix (as vLLM).
+        use_cache = self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
+        hashes = req.hashes(self.kv.block_size, req.num_tokens) if use_cache else []
         return self.kv.lookup(hashes, req.num_tokens)
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan:
@@ -426,8 +446,11 @@ class Scheduler:
         bs = self.kv.block_size
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
+        prompt_lps = dict(zip(result.request_ids, result.prompt_logprobs, strict=True)) \
+            if result.prompt_logprobs else {}
         rows = _DetokRows()
         finished: list[Request] = []
+        parked: list[Request] = []
         for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
             req = self.requests.get(rid)
             if req is None or req.status is not Status.RUNNING:
@@ -442,14 +465,19 @@ class Scheduler:
                 req.output_token_ids.append(token)
                 reason = self._stop_reason(req, token)
                 lp = logprobs.get(rid)
-                rows.add(req, offset, [token], reason, [lp] if lp is not None else [])
+                rows.add(req, offset, [token], reason, [lp] if lp is not None else [], prompt_lps.get(rid, []))
                 if reason is not None:
                     self.running.remove(req)
                     self._finish(req)
                     self.counters.finished_requests += 1
                     finished.append(req)
+                elif self.config.role == "prefill" and len(req.output_token_ids) == 1:
+                    # Only at its first token: one that decodes here after all stays here.
+                    self.running.remove(req)
+                    self._park(req)
+                    parked.append(req)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
-        return StepOutcome(detok=detok, finished=finished)
+        return StepOutcome(detok=detok, finished=finished, parked=parked)
 
     def fail_in_flight(self) -> list[Request]:
         """The step failed on the worker: its requests end with an error."""
@@ -475,6 +503,65 @@ class Scheduler:
         self._forget = []  # the new worker never knew them
         self.kv.reset_prefix_cache()
 
+    # ------------------------------------------------------ disaggregation: parked requests
+
+    def _park(self, req: Request) -> None:
+        req.status = Status.PARKED
+        self.parked[req.request_id] = req
+        if req.known_to_worker:  # the worker needs no state for it; exports name the blocks
+            self._forget.append(req.request_id)
+            req.known_to_worker = False
+
+    def adopt(self, req: Request, num_computed: int, spare_blocks: int = 1) -> bool:
+        """Decode side: take in a request whose first `num_computed` tokens' KV another engine
+        computed. Blocks for that KV are allocated now (keeping `spare_blocks` free so the next
+        decode steps need not preempt anyone) and it stays parked until `unpark`, once the KV is
+        in them. False, changing nothing, when the blocks are not there yet."""
+        if self.kv.num_free_blocks < blocks_for(num_computed, self.kv.block_size) + spare_blocks:
+            return False
+        if self.kv.allocate(req.request_id, num_computed) is None:
+            return False
+        req.num_computed_tokens = num_computed
+        req.known_to_worker = False
+        req.num_blocks_sent = 0
+        self.requests[req.request_id] = req
+        self.groups.setdefault(req.group_id, []).append(req.request_id)
+        self._started_groups.add(req.group_id)  # its queue time was observed where it arrived
+        self._park(req)
+        return True
+
+    def unpark(self, request_id: str) -> Request | None:
+        """Into the batch with the KV it has (decode side after an import; a prefill engine
+        decoding a request itself when no decode engine can take it)."""
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            return None
+        req.status = Status.RUNNING
+        req.num_blocks_sent = 0  # the worker hears about it afresh, blocks included
+        self.running.append(req)
+        return req
+
+    def release(self, request_id: str) -> Request | None:
+        """A parked request leaves this engine and frees its blocks (its KV now lives on the decode
+        engine, or never arrived here); not counted as finished or aborted."""
+        req = self.parked.pop(request_id, None)
+        if req is not None:
+            self._finish(req)
+        return req
+
+    def requeue_parked(self, request_id: str) -> Request | None:
+        """A parked request whose KV was lost (the worker restarted before exporting it) computes
+        again from the front of the queue, like a preempted one."""
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            return None
+        self.kv.free(req.request_id)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_blocks_sent = 0
+        self._enqueue(req, front=True)
+        return req
+
     def _stop_reason(self, req: Request, token: int) -> str | None:
         num_out = len(req.output_token_ids)
         if token in req.eos_token_ids and num_out >= req.params.min_tokens:
@@ -494,15 +581,19 @@ class Scheduler:
                     preemptions=c.preemptions, kv_usage=round(self.kv.usage, 4),
                     num_cached_blocks=len(self.kv.cached), prefix_cache_queries=self.kv.queries,
                     prefix_cache_hits=self.kv.hits, queue_time_bounds=list(self.queue_time.bounds),
-                    queue_time_counts=self.queue_time.cumulative(), queue_time_sum=self.queue_time.sum)
+                    queue_time_counts=self.queue_time.cumulative(), queue_time_sum=self.queue_time.sum,
+                    num_transferring=len(self.parked))
 
     def check_invariants(self) -> None:
         """For tests: scheduler state and block manager agree."""
         self.kv.check_invariants()
         live = set(self.requests)
-        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == live
-        assert not ({r.request_id for r in self.running} & {r.request_id for r in self.waiting})
-        assert set(self.kv.tables) <= {r.request_id for r in self.running}
+        running = {r.request_id for r in self.running}
+        waiting = {r.request_id for r in self.waiting}
+        assert running | waiting | set(self.parked) == live
+        assert not (running & waiting) and not (set(self.parked) & (running | waiting))
+        assert all(r.status is Status.PARKED for r in self.parked.values())
+        assert set(self.kv.tables) <= running | set(self.parked)
         assert len(self.running) <= self.config.max_num_seqs
         for r in self.running:
             assert len(self.kv.block_ids(r.request_id)) * self.kv.block_size >= r.num_computed_tokens
@@ -524,12 +615,14 @@ class _DetokRows:
         self.include_stop: list[bool] = []
         self.logprobs: list[list[TokenLogprobs]] = []
         self.any_logprobs = False
+        self.prompt_logprobs: list[list[TokenLogprobs]] = []
+        self.any_prompt_logprobs = False
 
     def __bool__(self) -> bool:
         return bool(self.ids)
 
     def add(self, req: Request, offset: int, new: list[int], reason: str | None,
-            logprobs: list[TokenLogprobs]) -> None:
+            logprobs: list[TokenLogprobs], prompt_logprobs: list[TokenLogprobs]) -> None:
         p = req.params
         ctx = req.detok_context
         self.ids.append(req.request_id)
@@ -544,6 +637,8 @@ class _DetokRows:
         self.include_stop.append(p.include_stop_str_in_output)
         self.logprobs.append(logprobs)
         self.any_logprobs |= bool(logprobs)
+        self.prompt_logprobs.append(prompt_logprobs)
+        self.any_prompt_logprobs |= bool(prompt_logprobs)
 
     def batch(self, engine_id: int, step_id: int) -> DetokBatch:
         return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
@@ -551,4 +646,5 @@ class _DetokRows:
                           context_ids=self.context, finish_reasons=self.reasons,
                           prompt_tokens=self.prompt_tokens, stop=self.stop,
                           skip_special_tokens=self.skip_special, include_stop_str=self.include_stop,
-                          logprobs=self.logprobs if self.any_logprobs else [])
+                          logprobs=self.logprobs if self.any_logprobs else [],
+                          prompt_logprobs=self.prompt_logprobs if self.any_prompt_logprobs else [])

@@ -19,6 +19,7 @@ import uuid
 import msgspec
 import redis
 
+from rill.services.scheduler.disagg import Disaggregation
 from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
@@ -30,6 +31,9 @@ from rill.shared.schema import (
     EngineStats,
     ErrorReply,
     Hello,
+    KVHandoff,
+    KVTransferAck,
+    StepPlan,
     StepResult,
     TokenizedRequest,
     WorkerReady,
@@ -53,6 +57,7 @@ class SchedulerService:
         self.result_cursor = b"0-0"
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
+        self.disagg = Disaggregation(self)  # prefill/decode roles: KV hand-offs between engines
 
     # ------------------------------------------------------------------------ start-up
 
@@ -75,10 +80,11 @@ class SchedulerService:
                             max_num_batched_tokens=self.args.max_num_batched_tokens,
                             max_model_len=max_model_len,
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
-                            policy=self.args.scheduling_policy, engine_id=self.e),
+                            policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching))
-        log.info("engine %d ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
-                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s)", self.e,
+        self.disagg.configure(ready)
+        log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s)", self.e, self.args.role,
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
                  self.args.max_num_seqs, self.args.max_num_batched_tokens, ready.worker_id,
                  ready.device, ready.dtype)
@@ -98,12 +104,19 @@ class SchedulerService:
         try:
             while not self.stop:
                 self.guard.tick()
+                self.disagg.tick()
                 sched = self.sched
                 assert sched is not None
-                self.drain_inputs(block_ms=None if sched.has_work or sched.has_pending_forget else POLL_MS)
-                plan = sched.schedule()
+                busy = sched.has_work or sched.has_pending_forget or self.disagg.wants_step
+                self.drain_inputs(block_ms=None if busy else POLL_MS)
+                self.disagg.prepare()
+                if self.disagg.exports_pending:
+                    plan: StepPlan | None = sched.transfer_step()
+                else:
+                    plan = sched.schedule(force=self.disagg.wants_step)
                 if plan is None:
                     continue
+                self.disagg.decorate(plan)
                 self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
                 result = self.wait_result(plan.step_id)
                 if result is None:
@@ -129,6 +142,9 @@ class SchedulerService:
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     self.sched.abort(rid)  # type: ignore[union-attr]
+                self.disagg.on_abort(msg)
+            elif isinstance(msg, KVHandoff | KVTransferAck):
+                self.disagg.on_message(msg)
         self.bus.ack(self.in_stream, SCHEDULER_GROUP, [eid for eid, _ in entries])
         self.publish_stats()
 
@@ -165,12 +181,13 @@ class SchedulerService:
         assert sched is not None
         if ready.num_blocks != sched.kv.num_blocks or ready.block_size != sched.kv.block_size:
             # Different cache geometry: nothing in flight can be kept.
-            for req in list(sched.running) + list(sched.waiting):
+            for req in list(sched.requests.values()):
                 sched.abort(req.request_id)
                 self.send_error(req, "the engine restarted with a different KV cache", 503)
             self.configure(ready)
             return
         sched.reset_worker()
+        self.disagg.on_worker_reset()
 
     def apply(self, result: StepResult) -> None:
         sched = self.sched
@@ -179,10 +196,12 @@ class SchedulerService:
             log.error("step %d failed on the worker: %s", result.step_id, result.error)
             for req in sched.fail_in_flight():
                 self.send_error(req, f"the engine failed to run this request: {result.error}", 500)
+            self.disagg.after_step(result, [])
             return
         outcome = sched.update(result)
         if outcome.detok is not None:
             self.bus.send(self.bus.streams.detok, outcome.detok, MAXLEN["detok"])
+        self.disagg.after_step(result, outcome.parked)
 
     def send_error(self, req: Request, message: str, status: int) -> None:
         # The gateway knows the client's id; a failing sample of an n > 1 request fails the request.
@@ -195,7 +214,7 @@ class SchedulerService:
         sched = self.sched
         if sched is None:
             return
-        stats = EngineStats(engine_id=self.e, updated_at=time.time(), **sched.stats())
+        stats = EngineStats(engine_id=self.e, updated_at=time.time(), **sched.stats(), **self.disagg.stats())
         self.bus.r.set(self.bus.streams.stats_key(self.e), encode(stats))
 
 

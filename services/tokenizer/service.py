@@ -11,6 +11,7 @@ nothing.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 from msgspec import Struct
@@ -27,6 +28,7 @@ from rill.shared.schema import (
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
+    stats_decoder,
     tokenizer_input_decoder,
 )
 
@@ -130,19 +132,41 @@ class Tokenizer:
 
 
 class Router:
-    """Picks an engine for each request: the one with the fewest requests we sent lately.
-
-    Good enough for data-parallel replicas of equal size; the registry lives in Redis.
+    """Picks an engine for each new request: among the engines that run prompts (role "both" or
+    "prefill"; a "decode" engine gets its requests from prefill engines, with their KV), the least
+    loaded by its stats key (running + waiting + in transfer) plus what this replica sent it since
+    it last read them. Stats are read at most every REFRESH_S. Engines that have published no stats
+    yet (role unknown) are used only when no engine's role is known to run prompts.
     """
+
+    REFRESH_S = 0.25
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self.sent: dict[int, int] = {}
+        self.loads: dict[int, tuple[str | None, int]] = {}  # engine -> (role, load)
+        self.sent: dict[int, int] = {}  # since the last read
+        self._read_at = float("-inf")
+
+    def _refresh(self) -> None:
+        s = self.bus.streams
+        ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
+        raw = self.bus.r.mget([s.stats_key(e) for e in ids]) if ids else []
+        loads: dict[int, tuple[str | None, int]] = {}
+        for e, payload in zip(ids, raw, strict=True):
+            try:
+                st = stats_decoder.decode(payload) if payload is not None else None
+            except msgspec.DecodeError:
+                st = None
+            loads[e] = (None, 0) if st is None else (st.role, st.num_running + st.num_waiting + st.num_transferring)
+        self.loads, self.sent, self._read_at = loads, {}, time.monotonic()
 
     def pick(self) -> int:
-        members = self.bus.r.smembers(self.bus.streams.engines_key())
-        engines = sorted(int(m) for m in members) or [0]
-        choice = min(engines, key=lambda e: self.sent.get(e, 0))
+        if time.monotonic() - self._read_at >= self.REFRESH_S:
+            self._refresh()
+        runs_prompts = [e for e, (role, _) in self.loads.items() if role in ("both", "prefill")]
+        unknown = [e for e, (role, _) in self.loads.items() if role is None]
+        candidates = runs_prompts or unknown or sorted(self.loads) or [0]
+        choice = min(candidates, key=lambda e: (self.loads.get(e, (None, 0))[1] + self.sent.get(e, 0), e))
         self.sent[choice] = self.sent.get(choice, 0) + 1
         return choice
 

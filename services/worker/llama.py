@@ -156,6 +156,16 @@ class LlamaModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Run T flattened tokens; return fp32 logits [len(logits_indices), vocab] for those rows only."""
+        return self.logits(self.final_hidden(input_ids, positions, meta, kv_caches, logits_indices))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (see final_hidden)."""
+        return self.lm_head(hidden).float()
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
+        """Run T flattened tokens; return the final-normed hidden states of `rows` only (the LM head
+        is applied by the caller, so that many rows, e.g. prompt logprobs, can go in slices)."""
         c = self.cfg
         eps = c.rms_norm_eps
         t = input_ids.shape[0]
@@ -179,5 +189,5 @@ class LlamaModel:
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         # Only the rows that get sampled go through the final norm and the LM head.
-        last = h.index_select(0, logits_indices) + residual.index_select(0, logits_indices)
-        return self.lm_head(ops.rms_norm(last, self.norm, eps)).float()
+        last = h.index_select(0, rows) + residual.index_select(0, rows)
+        return ops.rms_norm(last, self.norm, eps)

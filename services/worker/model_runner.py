@@ -78,6 +78,9 @@ def _keep_freed_memory() -> None:
         pass  # not glibc: keep the defaults
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head slice
+
+
 class PlanError(ValueError):
     """A StepPlan that does not fit the worker's state (the step is refused, state untouched)."""
 
@@ -92,6 +95,10 @@ class RequestState:
     num_prompt: int  # token_ids[:num_prompt] is the prompt; the rest are outputs
     generator: torch.Generator | None
     history_slot: int | None = None  # its token statistics in the sampler (requests with penalties)
+    # Prompt logprobs gathered chunk by chunk (first token: no logprobs), sent with the first
+    # output token; None when not asked for or not computable here (a prompt whose KV came
+    # from elsewhere: a shared prefix, another sample, a resume).
+    prompt_lps: list[TokenLogprobs] | None = None
 
 
 # What a step returns: the sampled request ids, their tokens, and their logprobs (see StepResult).
@@ -121,6 +128,7 @@ class ModelRunner:
         self.resize_kv_cache(num_blocks)
         # Logits of the rows sampled by the last step, in result order (for tests and debugging).
         self.last_logits: torch.Tensor | None = None
+        self._prompt_out: dict[str, list[TokenLogprobs]] = {}  # this step's finished prompt logprobs
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the cache, as at start-up; every request is forgotten with its KV."""
@@ -155,6 +163,7 @@ class ModelRunner:
         except PlanError as exc:
             log.warning("step %d refused: %s", plan.step_id, exc)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], error=str(exc))
+        self._prompt_out.clear()
         try:
             self._apply_diffs(plan)
             ids, tokens, logprobs = self._run(plan)
@@ -162,8 +171,10 @@ class ModelRunner:
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[],
                               error=f"{type(exc).__name__}: {exc}")
+        prompt = [self._prompt_out.get(rid, []) for rid in ids] if self._prompt_out else []
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens,
-                          forward_ms=(time.perf_counter() - start) * 1e3, logprobs=logprobs)
+                          forward_ms=(time.perf_counter() - start) * 1e3, logprobs=logprobs,
+                          prompt_logprobs=prompt)
 
     def _check(self, plan: StepPlan) -> None:
         """Validate the whole plan against the state it would produce, before changing anything."""
@@ -229,7 +240,10 @@ class ModelRunner:
                 generator=self.sampler.make_generator(new.params),
                 # A resumed request's outputs so far count for its penalties too.
                 history_slot=self.sampler.track(new.params, new.token_ids[:num_prompt],
-                                                new.token_ids[num_prompt:]))
+                                                new.token_ids[num_prompt:]),
+                prompt_lps=[TokenLogprobs([new.token_ids[0]], [])]
+                if new.params.prompt_logprobs is not None and new.num_output_tokens == 0
+                and new.num_computed_tokens == 0 else None)
         for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
             self.requests[rid].block_ids.extend(blocks)
 
@@ -252,15 +266,38 @@ class ModelRunner:
         sampled = [i for i, (s, n) in enumerate(zip(states, counts, strict=True))
                    if s.num_computed + n == len(s.token_ids)]
         qsl = meta.query_start_loc_host
-        logits_indices = torch.tensor([qsl[i + 1] - 1 for i in sampled], dtype=torch.int64, device=self.device)
+        rows = [qsl[i + 1] - 1 for i in sampled]
+        # Prompt logprobs: position p's logits score prompt token p + 1.
+        prompt_spans: list[tuple[RequestState, int, int, int]] = []  # (request, first row, rows, position)
+        for i, (s, n) in enumerate(zip(states, counts, strict=True)):
+            scored = min(s.num_computed + n, s.num_prompt - 1) - s.num_computed
+            if s.prompt_lps is not None and scored > 0:
+                prompt_spans.append((s, len(rows), scored, s.num_computed))
+                rows.extend(range(qsl[i], qsl[i] + scored))
         with torch.inference_mode():
-            logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                                        positions, meta, self.kv_caches, logits_indices)
+            hidden = self.model.final_hidden(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                                             positions, meta, self.kv_caches,
+                                             torch.tensor(rows, dtype=torch.int64, device=self.device))
             for s, n in zip(states, counts, strict=True):
                 s.num_computed += n
+            for s, first, num, start in prompt_spans:
+                self._score_prompt(s, hidden[first:first + num], start)
             if not sampled:
                 return [], [], []
-            return self._sample(states, sampled, logits)
+            return self._sample(states, sampled, self.model.logits(hidden[:len(sampled)]))
+
+    def _score_prompt(self, s: RequestState, hidden: torch.Tensor, start: int) -> None:
+        """Append the logprobs of prompt tokens start + 1 .. start + len(hidden) (slices of rows, so
+        a long chunk never holds a whole [rows, vocab] logits matrix)."""
+        assert s.prompt_lps is not None and s.params.prompt_logprobs is not None
+        top = min(s.params.prompt_logprobs, self.cfg.vocab_size)
+        for lo in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(self.model.logits(hidden[lo:lo + PROMPT_LOGPROB_ROWS]), dim=-1)
+            targets = s.token_ids[start + lo + 1:start + lo + 1 + lp.shape[0]]
+            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            top_lp, top_ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+            for t, c, tl, ti in zip(targets, chosen, top_lp.tolist(), top_ids.tolist(), strict=True):
+                s.prompt_lps.append(TokenLogprobs(token_ids=[t, *ti], logprobs=[c, *tl]))
 
     def _run_graph(self, states: list[RequestState]) -> Sampled:
         """A pure-decode step through a captured CUDA graph (same results as `_run`)."""
@@ -285,7 +322,10 @@ class ModelRunner:
         out = self.sampler.sample_batch(logits, rows)
         self.last_logits = logits  # raw: the sampler never writes into them
         for i, tok in zip(sampled, out.token_ids, strict=True):
-            states[i].token_ids.append(tok)
+            s = states[i]
+            if s.prompt_lps is not None and len(s.token_ids) == s.num_prompt:  # its first output token
+                self._prompt_out[s.request_id], s.prompt_lps = s.prompt_lps, None
+            s.token_ids.append(tok)
         return [states[i].request_id for i in sampled], out.token_ids, out.logprobs
 
     # ------------------------------------------------------------------------------ warm-up

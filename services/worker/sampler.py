@@ -79,6 +79,8 @@ def check_params(p: SamplingParams) -> str | None:
         return f"logit_bias of token {bad[0]} must be a finite number, got {p.logit_bias[bad[0]]}"
     if p.logprobs is not None and p.logprobs < 0:
         return f"logprobs must be >= 0, got {p.logprobs}"
+    if p.prompt_logprobs is not None and p.prompt_logprobs < 0:
+        return f"prompt_logprobs must be >= 0, got {p.prompt_logprobs}"
     return None
 
 

@@ -16,6 +16,7 @@ import msgspec
 import redis
 import torch
 
+from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device, resolve_dtype
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
@@ -77,6 +78,8 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
                         block_size=runner.block_size, max_model_len=runner.max_model_len,
                         dtype=runner.dtype, device=runner.device)
+    # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
+    transfers = KVTransferExecutor(runner, [RedisKVTransport(bus.r, bus.streams)])
     heartbeat: Heartbeat | None = None
     backoff = Backoff()
     last_id: bytes | None = None  # None until announced
@@ -115,6 +118,7 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                         continue
                     if isinstance(msg, StepPlan):
                         unsent = runner.execute(msg)
+                        transfers.run(msg, unsent)
                         bus.send(result_stream, unsent, maxlen=result_maxlen)
                         unsent = None
                     elif isinstance(msg, Hello):
