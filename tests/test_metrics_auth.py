@@ -215,7 +215,9 @@ async def test_metrics_match_a_known_workload(make_server, down_of) -> None:
     s = Streams(srv.prefix)
     queue = EngineStats(engine_id=1, num_running=3, num_waiting=2, kv_usage=0.25, prefix_cache_queries=100,
                         prefix_cache_hits=40, preemptions=5, queue_time_bounds=[0.1, 1.0],
-                        queue_time_counts=[1, 3, 4], queue_time_sum=5.5)
+                        queue_time_counts=[1, 3, 4], queue_time_sum=5.5, role="decode", num_transferring=2,
+                        kv_transfers_received=6, kv_bytes_received=12345, kv_handoff_seconds_sum=0.9,
+                        kv_transfer_failures=1)
     r = aioredis.Redis.from_url(srv.gateway.redis_url)
     await r.sadd(s.engines_key(), "0", "1")
     await r.set(s.stats_key(0), encode(EngineStats(engine_id=0, num_running=7, kv_usage=0.5)))
@@ -239,21 +241,28 @@ async def test_metrics_match_a_known_workload(make_server, down_of) -> None:
     assert value(m, "rill:time_to_first_token_seconds_sum") > 0
     assert value(m, "rill:inter_token_latency_seconds_sum") >= 0.05 / 2  # request 2's gap, per token
 
-    assert value(m, "rill:num_requests_running", engine="0") == 7
-    assert value(m, "rill:num_requests_running", engine="1") == 3
-    assert value(m, "rill:num_requests_waiting", engine="1") == 2
-    assert value(m, "rill:kv_cache_usage_perc", engine="0") == 0.5
-    assert value(m, "rill:prefix_cache_queries_total", engine="1") == 100
-    assert value(m, "rill:prefix_cache_hits_total", engine="1") == 40
-    assert value(m, "rill:num_preemptions_total", engine="1") == 5
-    assert value(m, "rill:request_queue_time_seconds_bucket", engine="1", le="0.1") == 1
-    assert value(m, "rill:request_queue_time_seconds_bucket", engine="1", le="1.0") == 3
-    assert value(m, "rill:request_queue_time_seconds_bucket", engine="1", le="+Inf") == 4
-    assert value(m, "rill:request_queue_time_seconds_count", engine="1") == 4
-    assert value(m, "rill:request_queue_time_seconds_sum", engine="1") == 5.5
+    e0, e1 = {"engine": "0", "role": "both"}, {"engine": "1", "role": "decode"}
+    assert value(m, "rill:num_requests_running", **e0) == 7
+    assert value(m, "rill:num_requests_running", **e1) == 3
+    assert value(m, "rill:num_requests_waiting", **e1) == 2
+    assert value(m, "rill:kv_cache_usage_perc", **e0) == 0.5
+    assert value(m, "rill:prefix_cache_queries_total", **e1) == 100
+    assert value(m, "rill:prefix_cache_hits_total", **e1) == 40
+    assert value(m, "rill:num_preemptions_total", **e1) == 5
+    assert value(m, "rill:request_queue_time_seconds_bucket", **e1, le="0.1") == 1
+    assert value(m, "rill:request_queue_time_seconds_bucket", **e1, le="1.0") == 3
+    assert value(m, "rill:request_queue_time_seconds_bucket", **e1, le="+Inf") == 4
+    assert value(m, "rill:request_queue_time_seconds_count", **e1) == 4
+    assert value(m, "rill:request_queue_time_seconds_sum", **e1) == 5.5
+    # Disaggregation: per-role queue lengths and transfer totals.
+    assert value(m, "rill:num_requests_transferring", **e1) == 2
+    assert value(m, "rill:kv_transfer_bytes_total", **e1, direction="received") == 12345
+    assert value(m, "rill:kv_transfer_bytes_total", **e0, direction="sent") == 0
+    assert value(m, "rill:kv_transfer_failures_total", **e1) == 1
+    assert value(m, "rill:kv_handoff_seconds_count", **e1) == 6
+    assert value(m, "rill:kv_handoff_seconds_sum", **e1) == 0.9
     # Engine 0 published no queue histogram: no series rather than a made-up one.
-    assert ("rill:request_queue_time_seconds_count",
-            frozenset({"model_name": MODEL, "engine": "0"}.items())) not in m
+    assert ("rill:request_queue_time_seconds_count", frozenset({"model_name": MODEL, **e0}.items())) not in m
 
 
 def test_registries_are_per_gateway() -> None:

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
@@ -181,7 +187,7 @@ class EngineCollector:
         return self._families(self.snapshot)
 
     def _families(self, stats: list[EngineStats]) -> Iterator[Metric]:
-        lab = ["model_name", "engine"]
+        lab = ["model_name", "engine", "role"]  # role: both | prefill | decode (disaggregation)
         running = GaugeMetricFamily("rill:num_requests_running", "Requests in the engine's running batch.",
                                     labels=lab)
         waiting = GaugeMetricFamily("rill:num_requests_waiting", "Requests waiting to be scheduled.", labels=lab)
@@ -193,8 +199,27 @@ class EngineCollector:
         preempt = CounterMetricFamily("rill:num_preemptions", "Requests preempted (recomputed later).", labels=lab)
         queue = HistogramMetricFamily("rill:request_queue_time_seconds",
                                       "Arrival at the gateway to the first schedule.", labels=lab)
+        transferring = GaugeMetricFamily("rill:num_requests_transferring",
+                                         "Requests whose KV is being handed to or taken from another engine.",
+                                         labels=lab)
+        kv_bytes = CounterMetricFamily("rill:kv_transfer_bytes", "KV bytes moved between engines.",
+                                       labels=[*lab, "direction"])
+        failures = CounterMetricFamily("rill:kv_transfer_failures", "KV transfers that failed.", labels=lab)
+        # Sum and count: hand-offs the decode engine acknowledged, first token -> ack on the
+        # prefill engine; imports done, first token -> request in the decode batch.
+        transfer_s = SummaryMetricFamily("rill:kv_transfer_seconds",
+                                         "Prefill engine: first token to the decode engine's ack.", labels=lab)
+        handoff_s = SummaryMetricFamily("rill:kv_handoff_seconds",
+                                        "Decode engine: first token (on the prefill engine) to joining the batch.",
+                                        labels=lab)
         for st in stats:
-            values = [self.model_name, str(st.engine_id)]
+            values = [self.model_name, str(st.engine_id), st.role]
+            transferring.add_metric(values, st.num_transferring)
+            kv_bytes.add_metric([*values, "sent"], st.kv_bytes_sent)
+            kv_bytes.add_metric([*values, "received"], st.kv_bytes_received)
+            failures.add_metric(values, st.kv_transfer_failures)
+            transfer_s.add_metric(values, st.kv_transfers_sent, st.kv_transfer_seconds_sum)
+            handoff_s.add_metric(values, st.kv_transfers_received, st.kv_handoff_seconds_sum)
             running.add_metric(values, st.num_running)
             waiting.add_metric(values, st.num_waiting)
             kv.add_metric(values, st.kv_usage)
@@ -204,7 +229,8 @@ class EngineCollector:
             buckets = queue_buckets(st)
             if buckets is not None:
                 queue.add_metric(values, buckets, st.queue_time_sum)
-        yield from (running, waiting, kv, queries, hits, preempt, queue)
+        yield from (running, waiting, kv, queries, hits, preempt, queue, transferring, kv_bytes, failures,
+                    transfer_s, handoff_s)
 
 
 def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:
