@@ -505,13 +505,19 @@ async def chat_completions(request: Request) -> Response | SSEResponse:
     return await _generate(request, "chat")
 
 
-async def tokenize(request: Request) -> Response:
-    """vLLM's /tokenize: the ids a prompt (or chat messages, templated) turns into."""
-    gw = _gateway(request)
+async def _json_object(request: Request, gw: Gateway) -> dict[str, Any]:
+    """A JSON object body naming this server's model (or none)."""
     body = await _json_body(request)
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.", None)
     check_model(body, gw.model_name)
+    return body
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: the ids a prompt (or chat messages, templated) turns into."""
+    gw = _gateway(request)
+    body = await _json_object(request, gw)
     add_special = _opt_bool(body, "add_special_tokens")
     add_generation_prompt = _opt_bool(body, "add_generation_prompt")
     if "messages" in body:
@@ -530,10 +536,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """vLLM's /detokenize: token ids back to text."""
     gw = _gateway(request)
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise _bad("The request body must be a JSON object.", None)
-    check_model(body, gw.model_name)
+    body = await _json_object(request, gw)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
         raise _bad("tokens must be a list of non-negative token ids.", "tokens")
