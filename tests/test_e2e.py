@@ -9,90 +9,36 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import msgspec
 import openai
 import pytest
-import redis
 import torch
 import websockets
+from service_stack import SERVICES, ServiceStack, rill_executable
 
 from rill.shared.broker import free_port
-from rill.shared.bus import Streams
-from rill.shared.schema import EngineStats
 
 NEAR_TIE = 2e-3
 BLOCK_SIZE = 8  # small blocks: every prompt spans several
 
 
-@dataclass
-class Stack:
-    base_url: str
-    ws_url: str
-    redis: redis.Redis
-    streams: Streams
-    procs: dict[str, subprocess.Popen[bytes]]
-
-    def stats(self) -> EngineStats:
-        raw = self.redis.get(self.streams.stats_key(0))
-        assert raw is not None
-        return msgspec.msgpack.decode(raw, type=EngineStats)
-
-    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if (st.num_running == 0 and st.num_waiting == 0) or time.monotonic() > deadline:
-                return st
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
-def stack(redis_url: str, smollm2_dir: str) -> Iterator[Stack]:
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
     prefix = f"rille2e-{os.getpid()}-{time.time_ns() % 10**8}"
     port = free_port()
     common = [smollm2_dir, "--redis-url", redis_url, "--prefix", prefix, "--dtype", "float32",
               "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "256", "--max-num-seqs", "32",
               "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--port", str(port),
               "--host", "127.0.0.1"]
-    env = dict(os.environ, RILL_WORKER_THREADS="2", PYTHONUNBUFFERED="1")
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    for name in ("worker", "scheduler", "tokenizer", "detokenizer", "gateway"):
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "rill.services.cli", "service", name, *common, "--replica-name", f"{name}-0"],
-            env=env)
-    client = redis.Redis.from_url(redis_url)
-    streams = Streams(prefix)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
+    s = ServiceStack(redis_url, prefix, port, {
+        name: [*rill_executable(), "service", name, *common, "--replica-name", f"{name}-0"] for name in SERVICES})
+    s.start()
     try:
-        while True:
-            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
-            assert not dead, f"services died during start-up: {dead}"
-            assert time.monotonic() < deadline, "stack did not become ready in time"
-            try:
-                if client.exists(streams.stats_key(0)):
-                    with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        yield Stack(base, f"ws://127.0.0.1:{port}/v1/ws", client, streams, procs)
+        yield s
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +90,7 @@ PROMPTS = [
 ]
 
 
-def test_greedy_matches_transformers_over_http(stack: Stack, reference) -> None:
+def test_greedy_matches_transformers_over_http(stack: ServiceStack, reference) -> None:
     tok, model = reference
     model_id = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none").models.list().data[0].id
 
@@ -166,7 +112,7 @@ def test_greedy_matches_transformers_over_http(stack: Stack, reference) -> None:
         assert_same_or_near_tie(tok, model, ids, hf, resp.choices[0].message.content)
 
 
-def test_openai_client_streams_chat(stack: Stack) -> None:
+def test_openai_client_streams_chat(stack: ServiceStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
     model = client.models.list().data[0].id
     full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
@@ -189,7 +135,7 @@ def test_openai_client_streams_chat(stack: Stack) -> None:
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_websocket_two_requests_one_cancelled(stack: Stack) -> None:
+def test_websocket_two_requests_one_cancelled(stack: ServiceStack) -> None:
     async def scenario() -> dict:
         async with websockets.connect(stack.ws_url) as ws:
             await ws.send(json.dumps({"type": "chat", "id": "long", "max_tokens": 400, "temperature": 0,
@@ -220,7 +166,7 @@ def test_websocket_two_requests_one_cancelled(stack: Stack) -> None:
     assert st.aborted_requests >= 1
 
 
-def test_sixteen_concurrent_requests(stack: Stack, reference) -> None:
+def test_sixteen_concurrent_requests(stack: ServiceStack, reference) -> None:
     tok, model = reference
     topics = ["the sea", "mountains", "a robot", "coffee", "trains", "winter", "music", "a cat",
               "the moon", "gardening", "chess", "rain", "a library", "volcanoes", "bread", "friendship"]
@@ -254,7 +200,7 @@ def test_sixteen_concurrent_requests(stack: Stack, reference) -> None:
     assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
 
 
-def test_bad_input_gets_openai_errors_and_stack_survives(stack: Stack) -> None:
+def test_bad_input_gets_openai_errors_and_stack_survives(stack: ServiceStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as too_long:
@@ -266,7 +212,7 @@ def test_bad_input_gets_openai_errors_and_stack_survives(stack: Stack) -> None:
     assert ok.usage.completion_tokens == 4
 
 
-def test_each_service_is_its_own_process(stack: Stack) -> None:
+def test_each_service_is_its_own_process(stack: ServiceStack) -> None:
     pids = {name: p.pid for name, p in stack.procs.items()}
     assert len(set(pids.values())) == 5
     assert all(p.poll() is None for p in stack.procs.values()), "a service died during the tests"
