@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
 from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 from rill.shared.model_files import resolve_model
@@ -98,18 +99,6 @@ async def run_set(base_url: str, prompts: list[str], max_tokens: int, concurrenc
             async with sem:
                 return await stream(client, p, max_tokens, timeout)
         return await asyncio.gather(*[one(p) for p in prompts])
-
-
-def children_of(pid: int) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def listening_inodes(port: int) -> set[str]:

@@ -14,22 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from rill.services.supervisor import children_of
 from rill.shared.broker import free_port
 from rill.shared.model_files import resolve_model
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> command line of the direct children of `pid` (read from /proc)."""
-    out: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out[int(stat.parent.name)] = cmd
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def post(url: str, body: dict, timeout: float = 60) -> dict:
