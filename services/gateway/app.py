@@ -47,6 +47,7 @@ from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
     DetokenizeRequest,
+    EngineStats,
     ErrorReply,
     GatewayInput,
     GenerateRequest,
@@ -57,6 +58,7 @@ from rill.shared.schema import (
     encode,
     gateway_input_decoder,
     sample_request_id,
+    stats_decoder,
 )
 
 log = logging.getLogger("rill.gateway")
@@ -510,6 +512,21 @@ class Gateway:
         members = await self.bus.r.smembers(self.bus.streams.engines_key())
         ids = sorted({int(m) for m in members if m.isdigit()})
         return ids or [0]
+
+    async def engine_stats(self) -> list[EngineStats]:
+        """Every registered engine's latest EngineStats (engines that published none, or an
+        undecodable one, are skipped); for /stats and /metrics."""
+        assert self.bus is not None
+        raw = await self.bus.r.mget([self.bus.streams.stats_key(e) for e in await self.engine_ids()])
+        out: list[EngineStats] = []
+        for payload in raw:
+            if payload is None:
+                continue
+            try:
+                out.append(stats_decoder.decode(payload))
+            except msgspec.DecodeError:
+                continue
+        return out
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Stop routing these requests and tell every engine to drop them (idempotent there)."""

@@ -36,7 +36,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -50,7 +49,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rill.shared.schema import EngineStats, ErrorReply, TextDelta, stats_decoder
+from rill.shared.schema import EngineStats, ErrorReply, TextDelta
 
 if TYPE_CHECKING:
     from rill.services.gateway.app import Gateway
@@ -242,26 +241,10 @@ def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:
     return [(floatToGoString(b), c) for b, c in zip(bounds, counts[:-1], strict=True)] + [("+Inf", counts[-1])]
 
 
-async def read_engine_stats(gw: Gateway) -> list[EngineStats]:
-    """Every registered engine's latest EngineStats (engines that published none are skipped)."""
-    assert gw.bus is not None
-    engines = await gw.engine_ids()
-    raw = await gw.bus.r.mget([gw.bus.streams.stats_key(e) for e in engines])
-    out: list[EngineStats] = []
-    for payload in raw:
-        if payload is None:
-            continue
-        try:
-            out.append(stats_decoder.decode(payload))
-        except msgspec.DecodeError:
-            continue
-    return out
-
-
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
-        stats = await read_engine_stats(gw)
+        stats = await gw.engine_stats()
     except Exception as exc:  # the broker is away: still serve the gateway's own series
         log.debug("engine stats unavailable for /metrics: %r", exc)
         stats = []

@@ -34,7 +34,6 @@ from rill.shared.schema import (
     GenerateRequest,
     SamplingParams,
     TokenizeRequest,
-    stats_decoder,
 )
 
 if TYPE_CHECKING:
@@ -573,22 +572,11 @@ async def health(request: Request) -> Response:
 
 async def stats(request: Request) -> Response:
     """Every engine's latest EngineStats, as written by its scheduler after each step."""
-    gw = _gateway(request)
-    assert gw.bus is not None
     try:
-        engines = await gw.engine_ids()
-        raw = await gw.bus.r.mget([gw.bus.streams.stats_key(e) for e in engines])
+        engines = await _gateway(request).engine_stats()
     except Exception as exc:
         raise APIError("Redis is unavailable.", 503) from exc
-    out: list[dict[str, Any]] = []
-    for payload in raw:
-        if payload is None:
-            continue
-        try:
-            out.append(msgspec.to_builtins(stats_decoder.decode(payload)))
-        except msgspec.DecodeError:
-            continue
-    return json_response({"engines": out})
+    return json_response({"engines": [msgspec.to_builtins(st) for st in engines]})
 
 
 def routes() -> list[Route]:
