@@ -614,9 +614,7 @@ class _DetokRows:
         self.skip_special: list[bool] = []
         self.include_stop: list[bool] = []
         self.logprobs: list[list[TokenLogprobs]] = []
-        self.any_logprobs = False
         self.prompt_logprobs: list[list[TokenLogprobs]] = []
-        self.any_prompt_logprobs = False
 
     def __bool__(self) -> bool:
         return bool(self.ids)
@@ -636,9 +634,7 @@ class _DetokRows:
         self.skip_special.append(p.skip_special_tokens)
         self.include_stop.append(p.include_stop_str_in_output)
         self.logprobs.append(logprobs)
-        self.any_logprobs |= bool(logprobs)
         self.prompt_logprobs.append(prompt_logprobs)
-        self.any_prompt_logprobs |= bool(prompt_logprobs)
 
     def batch(self, engine_id: int, step_id: int) -> DetokBatch:
         return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
@@ -646,5 +642,6 @@ class _DetokRows:
                           context_ids=self.context, finish_reasons=self.reasons,
                           prompt_tokens=self.prompt_tokens, stop=self.stop,
                           skip_special_tokens=self.skip_special, include_stop_str=self.include_stop,
-                          logprobs=self.logprobs if self.any_logprobs else [],
-                          prompt_logprobs=self.prompt_logprobs if self.any_prompt_logprobs else [])
+                          # Columns nobody asked for stay empty, so they cost nothing on the wire.
+                          logprobs=self.logprobs if any(self.logprobs) else [],
+                          prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [])
