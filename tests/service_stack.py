@@ -81,6 +81,12 @@ class ServiceStack:
                 pass
             time.sleep(0.3)
 
+    def __enter__(self) -> ServiceStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def restart(self, name: str, timeout: float = 120.0) -> None:
         """Stop one process (its connections drop) and start it again with the same command."""
         proc = self.procs[name]
@@ -121,8 +127,10 @@ class ServiceStack:
                 p.wait()
 
 
-def standard_stack(redis_url: str, model_dir: str, prefix: str, port: int) -> ServiceStack:
-    """One process per service, started the way `rill service NAME` is deployed."""
-    flags = fast_flags(model_dir, redis_url, prefix, port)
+def standard_stack(redis_url: str, model_dir: str, prefix: str, port: int,
+                   flags: list[str] | None = None) -> ServiceStack:
+    """One process per service, started the way `rill service NAME` is deployed; `flags` (the
+    model first) replace fast_flags."""
+    flags = flags if flags is not None else fast_flags(model_dir, redis_url, prefix, port)
     return ServiceStack(redis_url, prefix, port, {
         name: [*rill_executable(), "service", name, *flags, "--replica-name", f"{name}-0"] for name in SERVICES})

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 import websockets
-from service_stack import SERVICES, ServiceStack, rill_executable
+from service_stack import ServiceStack, standard_stack
 
 from rill.shared.broker import free_port
 
@@ -32,13 +32,8 @@ def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
               "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "256", "--max-num-seqs", "32",
               "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--port", str(port),
               "--host", "127.0.0.1"]
-    s = ServiceStack(redis_url, prefix, port, {
-        name: [*rill_executable(), "service", name, *common, "--replica-name", f"{name}-0"] for name in SERVICES})
-    s.start()
-    try:
+    with standard_stack(redis_url, smollm2_dir, prefix, port, common) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

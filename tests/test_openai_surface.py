@@ -28,11 +28,8 @@ PROMPT = "The three most important inventions in history are"
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
     prefix = f"rilloai-{os.getpid()}-{time.time_ns() % 10**8}"
-    s = standard_stack(redis_url, smollm2_dir, prefix, free_port()).start()
-    try:
+    with standard_stack(redis_url, smollm2_dir, prefix, free_port()) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import schemathesis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.config import SchemathesisConfig
-from service_stack import SERVICES, ServiceStack, rill_executable
+from service_stack import ServiceStack, standard_stack
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rill.services.gateway.openai_api import DEFAULT_MAX_LOGPROBS
@@ -65,9 +65,7 @@ def stack(redis_url: str, smollm2_dir: str, tmp_path_factory: pytest.TempPathFac
     flags = [str(model), "--redis-url", redis_url, "--prefix", prefix, "--port", str(port), "--host", "127.0.0.1",
              "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN),
              "--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--block-size", "8"]
-    st = ServiceStack(redis_url, prefix, port, {
-        name: [*rill_executable(), "service", name, *flags, "--replica-name", f"{name}-0"] for name in SERVICES})
-    st.start()
+    st = standard_stack(redis_url, str(model), prefix, port, flags).start()
     try:
         yield st
     finally:

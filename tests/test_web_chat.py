@@ -74,10 +74,9 @@ class Page:
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    st = standard_stack(redis_url, smollm2_dir, f"rillweb-{os.getpid()}-{time.time_ns() % 10**8}", free_port())
-    st.start()
-    yield st
-    st.stop()
+    with standard_stack(redis_url, smollm2_dir, f"rillweb-{os.getpid()}-{time.time_ns() % 10**8}",
+                        free_port()) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")
