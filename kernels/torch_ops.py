@@ -1,8 +1,9 @@
 """Plain-torch implementations of the kernel interface in `ops.py`, tuned for CPU.
 
-Attention splits a mixed step in two: every single-token (decode) row is done together in one
-gather + two batched matmuls, and each multi-token (prefill chunk) row group runs through SDPA
-on its own. Softmax always runs in fp32.
+Attention splits a mixed step in two: every single-token (decode) row is done together, by the
+native kernel that reads the paged KV in place (cpu_native) when it is available, else by
+gathers + batched matmuls over rows grouped by length; each multi-token (prefill chunk) row
+group runs through SDPA on its own. Softmax always runs in fp32.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from rill.kernels import cpu_native
 
 if TYPE_CHECKING:
     from rill.kernels.ops import AttentionMetadata
@@ -130,8 +133,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     plan = meta.aux.get("torch_plan")
     if plan is None:  # built on the first layer, reused by the others
         plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2],
-                                                       k_cache.shape[1], q.device)
-    out = torch.empty_like(q)
+                                                       k_cache.shape[1], q.device,
+                                                       cpu_native.decode_supported(q, k_cache))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.native is not None:
+        n = plan.native
+        cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale)
     for group in plan.decode_groups:
         out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
     for start, end, ctx_len, seq_len, blocks in plan.prefills:
@@ -203,11 +210,22 @@ class _DecodeGroup:
             .masked_fill_(masked, float("-inf")).view(len(seqs), num_heads, padded * num_kv_heads).to(device)
 
 
+class _NativeDecode:
+    """The single-token rows' block tables, lengths and q rows, for the native kernel."""
+
+    def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
+        idx = torch.tensor(seqs, dtype=torch.int64)
+        self.block_tables = meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+        self.seq_lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], dtype=torch.int32)
+        self.rows = torch.tensor([meta.query_start_loc_host[i] for i in seqs], dtype=torch.int64)
+        self.max_len = max(meta.seq_lens_host[i] for i in seqs)
+
+
 class _AttentionPlan:
     """Index tensors and masks for one step, shared by every layer."""
 
     def __init__(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, native: bool = False) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         self.prefills: list[tuple[int, int, int, int, torch.Tensor]] = []
@@ -217,6 +235,10 @@ class _AttentionPlan:
                 nblocks = -(-seq_lens[i] // block_size)
                 blocks = meta.block_tables[i, :nblocks].to(torch.int64)
                 self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
+        # Single-token rows: one call of the native kernel, else length groups in plain torch.
+        self.native = _NativeDecode(meta, decodes) if native and decodes else None
+        if self.native is not None:
+            decodes = []
         groups = split_by_length([-(-seq_lens[i] // block_size) for i in decodes]) if decodes else []
         self.decode_groups = [_DecodeGroup(meta, [decodes[j] for j in g], num_heads, num_kv_heads, block_size,
                                            device) for g in groups]

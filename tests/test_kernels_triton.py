@@ -20,6 +20,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from paged_case import PagedCase, close, decode_lengths, gen, kv_heads_for  # noqa: E402
+
 from rill.kernels import ops, triton_attention, triton_ops  # noqa: E402
 from rill.kernels.triton_attention import choose_num_splits, decode_attention, extend_attention  # noqa: E402
 
@@ -28,96 +30,6 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # (atol, rtol) for attention-sized outputs (|out| <~ 3)
 TOL = {torch.float32: (5e-5, 5e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 GROUPS = [1, 3, 4, 8]
-
-
-def close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
-    got64 = got.double().cpu()
-    want = want.double().cpu()
-    assert not torch.isnan(got64).any(), "NaN in the output (unwritten poison or a read past the end)"
-    err = (got64 - want).abs()
-    bound = atol + rtol * want.abs()
-    worst = (err - bound).argmax()
-    assert (err <= bound).all(), (f"max err {err.max().item():.3e} (at {worst.item()}: got "
-                                  f"{got64.flatten()[worst].item():.6f}, want {want.flatten()[worst].item():.6f})")
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# ------------------------------------------------------------------------------------- paged fixtures
-
-
-class PagedCase:
-    """Sequences with their KV in shuffled blocks; every slot no sequence owns holds NaN, and
-    block-table padding points at an all-NaN block."""
-
-    def __init__(self, seq_lens: list[int], query_lens: list[int], block_size: int, num_kv_heads: int,
-                 group: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
-        g = gen(seed)
-        self.seq_lens, self.query_lens, self.bs = seq_lens, query_lens, block_size
-        self.heads = num_kv_heads * group
-        self.scale = head_dim ** -0.5
-        need = [-(-n // block_size) for n in seq_lens]
-        num_blocks = sum(need) + 3
-        perm = torch.randperm(num_blocks, generator=g).tolist()
-        self.poison_block = perm.pop()
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k = torch.randn(shape, generator=g)
-        # A few keys with large norms: their logits dominate and move the running max late.
-        k[torch.rand(shape[:3], generator=g) < 0.05] *= 4.0
-        v = torch.randn(shape, generator=g)
-        k_cache = torch.full(shape, float("nan"))
-        v_cache = torch.full(shape, float("nan"))
-        width = max(need) + 2
-        tables = torch.full((len(seq_lens), width), self.poison_block, dtype=torch.int32)
-        for i, (n, nb) in enumerate(zip(seq_lens, need, strict=True)):
-            ids = [perm.pop() for _ in range(nb)]
-            tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
-            for p in range(n):
-                b, o = ids[p // block_size], p % block_size
-                k_cache[b, o], v_cache[b, o] = k[b, o], v[b, o]
-        self.k_cache = k_cache.to(dtype).to(DEVICE)
-        self.v_cache = v_cache.to(dtype).to(DEVICE)
-        self.tables = tables.to(DEVICE)
-        self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        self.qsl = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
-        self.q = (torch.randn((qsl[-1], self.heads, head_dim), generator=g) * 1.5).to(dtype).to(DEVICE)
-
-    def reference(self) -> torch.Tensor:
-        """float64 attention from explicitly gathered pages, GQA by head repetition."""
-        q = self.q.double().cpu()
-        kc, vc, tables = self.k_cache.double().cpu(), self.v_cache.double().cpu(), self.tables.cpu()
-        group = self.heads // kc.shape[2]
-        out = torch.empty_like(q)
-        start = 0
-        for i, (n, qn) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
-            pos = torch.arange(n)
-            blocks = tables[i, pos // self.bs].long()
-            k = kc[blocks, pos % self.bs].repeat_interleave(group, dim=1)  # [n, H, D]
-            v = vc[blocks, pos % self.bs].repeat_interleave(group, dim=1)
-            qi = q[start:start + qn]
-            s = torch.einsum("thd,khd->htk", qi, k) * self.scale
-            q_pos = n - qn + torch.arange(qn)
-            s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            out[start:start + qn] = torch.einsum("htk,khd->thd", s.softmax(-1), v)
-            start += qn
-        return out
-
-    def poisoned_out(self) -> torch.Tensor:
-        return torch.full_like(self.q, float("nan"))
-
-
-def decode_lengths(bs: int) -> list[int]:
-    # 1 token, ends one short of a block, exactly a block, one past, mid-block after a few, many blocks
-    return [1, bs - 1, bs, bs + 1, 3 * bs + 5, 8 * bs - 3]
-
-
-def kv_heads_for(group: int) -> int:
-    return 1 if group == 8 else 2
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -130,7 +42,7 @@ def kv_heads_for(group: int) -> int:
 def test_decode_attention(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
     lens = decode_lengths(block_size)
     case = PagedCase(lens, [1] * len(lens), block_size, kv_heads_for(group), group, head_dim, dtype,
-                     seed=block_size * 1000 + head_dim * 10 + group)
+                     seed=block_size * 1000 + head_dim * 10 + group, device=DEVICE)
     want = case.reference()
     atol, rtol = TOL[dtype]
     for splits in (1, 4):  # the single-pass path and split-K + reduce (with empty trailing splits)
@@ -151,7 +63,7 @@ def test_extend_attention_mixed_batch(block_size: int, head_dim: int, group: int
     seq_lens = [c + n for c, n in shape]
     query_lens = [n for _, n in shape]
     case = PagedCase(seq_lens, query_lens, bs, kv_heads_for(group), group, head_dim, dtype,
-                     seed=7 + block_size * 1000 + head_dim * 10 + group)
+                     seed=7 + block_size * 1000 + head_dim * 10 + group, device=DEVICE)
     out = extend_attention(case.q, case.k_cache, case.v_cache, case.tables, case.seq_lens_t, case.qsl, case.scale,
                            max(query_lens), out=case.poisoned_out())
     close(out, case.reference(), *TOL[dtype])
@@ -164,18 +76,21 @@ def test_paged_attention_dispatch_from_step_metadata(dtype: torch.dtype) -> None
     bs, group, kv_heads, head_dim = 16, 4, 2, 64
     for query_lens, computed in (([1, 1, 1], [40, 3, 130]), ([1, 12, 1], [40, 5, 130])):
         seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
-        case = PagedCase(seq_lens, query_lens, bs, kv_heads, group, head_dim, dtype, seed=sum(query_lens))
+        case = PagedCase(seq_lens, query_lens, bs, kv_heads, group, head_dim, dtype, seed=sum(query_lens),
+                         device=DEVICE)
         blocks = [[int(b) for b in row[: -(-n // bs)]] for row, n in zip(case.tables.cpu(), seq_lens, strict=True)]
         _, meta = ops.make_attention_metadata(blocks, computed, query_lens, bs, DEVICE)
         out = triton_attention.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
         close(out, case.reference(), *TOL[dtype])
 
 
-def test_torch_attention_groups_decodes_by_length() -> None:
-    """The CPU path pads each decode group's KV to its longest row: rows of very different
-    lengths are split into groups (fewer padded blocks), and every row still equals the
-    reference, prefill chunks in the same step included."""
+def test_torch_attention_groups_decodes_by_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain-torch CPU path (no native kernel) pads each decode group's KV to its longest
+    row: rows of very different lengths are split into groups (fewer padded blocks), and every
+    row still equals the reference, prefill chunks in the same step included."""
     from rill.kernels import torch_ops
+
+    monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
 
     bs = 16
     assert [sorted(g) for g in torch_ops.split_by_length([1, 1, 2, 30, 31, 2, 30])] == [[0, 1, 2, 5], [3, 4, 6]]

@@ -1,0 +1,140 @@
+// Paged decode attention for the CPU: one query token per sequence, KV read in place from the
+// block pool (no gathered copy, no padding to the longest sequence, no work for other kv heads).
+//
+// Built at run time by kernels/cpu_native.py (gcc -O3 -march=native -fopenmp) and called through
+// ctypes; torch_ops.paged_attention uses it for single-token rows and keeps its plain-torch path
+// as the fallback and the reference the tests compare against.
+//
+// Layout, as kernels/ops.py documents: q / out [rows, heads, head_dim] (q's rows may be strided,
+// e.g. a slice of the fused qkv output; out is contiguous); K and V caches
+// [num_blocks, block_size, kv_heads, head_dim]; block_tables [seqs, table_stride] int32.
+// Work is split over (sequence, kv head) pairs: the query heads of one GQA group share every K/V
+// row they load, which is what makes few-kv-head models cheap here.
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)x << 16;
+  return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  union { uint32_t u; float f; } v;
+  v.f = f;
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  // quiet NaN
+  v.u += 0x7fffu + ((v.u >> 16) & 1u);  // round to nearest even, as torch does
+  return (uint16_t)(v.u >> 16);
+}
+
+// exp(x) for the softmax (x <= 0): 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial
+// (relative error ~2e-7). Plain arithmetic, so `omp simd` loops vectorise it; libm's expf would
+// be a scalar call per score.
+static inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;  // e^-87 ~ 1.6e-38: still a normal float, n + 127 >= 1 below
+  const float n = rintf(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  union { int32_t i; float f; } scale;
+  scale.i = ((int32_t)n + 127) << 23;
+  return p * scale.f;
+}
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define ROW_OF(t)                                                                                \
+  (pow2 ? ((int64_t)table[(t) >> shift] << shift) + ((t) & mask)                                  \
+        : (int64_t)table[(t) / block_size] * block_size + (t) % block_size)
+
+// One function per cache dtype: T is the element type, LOAD / STORE convert to and from float.
+// Per (sequence, kv head) pair: scores of the group's query heads against every position (one
+// pass over K), softmax, then one pass over V. `work` holds group * max_len scores per thread.
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                      \
+  int NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,          \
+           int64_t table_stride, const int32_t* seq_lens, const int64_t* rows, T* out,            \
+           int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
+           int64_t max_len, float scale) {                                                       \
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||          \
+        num_heads / num_kv_heads > MAX_GROUP || max_len < 1)                                     \
+      return 1;                                                                                  \
+    const int group = num_heads / num_kv_heads;                                                  \
+    /* cache row of position t: shifts when the block size is a power of two (always, in practice) */ \
+    const int pow2 = (block_size & (block_size - 1)) == 0;                                       \
+    const int shift = __builtin_ctz((unsigned)block_size);                                       \
+    const int64_t mask = block_size - 1;                                                         \
+    const int threads = omp_get_max_threads();                                                   \
+    float* scratch = (float*)malloc(sizeof(float) * (size_t)threads * group * max_len);          \
+    if (!scratch) return 2;                                                                      \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                        \
+    for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; ++pair) {                    \
+      const int64_t s = pair / num_kv_heads;                                                     \
+      const int h = (int)(pair % num_kv_heads);                                                  \
+      const int64_t len = seq_lens[s];                                                           \
+      const int32_t* table = block_tables + s * table_stride;                                    \
+      const int64_t row = rows[s];                                                               \
+      float* scores = scratch + (size_t)omp_get_thread_num() * group * max_len;                  \
+      float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM];         \
+      float mx[MAX_GROUP], total[MAX_GROUP];                                                     \
+      for (int g = 0; g < group; ++g) {                                                          \
+        const T* qp = q + row * q_row_stride + ((int64_t)h * group + g) * head_dim;                    \
+        for (int d = 0; d < head_dim; ++d) qf[g][d] = LOAD(qp[d]) * scale;                       \
+        memset(acc[g], 0, sizeof(float) * head_dim);                                             \
+        mx[g] = -INFINITY;                                                                       \
+      }                                                                                          \
+      for (int64_t t = 0; t < len; ++t) {                                                        \
+        const T* kp = k_cache + (ROW_OF(t) * num_kv_heads + h) * head_dim;                       \
+        _Pragma("omp simd")                                                                      \
+        for (int d = 0; d < head_dim; ++d) kv[d] = LOAD(kp[d]);                                  \
+        for (int g = 0; g < group; ++g) {                                                        \
+          float dot = 0.f;                                                                       \
+          _Pragma("omp simd reduction(+:dot)")                                                   \
+          for (int d = 0; d < head_dim; ++d) dot += qf[g][d] * kv[d];                            \
+          scores[g * len + t] = dot;                                                             \
+          mx[g] = dot > mx[g] ? dot : mx[g];                                                     \
+        }                                                                                        \
+      }                                                                                          \
+      for (int g = 0; g < group; ++g) {                                                          \
+        float* sg = scores + g * len;                                                            \
+        const float m = mx[g];                                                                   \
+        float sum = 0.f;                                                                         \
+        _Pragma("omp simd reduction(+:sum)")                                                     \
+        for (int64_t t = 0; t < len; ++t) {                                                      \
+          sg[t] = exp_neg(sg[t] - m);                                                                  \
+          sum += sg[t];                                                                          \
+        }                                                                                        \
+        total[g] = sum;                                                                          \
+      }                                                                                          \
+      for (int64_t t = 0; t < len; ++t) {                                                        \
+        const T* vp = v_cache + (ROW_OF(t) * num_kv_heads + h) * head_dim;                       \
+        _Pragma("omp simd")                                                                      \
+        for (int d = 0; d < head_dim; ++d) kv[d] = LOAD(vp[d]);                                  \
+        for (int g = 0; g < group; ++g) {                                                        \
+          const float p = scores[g * len + t];                                                   \
+          _Pragma("omp simd")                                                                    \
+          for (int d = 0; d < head_dim; ++d) acc[g][d] += p * kv[d];                             \
+        }                                                                                        \
+      }                                                                                          \
+      for (int g = 0; g < group; ++g) {                                                          \
+        T* op = out + (row * num_heads + (int64_t)h * group + g) * head_dim;                      \
+        const float inv = 1.f / total[g];                                                        \
+        for (int d = 0; d < head_dim; ++d) op[d] = STORE(acc[g][d] * inv);                       \
+      }                                                                                          \
+    }                                                                                            \
+    free(scratch);                                                                               \
+    return 0;                                                                                    \
+  }
+
+#define IDENTITY(x) (x)
+
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE(paged_decode_f32, float, IDENTITY, IDENTITY)

@@ -1,0 +1,116 @@
+"""The native CPU decode attention (kernels/cpu_paged_attention.c) against float64 references,
+through the kernel interface the model calls, and its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from paged_case import PagedCase, close, decode_lengths, kv_heads_for
+
+from rill.kernels import cpu_native, ops, torch_ops
+
+TOL = {torch.float32: (5e-5, 5e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RILL_NATIVE_KERNELS", "1")
+    if cpu_native.library() is None:
+        pytest.fail("the native kernels did not build on this machine (gcc is part of its setup)")
+
+
+def run_step(case: PagedCase, computed: list[int], query_lens: list[int], q: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch_ops._AttentionPlan]:
+    bs = case.bs
+    blocks = [[int(b) for b in row[: -(-n // bs)]] for row, n in zip(case.tables, case.seq_lens, strict=True)]
+    _, meta = ops.make_attention_metadata(blocks, computed, query_lens, bs, "cpu")
+    out = ops.paged_attention(case.q if q is None else q, case.k_cache, case.v_cache, meta, case.scale)
+    return out, meta.aux["torch_plan"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_native_decode_matches_reference(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    """Single-token rows at lengths around block edges; every slot a sequence does not own is
+    NaN, so a read past a sequence's end or through a wrong block id shows up."""
+    lens = decode_lengths(block_size)
+    case = PagedCase(lens, [1] * len(lens), block_size, kv_heads_for(group), group, head_dim, dtype,
+                     seed=block_size * 1000 + head_dim * 10 + group)
+    out, plan = run_step(case, [n - 1 for n in lens], [1] * len(lens))
+    assert plan.native is not None and not plan.decode_groups
+    close(out, case.reference(), *TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_decode_in_a_mixed_step_with_strided_q(dtype: torch.dtype) -> None:
+    """Decode rows interleaved with prefill chunks, and q a strided slice of a fused qkv output
+    (how the model passes it): decode rows go to the native kernel, chunks to SDPA, all exact."""
+    computed = [3, 500, 0, 17, 260, 40, 900, 8]
+    query_lens = [1, 1, 33, 1, 1, 20, 1, 1]
+    seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    case = PagedCase(seq_lens, query_lens, 16, 3, 3, 64, dtype, seed=5)
+    heads, kv = case.q.shape[1], case.k_cache.shape[2]
+    fused = torch.full((case.q.shape[0], heads + 2 * kv, 64), float("nan"), dtype=dtype)
+    fused[:, :heads] = case.q
+    q = fused[:, :heads]
+    assert not q.is_contiguous()
+    # The prefill rows' own K/V must be readable from the cache: SDPA gathers them.
+    out, plan = run_step(case, computed, query_lens, q=q)
+    assert plan.native is not None and len(plan.prefills) == 2
+    close(out, case.reference(), *TOL[dtype])
+
+
+def test_native_is_as_accurate_as_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    lens = [1, 7, 16, 17, 64, 300, 301, 129, 2, 45] * 3
+    case = PagedCase(lens, [1] * len(lens), 16, 3, 3, 64, torch.bfloat16, seed=3)
+    # The torch path reads whole padded blocks (and masks them): give the poison a number.
+    case.k_cache = torch.nan_to_num(case.k_cache, nan=0.5)
+    case.v_cache = torch.nan_to_num(case.v_cache, nan=0.5)
+    native, plan = run_step(case, [n - 1 for n in lens], [1] * len(lens))
+    assert plan.native is not None
+    monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
+    plain, plan = run_step(case, [n - 1 for n in lens], [1] * len(lens))
+    assert plan.native is None and plan.decode_groups
+    # The torch path rounds the probabilities to bf16 before P @ V; the native kernel keeps them
+    # in fp32, so it is at least as close to the float64 reference.
+    want = case.reference()
+    close(native, want, *TOL[torch.bfloat16])
+    close(plain, want, 5e-2, 5e-2)
+    assert (native.double() - want).abs().max() <= (plain.double() - want).abs().max()
+
+
+def test_failed_build_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """No working compiler: one warning, and attention still runs (the plain-torch path)."""
+    monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    with caplog.at_level(logging.WARNING, logger="rill.kernels"):
+        assert cpu_native.library() is None
+    assert "native CPU kernels unavailable" in caplog.text
+    lens = [5, 40]
+    case = PagedCase(lens, [1, 1], 16, 2, 2, 64, torch.float32, seed=1)
+    case.k_cache = torch.nan_to_num(case.k_cache, nan=0.5)
+    case.v_cache = torch.nan_to_num(case.v_cache, nan=0.5)
+    out, plan = run_step(case, [4, 39], [1, 1])
+    assert plan.native is None
+    close(out, case.reference(), *TOL[torch.float32])
+    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A fresh cache folder builds once; a changed source builds a second library beside it."""
+    monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path))
+    first = cpu_native._build()
+    assert first.exists() and cpu_native._build() == first
+    changed = tmp_path / "changed.c"
+    changed.write_text(cpu_native.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", changed)
+    second = cpu_native._build()
+    assert second != first and second.exists()
