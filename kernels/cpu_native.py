@@ -1,10 +1,11 @@
-"""Native CPU kernels (cpu_paged_attention.c), compiled on first use and called through ctypes.
+"""Native CPU kernels (cpu_paged_attention.c, cpu_quant.c), compiled on first use and called
+through ctypes.
 
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
 form. The torch path must gather every sequence's blocks into a padded copy and run small
 batched matmuls against it, which made attention ~45 % of a batch-32 decode step; reading the
-blocks in place is several times faster (measured with scripts/bench_compare.py and
-tests/test_cpu_native.py's timing check).
+blocks in place is several times faster. Likewise the quantise / dequantise steps around an int8 GEMM are
+one pass each instead of a dozen small torch ops (see cpu_quant.c).
 
 The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
 (-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the
@@ -33,7 +34,8 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_quant.c")]
+HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None
@@ -81,11 +83,11 @@ def _cpu_flags() -> str:
 def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
+                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"cpu_paged_attention-{key}.so"
+    target = folder / f"rill_cpu_kernels-{key}.so"
     if target.exists():
         return target
     # Several services may start at once: one builds, the others wait for it.
@@ -95,8 +97,8 @@ def _build() -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
-            proc = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                                  timeout=300)
+            cmd = [cc, *FLAGS, "-I", str(HEADERS[0].parent), "-o", str(built), *map(str, SOURCES)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
             os.replace(built, target)
@@ -110,6 +112,12 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32]
+    for fn in (lib.quantize_rows_bf16, lib.quantize_rows_f32):
+        fn.restype = None
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
+    for fn in (lib.dequantize_bf16, lib.dequantize_f32):
+        fn.restype = None
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
     return lib
 
 
@@ -143,3 +151,38 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_heads, num_kv_heads, head_dim, block_size, max_len, scale)
     if rc != 0:
         raise RuntimeError(f"native paged decode failed with code {rc}")
+
+
+_QUANTIZE = {torch.bfloat16: "quantize_rows_bf16", torch.float32: "quantize_rows_f32"}
+_DEQUANTIZE = {torch.bfloat16: "dequantize_bf16", torch.float32: "dequantize_f32"}
+
+
+def quant_supported(x: torch.Tensor) -> bool:
+    """Whether `quantize_rows` / `dequantize` can take activations like x (CPU, bf16/fp32)."""
+    return x.device.type == "cpu" and x.dtype in _QUANTIZE and library() is not None
+
+
+def quantize_rows(x: torch.Tensor, min_absmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a 2-D x whose rows are contiguous: (q [M, K] int8, scale [M, 1]
+    fp32), scale = max(|row|, min_absmax) / 127, q = round-half-even(x / scale)."""
+    lib = library()
+    assert lib is not None and x.dim() == 2 and x.stride(1) == 1
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    scale = torch.empty((m, 1), dtype=torch.float32)
+    getattr(lib, _QUANTIZE[x.dtype])(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), m, k, min_absmax)
+    return q, scale
+
+
+def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """acc [M, N] int32 * row_scale [M, 1] * col_scale [N] (+ bias [N], fp32) -> [M, N] of dtype."""
+    lib = library()
+    assert lib is not None and acc.dtype == torch.int32 and acc.is_contiguous()
+    assert row_scale.is_contiguous() and col_scale.is_contiguous() and col_scale.dtype == torch.float32
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    m, n = acc.shape
+    y = torch.empty((m, n), dtype=dtype)
+    getattr(lib, _DEQUANTIZE[dtype])(acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), m, n)
+    return y

@@ -20,19 +20,7 @@
 #include <immintrin.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-  union { uint32_t u; float f; } v;
-  v.u = (uint32_t)x << 16;
-  return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  union { uint32_t u; float f; } v;
-  v.f = f;
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  // quiet NaN
-  v.u += 0x7fffu + ((v.u >> 16) & 1u);  // round to nearest even, as torch does
-  return (uint16_t)(v.u >> 16);
-}
+#include "cpu_bf16.h"
 
 // exp(x) for the softmax (x <= 0): 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial
 // (relative error ~2e-7). Plain arithmetic, so `omp simd` loops vectorise it; libm's expf would

@@ -27,7 +27,10 @@ import numpy as np
 import torch
 
 from rill.kernels import torch_ops
-from rill.kernels.torch_ops import Linear
+from rill.kernels.torch_ops import Int8Linear, Linear
+from rill.shared.config import QUANTIZATIONS
+
+AnyLinear = Linear | Int8Linear
 
 
 @dataclass
@@ -215,9 +218,18 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     return q, k
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """A callable x -> x @ weight.T + bias, prepared once for the weight's device."""
-    return _impl_for(weight).Linear(weight, bias)
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                quantization: str | None = None) -> AnyLinear:
+    """A callable x -> x @ weight.T + bias, prepared once for the weight's device; with
+    quantization "int8", the W8A8 int8 version (CPU weights only)."""
+    if quantization is None or quantization == "none":
+        return _impl_for(weight).Linear(weight, bias)
+    if quantization != "int8":
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"--quantization int8 is CPU-only: the {weight.device.type} (Triton/cuBLAS) backend "
+                         "has no int8 GEMM; serve with --quantization none")
+    return torch_ops.Int8Linear(weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,83 @@ def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
         return None
 
 
+_INT8_MAX = 127
+_MIN_ABSMAX = 1e-8  # an all-zero row or channel still gets a finite, non-zero scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q [M, K] int8, scale [M, 1] fp32) with x ~= q * scale.
+
+    Few passes on purpose (this runs before every GEMM): one fp32 copy, divided and rounded in
+    place, since per-op overhead dominates at decode batch sizes."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp_(min=_MIN_ABSMAX).div_(_INT8_MAX)
+    xf = xf.div_(scale) if xf is not x else xf / scale  # never write into the caller's fp32 tensor
+    return xf.round_().to(torch.int8), scale
+
+
+class Int8Linear:
+    """y = x @ W.T + b with W8A8 dynamic quantization (CPU): W is quantized once, symmetric per
+    output channel; x per row at every call. On a CPU with VNNI but no AMX, oneDNN's int8 GEMM runs
+    3-7x faster than its bf16 one (the whole layer, quantization included, 2-4x), at ~1% relative
+    error per output for well-spread rows, more where one channel dominates a row.
+
+    y = (int32 accumulator) * row_scale * channel_scale (+ b), computed in fp32, returned in x's
+    dtype. The weight is kept [N, K] and handed to `torch._int_mm` as its transposed view, the
+    layout that measured fastest."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError(f"Int8Linear runs on CPU only, got a {weight.device.type} weight")
+        self.out_features, self.in_features = weight.shape
+        wf = weight.to(torch.float32, copy=True)  # a copy: a tied embedding shares this weight
+        self.scale = wf.abs().amax(dim=1).clamp_(min=_MIN_ABSMAX).div_(_INT8_MAX)  # [N] fp32
+        self.qweight = wf.div_(self.scale[:, None]).round_().to(torch.int8).contiguous()  # [N, K]
+        self.bias = None if bias is None else bias.float()
+        # Without a working int8 GEMM for this shape (see _int_mm_exact), the int8 values are
+        # multiplied in fp32 instead: same quantization, a slower GEMM.
+        self.qweight_f32 = None if _int_mm_exact(self.qweight) else self.qweight.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        # The native quantise / dequantise passes (cpu_quant.c) compute exactly what the torch
+        # code below does, in one call each instead of ~12 small ops.
+        native = x2.stride(-1) == 1 and cpu_native.quant_supported(x2)
+        q, row_scale = cpu_native.quantize_rows(x2, _MIN_ABSMAX) if native else quantize_rows(x2)
+        if self.qweight_f32 is None:
+            acc = torch._int_mm(q, self.qweight.t())
+            if native:
+                return cpu_native.dequantize(acc, row_scale, self.scale, self.bias, x.dtype) \
+                    .reshape(*lead, self.out_features)
+            acc = acc.float()
+        else:
+            acc = q.float() @ self.qweight_f32.t()
+        y = acc.mul_(row_scale).mul_(self.scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+def _int_mm_exact(qweight: torch.Tensor) -> bool:
+    """Whether `torch._int_mm` gives exact int32 results against this weight at a single row and
+    at an odd number of rows. It is missing from some builds, and on CPU (torch 2.13) it silently
+    returns wrong values when K == 1 (a [1, N] view whose strides read as both layouts)."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for rows in (1, 3):
+            probe = torch.randint(-_INT8_MAX, _INT8_MAX + 1, (rows, qweight.shape[1]), generator=gen,
+                                  dtype=torch.int8)
+            got = torch._int_mm(probe, qweight.t())
+            if not torch.equal(got, probe.int() @ qweight.int().t()):  # integer matmul: exact
+                return False
+    except RuntimeError:
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------------------ attention
 
 

@@ -6,13 +6,21 @@ settings on the same model and the same requests; broker cost is the same for bo
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.worker.model_runner import ModelRunner
+from rill.shared.config import QUANTIZATIONS
 from rill.shared.schema import SamplingParams, TokenizedRequest
+
+
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    """--quantization for the Rill runs of a benchmark (`rill serve`'s flag; other systems keep their dtype)."""
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="Rill runs only: int8 = W8A8 linear layers (CPU)")
 
 
 @dataclass

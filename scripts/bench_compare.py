@@ -13,6 +13,7 @@ Prints output tok/s, TTFT p50 and TPOT p50 for each, ratios to (a), the targets,
 achieved fraction of a roofline measured in the same run (bf16/fp32 matmul FLOP/s ÷ 2 × params).
 
     .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
+                                              [--quantization none|int8]   (Rill rows only)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
-from _inproc_engine import Engine  # noqa: E402
+from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
 
 from rill.services.worker.model_runner import ModelRunner, resolve_dtype  # noqa: E402
 from rill.shared.broker import free_port  # noqa: E402
@@ -115,14 +116,15 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
 # ------------------------------------------------------------------------------ (a) pipeline
 
 def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: int,
-                 concurrencies: list[int | None]) -> dict[str, Row]:
+                 concurrencies: list[int | None], quantization: str = "none") -> dict[str, Row]:
     import argparse as ap
 
     from rill.services.bench_serve import Prompt, run_benchmark
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
-                             "--host", "127.0.0.1", "--dtype", dtype, "--max-num-seqs", "64"],
+                             "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
+                             "--max-num-seqs", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
@@ -166,6 +168,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--serial-subset", type=int, default=4, help="requests for (c), one at a time")
     p.add_argument("--skip-hf", action="store_true")
+    add_quantization_flag(p)
     args = p.parse_args()
 
     from transformers import LlamaForCausalLM
@@ -177,17 +180,19 @@ def main() -> None:
     prompts = workload(args.requests, lo, hi, seed=0)
     out = args.output_len
     print(f"workload: {len(prompts)} requests, prompts {lo}-{hi} tokens, {out} output tokens, greedy, "
-          f"ignore EOS, dtype {dtype}, {torch.get_num_threads()} threads", flush=True)
+          f"ignore EOS, dtype {dtype}, Rill quantization {args.quantization}, {torch.get_num_threads()} threads",
+          flush=True)
 
     rows: dict[str, Row] = {}
     print("(a) Rill full pipeline ...", flush=True)
-    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16])
+    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16], args.quantization)
     rows["(a) Rill pipeline, all at once"] = pipe["conc=all"]
     rows["(a) Rill pipeline, concurrency 32"] = pipe["conc=32"]
     rows["(a) Rill pipeline, concurrency 16"] = pipe["conc=16"]
 
     print("(b) Rill engine in-process ...", flush=True)
-    runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16)
+    runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16,
+                         quantization=args.quantization)
     runner.warmup()
     rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts))
     rows["(b) Rill in-process, concurrency 16"] = run_inprocess(runner, prompts, out, 16)
@@ -215,7 +220,8 @@ def main() -> None:
     print("-" * 90)
     for name, r in rows.items():
         print(f"{name:<38} | {r['tok_s']:>9.1f} | {r['ttft']:>11.1f} | {r['tpot']:>11.2f} | {base / r['tok_s']:>7.2f}x")
-    print(f"\nroofline: matmul {flops / 1e9:.0f} GFLOP/s ({dtype}) / (2 x {params / 1e6:.0f}M params) = "
+    print(f"\nroofline: matmul {flops / 1e9:.0f} GFLOP/s ({dtype} GEMMs; a bound for --quantization none) "
+          f"/ (2 x {params / 1e6:.0f}M params) = "
           f"{roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
     if not args.skip_hf:
         s8, s32 = rows["(d) transformers, static 8"], rows["(e) transformers, static 32"]

@@ -11,7 +11,7 @@ import urllib.request
 import uuid
 
 from rill.services.supervisor import Child
-from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig, parse_size
+from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, QUANTIZATIONS, EngineArgs, ModelConfig, parse_size
 from rill.shared.logs import setup_logging
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
@@ -39,6 +39,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: fraction of GPU memory for weights + activations + KV cache")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only; "
+                        "faster GEMMs at some accuracy cost, see the README)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--engine-id", type=int, default=0)
@@ -116,13 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     if ns.tensor_parallel_size != 1:
         raise SystemExit("rill: --tensor-parallel-size > 1 is not supported yet (one worker per engine)")
+    if ns.quantization != "none" and ns.device == "cuda":
+        raise SystemExit(f"rill: --quantization {ns.quantization} runs on CPU only; use --device cpu")
     cfg = ModelConfig.from_dir(model_dir)
     return EngineArgs(
         model_dir=model_dir, served_model_name=ns.served_model_name or "", engine_id=ns.engine_id,
         max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
-        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
+        dtype=ns.dtype, quantization=ns.quantization, device=ns.device,
+        tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
         enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"))
 
@@ -162,6 +168,7 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             "--prefix", ns.prefix, "--replica-name", replica, "--max-num-seqs", str(ns.max_num_seqs),
             "--max-num-batched-tokens", str(ns.max_num_batched_tokens), "--block-size", str(ns.block_size),
             "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
+            "--quantization", ns.quantization,
             "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
             "--host", ns.host, "--port", str(ns.port),
             "--long-prefill-token-threshold", str(ns.long_prefill_token_threshold),

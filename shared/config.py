@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --quantization: none keeps every GEMM in the model dtype; int8 is W8A8 dynamic quantization of the
+# linear layers (CPU only, see kernels/torch_ops.Int8Linear).
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes; None: CPU default below
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
+    quantization: str = "none"  # "int8": W8A8 linear layers (CPU only); norms, embedding, KV stay in dtype
     device: str = "auto"
     tensor_parallel_size: int = 1
     long_prefill_token_threshold: int = 0

@@ -243,6 +243,7 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     max_model_len: int
     dtype: str
     device: str
+    quantization: str = "none"  # of the linear layers ("int8": W8A8); the KV cache stays in `dtype`
 
 
 class TokenLogprobs(Struct, array_like=True):

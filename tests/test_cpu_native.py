@@ -110,7 +110,50 @@ def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     first = cpu_native._build()
     assert first.exists() and cpu_native._build() == first
     changed = tmp_path / "changed.c"
-    changed.write_text(cpu_native.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_native, "SOURCE", changed)
+    changed.write_text(cpu_native.SOURCES[-1].read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_native, "SOURCES", [*cpu_native.SOURCES[:-1], changed])
     second = cpu_native._build()
     assert second != first and second.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 576), (3, 64), (32, 1536), (257, 576)])
+def test_native_quantize_rows_equals_torch(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Same scales and the same int8 values as the torch fallback, bit for bit (rows with an
+    outlier channel, an all-zero row, and a strided view included)."""
+    g = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(shape[0], shape[1] + 8, generator=g) * 3
+    x[:, 5] *= 40  # an outlier channel sets each row's step
+    x[0] = 0.0
+    x = x.to(dtype)[:, 4:4 + shape[1]]  # rows not contiguous with each other
+    q, scale = cpu_native.quantize_rows(x, 1e-8)
+    q_ref, scale_ref = torch_ops.quantize_rows(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_dequantize_equals_torch(dtype: torch.dtype, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    acc = torch.randint(-(2**20), 2**20, (33, 960), generator=g, dtype=torch.int32)
+    row = torch.rand(33, 1, generator=g) * 0.01
+    col = torch.rand(960, generator=g) * 0.01
+    bias = torch.randn(960, generator=g) if with_bias else None
+    got = cpu_native.dequantize(acc, row, col, bias, dtype)
+    want = acc.float().mul_(row).mul_(col)
+    if bias is not None:
+        want.add_(bias)
+    assert torch.equal(got, want.to(dtype))
+
+
+def test_int8_linear_native_equals_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Int8Linear gives the same output with and without the native passes."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    bias = torch.randn(200, generator=g).bfloat16()
+    layer = torch_ops.Int8Linear(w, bias)
+    x = torch.randn(2, 5, 96, generator=g).bfloat16()
+    native = layer(x)
+    monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
+    assert torch.equal(layer(x), native)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
-from rill.shared.config import ModelConfig
+from rill.shared.config import QUANTIZATIONS, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,11 +56,11 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: ops.Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: ops.Linear
+    qkv: ops.AnyLinear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: ops.AnyLinear
     post_norm: torch.Tensor
-    gate_up: ops.Linear  # fused [2 * intermediate, hidden]
-    down: ops.Linear
+    gate_up: ops.AnyLinear  # fused [2 * intermediate, hidden]
+    down: ops.AnyLinear
 
 
 class _Checkpoint:
@@ -100,13 +100,15 @@ class LlamaModel:
     """Weights plus the forward pass. Not an nn.Module: no hooks or autograd on the hot path."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor, max_positions: int) -> None:
+                 lm_head: torch.Tensor, max_positions: int, quantization: str = "none") -> None:
         self.cfg = cfg
         self.embed = embed
         self.layers = layers
         self.norm = norm
         self.tied = lm_head is embed
-        self.lm_head = ops.make_linear(lm_head)
+        # Quantized, a tied head gets its own int8 copy; the embedding lookup keeps the model dtype.
+        self.lm_head = ops.make_linear(lm_head, quantization=quantization)
+        self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
         self.scale = cfg.head_dim ** -0.5
@@ -116,13 +118,22 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_positions: int | None = None) -> LlamaModel:
+             max_positions: int | None = None, quantization: str = "none") -> LlamaModel:
+        """quantization "int8": every linear layer and the LM head as W8A8 int8 GEMMs (CPU only);
+        norms, the embedding and the KV cache stay in `dtype`."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_dir(model_dir)
         ckpt = _Checkpoint(model_dir)
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> ops.AnyLinear:
+            # int8 is quantized from the `dtype` weights, as the tied LM head must be (its rounding
+            # to bf16 first is far below the int8 step).
+            return ops.make_linear(put(weight), put(bias), quantization)  # type: ignore[arg-type]
 
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -131,21 +142,19 @@ class LlamaModel:
             mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
             layers.append(LayerWeights(
                 input_norm=put(ckpt.get(f"{p}input_layernorm.weight")),
-                qkv=ops.make_linear(put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
-                                    put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in attn]))),
-                o=ops.make_linear(put(ckpt.get(f"{p}self_attn.o_proj.weight")),
-                                  put(ckpt.maybe(f"{p}self_attn.o_proj.bias"))),
+                qkv=linear(torch.cat([ckpt.get(f"{n}.weight") for n in attn]),
+                           _cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
+                o=linear(ckpt.get(f"{p}self_attn.o_proj.weight"), ckpt.maybe(f"{p}self_attn.o_proj.bias")),
                 post_norm=put(ckpt.get(f"{p}post_attention_layernorm.weight")),
-                gate_up=ops.make_linear(put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
-                                        put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp]))),
-                down=ops.make_linear(put(ckpt.get(f"{p}mlp.down_proj.weight")),
-                                     put(ckpt.maybe(f"{p}mlp.down_proj.bias"))),
+                gate_up=linear(torch.cat([ckpt.get(f"{n}.weight") for n in mlp]),
+                               _cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
+                down=linear(ckpt.get(f"{p}mlp.down_proj.weight"), ckpt.maybe(f"{p}mlp.down_proj.bias")),
             ))
         embed = put(ckpt.get("model.embed_tokens.weight"))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         lm_head = embed if tied else put(ckpt.get("lm_head.weight"))
         return cls(cfg, embed, layers, put(ckpt.get("model.norm.weight")), lm_head,
-                   max_positions or cfg.max_position_embeddings)
+                   max_positions or cfg.max_position_embeddings, quantization)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cfg

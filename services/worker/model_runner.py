@@ -108,16 +108,22 @@ Sampled = tuple[list[str], list[int], list[TokenLogprobs | None]]
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto", num_blocks: int = 256,
                  block_size: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 model: LlamaModel | None = None) -> None:
+                 model: LlamaModel | None = None, quantization: str = "none") -> None:
+        """quantization: "none" or "int8" (W8A8 linear layers, CPU only; see LlamaModel.load). A
+        `model` passed in is used as loaded, its own quantization included."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if model is None and quantization != "none" and self.device != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on CPU only (device is {self.device}); "
+                             "use --device cpu or --quantization none")
         if self.device == "cpu":
             configure_cpu_threads()
             _keep_freed_memory()
         cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,
-                                              max_positions=self.max_model_len)
+                                              max_positions=self.max_model_len, quantization=quantization)
+        self.quantization = self.model.quantization
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.num_blocks = 0

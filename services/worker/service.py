@@ -53,7 +53,7 @@ def build_runner(args: EngineArgs) -> ModelRunner:
     probe_tokens = max(16, min(args.max_num_batched_tokens, max_len))
     runner = ModelRunner(args.model_dir, dtype=dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
-                         max_model_len=max_len, seed=args.seed)
+                         max_model_len=max_len, seed=args.seed, quantization=args.quantization)
     budget = _kv_bytes(runner, args)
     num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
     if num_blocks < 1:
@@ -61,10 +61,11 @@ def build_runner(args: EngineArgs) -> ModelRunner:
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
     tokens = num_blocks * args.block_size
-    log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s device=%s "
+    log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
              "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)",
-             num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype, device,
-             cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim, DTYPE_BYTES[dtype])
+             num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype,
+             runner.quantization, device, cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim,
+             DTYPE_BYTES[dtype])
     return runner
 
 
@@ -77,7 +78,7 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     result_maxlen = MAXLEN["result"]
     ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
                         block_size=runner.block_size, max_model_len=runner.max_model_len,
-                        dtype=runner.dtype, device=runner.device)
+                        dtype=runner.dtype, device=runner.device, quantization=runner.quantization)
     # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
     transfers = KVTransferExecutor(runner, [RedisKVTransport(bus.r, bus.streams)])
     heartbeat: Heartbeat | None = None
