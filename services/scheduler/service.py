@@ -84,10 +84,10 @@ class SchedulerService:
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching))
         self.disagg.configure(ready)
         log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
-                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s)", self.e, self.args.role,
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s)", self.e, self.args.role,
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
                  self.args.max_num_seqs, self.args.max_num_batched_tokens, ready.worker_id,
-                 ready.device, ready.dtype)
+                 ready.device, ready.dtype, ready.quantization)
 
     # ------------------------------------------------------------------------- main loop
 
