@@ -10,7 +10,8 @@ EOS ignored, SmolLM2-135M-Instruct, same dtype everywhere.
   (d) transformers `generate`, static batches of 8 (left padding)
   (e) transformers `generate`, static batches of 32 (left padding)
 Prints output tok/s, TTFT p50 and TPOT p50 for each, ratios to (a), the targets, and the
-achieved fraction of a roofline measured in the same run (bf16/fp32 matmul FLOP/s ÷ 2 × params).
+achieved fraction of a roofline measured in the same run (the faster of the bf16/fp32 and int8
+GEMMs Rill runs, FLOP/s ÷ 2 × params).
 
     .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
                                               [--quantization none|int8]   (Rill rows only)
@@ -49,17 +50,28 @@ def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randint(1000, 20000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def roofline(dtype: torch.dtype, params: int) -> tuple[float, float]:
-    """Measured matmul FLOP/s at a serving shape and the tok/s it bounds (2 FLOP per param per token)."""
-    a = torch.randn(256, 576, dtype=dtype)
-    b = torch.randn(576, 1536, dtype=dtype)
-    for _ in range(5):
-        a @ b
-    reps, t0 = 200, time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    flops = 2 * 256 * 576 * 1536 * reps / (time.perf_counter() - t0)
-    return flops, flops / (2 * params)
+def roofline(dtype: torch.dtype, params: int) -> tuple[dict[str, float], float]:
+    """The machine's matmul rate, measured with the GEMMs Rill runs (a linear layer of serving
+    shape, 256 x 576 -> 1536, through kernels.ops.make_linear in `dtype` and in int8 W8A8, the
+    quantise/dequantise passes included), and the tok/s the faster one bounds at 2 FLOP per
+    parameter per token."""
+    from rill.kernels import ops
+
+    weight = torch.randn(1536, 576, dtype=dtype)
+    x = torch.randn(256, 576, dtype=dtype)
+    rates: dict[str, float] = {}
+    for name, quant in ((str(dtype).removeprefix("torch."), None), ("int8", "int8")):
+        linear = ops.make_linear(weight, None, quant)
+        for _ in range(5):
+            linear(x)
+        best = float("inf")
+        for _ in range(5):  # best of 5 batches: a co-tenant's burst must not set the bound
+            t0 = time.perf_counter()
+            for _ in range(40):
+                linear(x)
+            best = min(best, (time.perf_counter() - t0) / 40)
+        rates[name] = 2 * 256 * 576 * 1536 / best
+    return rates, max(rates.values()) / (2 * params)
 
 
 # ------------------------------------------------------------------------------ (b) in-process
@@ -220,9 +232,9 @@ def main() -> None:
     print("-" * 90)
     for name, r in rows.items():
         print(f"{name:<38} | {r['tok_s']:>9.1f} | {r['ttft']:>11.1f} | {r['tpot']:>11.2f} | {base / r['tok_s']:>7.2f}x")
-    print(f"\nroofline: matmul {flops / 1e9:.0f} GFLOP/s ({dtype} GEMMs; a bound for --quantization none) "
-          f"/ (2 x {params / 1e6:.0f}M params) = "
-          f"{roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
+    measured = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in flops.items())
+    print(f"\nroofline: the faster matmul measured here (GFLOP/s: {measured}) / (2 x {params / 1e6:.0f}M "
+          f"params) = {roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
     if not args.skip_hf:
         s8, s32 = rows["(d) transformers, static 8"], rows["(e) transformers, static 32"]
         c32, c16 = rows["(a) Rill pipeline, concurrency 32"], rows["(a) Rill pipeline, concurrency 16"]

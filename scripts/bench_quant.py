@@ -5,9 +5,12 @@ Speed: median decode step time at batch 32 with contexts spread over 20-430 toke
 of one 512-token prefill step, in the model dtype (default bfloat16) with and without W8A8 int8
 linear layers. The two runners alternate rep by rep so that load from other processes hits both.
 Quality: teacher-forced over the chat prompts of tests/test_quantization.py against the fp32
-model: top-1 next-token agreement and mean |logprob difference| of fp32's argmax token.
+model: top-1 next-token agreement and mean |logprob difference| of fp32's argmax token, for int8
+with the default SmoothQuant alphas, without smoothing, and with each --alphas spec (the syntax of
+RILL_SMOOTHQUANT_ALPHA: "0.6" or "qkv=0.7,down=0.4").
 
     .venv/bin/python scripts/bench_quant.py [MODEL] [--dtype bfloat16] [--batch 32] [--reps 5]
+        [--skip-speed] [--skip-quality] [--alphas SPEC ...]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_quantization import chat_ids, quality  # noqa: E402
 
+from rill.services.worker import smoothquant  # noqa: E402
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
@@ -96,10 +100,19 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--reps", type=int, default=5, help="alternating rounds per variant")
     p.add_argument("--steps", type=int, default=6, help="decode steps timed per round")
+    p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--alphas", nargs="*", default=[], help="extra SmoothQuant alpha specs to measure quality for")
     args = p.parse_args()
 
     model_dir = str(resolve_model(args.model))
+    if not args.skip_speed:
+        speed(model_dir, args)
+    if not args.skip_quality:
+        quality_table(model_dir, args.dtype, args.alphas)
+
+
+def speed(model_dir: str, args: argparse.Namespace) -> None:
     lo, hi = (int(x) for x in args.context.split(":"))
     room = args.reps * (args.steps + 1) + 4
     variants = ("none", "int8")
@@ -135,20 +148,26 @@ def main() -> None:
     dn, di = statistics.median(decode["none"]), statistics.median(decode["int8"])
     pn, pi = statistics.median(prefill["none"]), statistics.median(prefill["int8"])
     print(f"int8 speed-up: decode {dn / di:.2f}x, prefill {pn / pi:.2f}x")
-    del runners, batches
 
-    if not args.skip_quality:
-        seqs = chat_ids(model_dir)
-        ref = LlamaModel.load(model_dir, torch.float32)
-        print(f"\nquality vs fp32, teacher-forced over {sum(map(len, seqs))} chat positions")
-        print(f"{'model':<16} | {'top-1 agreement':>15} | {'mean |d logprob|':>16}")
-        print("-" * 54)
-        for dtype in dict.fromkeys(("float32", args.dtype)):
-            for q in variants:
-                if dtype == "float32" and q == "none":
-                    continue  # the reference itself
-                agree, diff, _ = quality(ref, LlamaModel.load(model_dir, TORCH_DTYPES[dtype], quantization=q), seqs)
-                print(f"{dtype + ('+' + q if q != 'none' else ''):<16} | {agree:>15.3f} | {diff:>16.3f}")
+
+
+def quality_table(model_dir: str, dtype: str, alpha_specs: list[str]) -> None:
+    seqs = chat_ids(model_dir)
+    ref = LlamaModel.load(model_dir, torch.float32)
+    print(f"\nquality vs fp32, teacher-forced over {sum(map(len, seqs))} chat positions")
+    print(f"{'model':<32} | {'top-1 agreement':>15} | {'mean |d logprob|':>16}")
+    print("-" * 70)
+    # (label, quantization, SmoothQuant alphas: None = the default)
+    variants: list[tuple[str, str, float | dict[str, float] | None]] = [
+        ("", "none", None), ("+int8", "int8", None), ("+int8 unsmoothed", "int8", 0.0)]
+    variants += [(f"+int8 alpha {spec}", "int8", smoothquant.parse_alphas(spec)) for spec in alpha_specs]
+    for dt in dict.fromkeys(("float32", dtype)):
+        for label, q, alpha in variants:
+            if dt == "float32" and q == "none":
+                continue  # the reference itself
+            model = LlamaModel.load(model_dir, TORCH_DTYPES[dt], quantization=q, smoothquant_alpha=alpha)
+            agree, diff, _ = quality(ref, model, seqs)
+            print(f"{dt + label:<32} | {agree:>15.3f} | {diff:>16.3f}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
 and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
 biases, tied embeddings. Q/K/V and gate/up weights are concatenated at load time so each layer
-runs three GEMMs plus the output projection.
+runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
+into the weights first (smoothquant.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,14 +55,40 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
 
+# x -> x @ W.T + b: an ops.make_linear layer, or a calibration probe (smoothquant.Probe).
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: ops.AnyLinear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: ops.AnyLinear
+    qkv: Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: ops.AnyLinear  # fused [2 * intermediate, hidden]
-    down: ops.AnyLinear
+    gate_up: Linear  # fused [2 * intermediate, hidden]
+    down: Linear
+
+
+@dataclass
+class LayerTensors:
+    """One layer's weights as read (model dtype, fused like LayerWeights), before the linear layers
+    are prepared: the stage where smoothing factors are folded in."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
+        return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
+                            o=linear(self.o, self.o_bias), post_norm=self.post_norm,
+                            gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias))
 
 
 class _Checkpoint:
@@ -100,14 +128,17 @@ class LlamaModel:
     """Weights plus the forward pass. Not an nn.Module: no hooks or autograd on the hot path."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor, max_positions: int, quantization: str = "none") -> None:
+                 lm_head: torch.Tensor | None, max_positions: int, quantization: str = "none",
+                 tied: bool | None = None) -> None:
+        """lm_head None: a headless model, final_hidden only (calibration). `tied` defaults to
+        whether lm_head is the embedding (a smoothed tied head is a scaled copy of it)."""
         self.cfg = cfg
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        self.tied = lm_head is embed
+        self.tied = lm_head is embed if tied is None else tied
         # Quantized, a tied head gets its own int8 copy; the embedding lookup keeps the model dtype.
-        self.lm_head = ops.make_linear(lm_head, quantization=quantization)
+        self.lm_head = None if lm_head is None else ops.make_linear(lm_head, quantization=quantization)
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
@@ -118,9 +149,13 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_positions: int | None = None, quantization: str = "none") -> LlamaModel:
+             max_positions: int | None = None, quantization: str = "none",
+             smoothquant_alpha: float | dict[str, float] | None = None) -> LlamaModel:
         """quantization "int8": every linear layer and the LM head as W8A8 int8 GEMMs (CPU only);
-        norms, the embedding and the KV cache stay in `dtype`."""
+        norms, the embedding and the KV cache stay in `dtype`. Before quantizing, activation
+        outliers are smoothed into the weights (smoothquant.py) with `smoothquant_alpha`, by
+        default RILL_SMOOTHQUANT_ALPHA or the measured default; 0 turns that off. An alpha given
+        with quantization "none" smooths the float model (the fold is exact up to rounding)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         model_dir = Path(model_dir)
@@ -130,31 +165,37 @@ class LlamaModel:
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> ops.AnyLinear:
-            # int8 is quantized from the `dtype` weights, as the tied LM head must be (its rounding
-            # to bf16 first is far below the int8 step).
-            return ops.make_linear(put(weight), put(bias), quantization)  # type: ignore[arg-type]
-
-        layers = []
-        for i in range(cfg.num_hidden_layers):
+        def read_layer(i: int) -> LayerTensors:
             p = f"model.layers.{i}."
             attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
             mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
-            layers.append(LayerWeights(
+            return LayerTensors(
                 input_norm=put(ckpt.get(f"{p}input_layernorm.weight")),
-                qkv=linear(torch.cat([ckpt.get(f"{n}.weight") for n in attn]),
-                           _cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
-                o=linear(ckpt.get(f"{p}self_attn.o_proj.weight"), ckpt.maybe(f"{p}self_attn.o_proj.bias")),
+                qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
+                qkv_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
+                o=put(ckpt.get(f"{p}self_attn.o_proj.weight")), o_bias=put(ckpt.maybe(f"{p}self_attn.o_proj.bias")),
                 post_norm=put(ckpt.get(f"{p}post_attention_layernorm.weight")),
-                gate_up=linear(torch.cat([ckpt.get(f"{n}.weight") for n in mlp]),
-                               _cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
-                down=linear(ckpt.get(f"{p}mlp.down_proj.weight"), ckpt.maybe(f"{p}mlp.down_proj.bias")),
-            ))
+                gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
+                gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
+                down=put(ckpt.get(f"{p}mlp.down_proj.weight")), down_bias=put(ckpt.maybe(f"{p}mlp.down_proj.bias")))
+
+        tensors = [read_layer(i) for i in range(cfg.num_hidden_layers)]
         embed = put(ckpt.get("model.embed_tokens.weight"))
+        norm = put(ckpt.get("model.norm.weight"))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         lm_head = embed if tied else put(ckpt.get("lm_head.weight"))
-        return cls(cfg, embed, layers, put(ckpt.get("model.norm.weight")), lm_head,
-                   max_positions or cfg.max_position_embeddings, quantization)
+        if quantization == "int8" or smoothquant_alpha:
+            from rill.services.worker import smoothquant  # it builds on this module
+
+            # Folded into `tensors` and the norm; a tied head becomes a scaled copy of the embedding.
+            norm, lm_head = smoothquant.smooth(model_dir, cfg, tensors, embed, norm, lm_head, smoothquant_alpha)
+        # int8 is quantized from the `dtype` weights, as the tied LM head must be (its rounding to
+        # bf16 first is far below the int8 step). Layer by layer, each dropping its read tensors as
+        # the prepared (pre-packed or int8) copies replace them, so the load peaks near one model.
+        layers = [tensors.pop(0).prepare(lambda w, b: ops.make_linear(w, b, quantization))
+                  for _ in range(cfg.num_hidden_layers)]
+        return cls(cfg, embed, layers, norm, lm_head, max_positions or cfg.max_position_embeddings, quantization,
+                   tied=tied)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cfg
@@ -169,6 +210,8 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (see final_hidden)."""
+        if self.lm_head is None:
+            raise RuntimeError("a headless model (built for calibration) has no logits")
         return self.lm_head(hidden).float()
 
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
