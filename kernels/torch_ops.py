@@ -151,7 +151,8 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.device.type != "cpu":
-            raise ValueError(f"Int8Linear runs on CPU only, got a {weight.device.type} weight")
+            raise ValueError(f"--quantization int8 is CPU-only: the {weight.device.type} (Triton/cuBLAS) backend "
+                             "has no int8 GEMM; serve with --quantization none")
         self.out_features, self.in_features = weight.shape
         wf = weight.to(torch.float32, copy=True)  # a copy: a tied embedding shares this weight
         self.scale = wf.abs().amax(dim=1).clamp_(min=_MIN_ABSMAX).div_(_INT8_MAX)  # [N] fp32

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
-from rill.shared.config import QUANTIZATIONS, ModelConfig
+from rill.shared.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -156,8 +156,6 @@ class LlamaModel:
         outliers are smoothed into the weights (smoothquant.py) with `smoothquant_alpha`, by
         default RILL_SMOOTHQUANT_ALPHA or the measured default; 0 turns that off. An alpha given
         with quantization "none" smooths the float model (the fold is exact up to rounding)."""
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_dir(model_dir)
         ckpt = _Checkpoint(model_dir)

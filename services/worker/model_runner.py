@@ -113,9 +113,6 @@ class ModelRunner:
         `model` passed in is used as loaded, its own quantization included."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if model is None and quantization != "none" and self.device != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU only (device is {self.device}); "
-                             "use --device cpu or --quantization none")
         if self.device == "cpu":
             configure_cpu_threads()
             _keep_freed_memory()
