@@ -136,7 +136,9 @@ def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
                              "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
-                             "--max-num-seqs", "64"],
+                             # Every phase replays the same prompts: without this the later
+                             # phases would hit the prefix cache, which (b) does not have.
+                             "--max-num-seqs", "64", "--no-enable-prefix-caching"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()

@@ -34,6 +34,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="priority: lower request `priority` runs first and is preempted last")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (on by default)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step N+1 while step N runs, so the worker never waits for the scheduler "
+                        "(on by default; prefill/decode engines always run synchronously)")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV cache bytes, e.g. 512MiB (CPU default {DEFAULT_CPU_KV_CACHE_BYTES >> 20}MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -130,7 +133,8 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         dtype=ns.dtype, quantization=ns.quantization, device=ns.device,
         tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
-        enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"))
+        enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"),
+        async_scheduling=ns.async_scheduling)
 
 
 def run_service(ns: argparse.Namespace) -> None:
@@ -174,7 +178,8 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             "--long-prefill-token-threshold", str(ns.long_prefill_token_threshold),
             "--scheduling-policy", ns.scheduling_policy, "--max-logprobs", str(ns.max_logprobs),
             "--max-request-body-bytes", str(ns.max_request_body_bytes),
-            "--enable-prefix-caching" if ns.enable_prefix_caching else "--no-enable-prefix-caching"]
+            "--enable-prefix-caching" if ns.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--async-scheduling" if ns.async_scheduling else "--no-async-scheduling"]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:

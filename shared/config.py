@@ -105,6 +105,7 @@ class EngineArgs:
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     role: str = "both"  # "both" (colocated) | "prefill" | "decode": see services/scheduler/disagg.py
+    async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k in bf16

@@ -172,6 +172,7 @@ def test_max_num_seqs_caps_running() -> None:
         s.add(make(f"r{i}", 3, max_tokens=4))
     p = s.schedule()
     assert len(p.scheduled_request_ids) == 2 and len(s.waiting) == 3
+    s.update(fake_result(p, s))
     run_to_idle(s)
     assert s.counters.finished_requests == 5
 

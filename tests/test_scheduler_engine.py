@@ -3,6 +3,7 @@ change what greedy decoding produces, and its chunking and prefix caching must d
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,29 +25,37 @@ class Run:
     decode_rows: list[set[str]] = field(default_factory=list)  # requests decoding in each step
 
 
-def drive(runner: ModelRunner, sched: Scheduler, msgs: list[TokenizedRequest], max_steps: int = 5000) -> Run:
+def drive(runner: ModelRunner, sched: Scheduler, msgs: list[TokenizedRequest], max_steps: int = 5000,
+          depth: int = 1) -> Run:
+    """Run to completion with up to `depth` plans in flight (2 = the service's async scheduling:
+    each plan is built before the previous step's result is applied)."""
     run = Run()
     for m in msgs:
         assert sched.check_admissible(m) is None
         sched.add(m)
+    queue: deque[StepPlan] = deque()
     for _ in range(max_steps):
-        plan = sched.schedule()
-        if plan is None:
+        while len(queue) < depth and (plan := sched.schedule()) is not None:
+            queue.append(plan)
+            run.plans.append(plan)
+            run.decode_rows.append({  # one token past the prompt: a decode row
+                rid for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True)
+                if n == 1 and sched.requests[rid].num_computed_tokens + sched.requests[rid].num_inflight_tokens
+                > len(sched.requests[rid].prompt_token_ids)})
+        if not queue:
             break
-        run.plans.append(plan)
-        run.decode_rows.append({
-            rid for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True)
-            if n == 1 and sched.requests[rid].output_token_ids})
-        result = runner.execute(plan)
+        result = runner.execute(queue.popleft())
         assert result.error is None, result.error
+        gaps: dict[str, float] = {}
         if runner.last_logits is not None and result.request_ids:
             top2 = torch.topk(runner.last_logits.float(), 2, dim=-1).values
-            for rid, gap in zip(result.request_ids, (top2[:, 0] - top2[:, 1]).tolist(), strict=True):
-                run.gaps.setdefault(rid, []).append(gap)
-        sched.update(result)
-        for rid, tok in zip(result.request_ids, result.token_ids, strict=True):
-            run.outputs.setdefault(rid, []).append(tok)
+            gaps = dict(zip(result.request_ids, (top2[:, 0] - top2[:, 1]).tolist(), strict=True))
+        detok = sched.update(result).detok
+        for rid, new in zip(detok.request_ids, detok.new_token_ids, strict=True) if detok else ():
+            run.outputs.setdefault(rid, []).extend(new)  # what reaches clients, not what the worker ran
+            run.gaps.setdefault(rid, []).append(gaps[rid])
     assert not sched.has_work, "engine did not drain"
+    assert not runner.requests, "the worker still holds requests"
     return run
 
 
@@ -86,21 +95,22 @@ def test_preemption_and_chunking_do_not_change_greedy_outputs(smol, smollm2_dir:
     reference = drive(big, make_sched(num_blocks=1024, block_size=8, budget=8192, caching=False), msgs)
 
     small = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=48, block_size=8, model=big.model)
-    sched = make_sched(num_blocks=48, block_size=8, budget=96)
-    tight = drive(small, sched, msgs)
-    assert sched.counters.preemptions > 0, "the small cache never preempted"
-    chunked = any(m.num_computed_tokens + n < len(m.token_ids) for p in tight.plans for m in p.new_requests
-                  for rid, n in zip(p.scheduled_request_ids, p.num_scheduled_tokens, strict=True)
-                  if rid == m.request_id)
-    assert chunked, "no prompt was chunked"
-    for m in msgs:
-        ours, ref = tight.outputs[m.request_id], reference.outputs[m.request_id]
-        if ours != ref:
-            k = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
-            gap = reference.gaps[m.request_id][k]
-            assert gap < NEAR_TIE, f"{m.request_id} differs at token {k} where the top-2 gap is {gap:.3g}"
-            continue
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    # Synchronous, then async scheduling (each plan built while the previous step runs).
+    for depth in (1, 2):
+        sched = make_sched(num_blocks=48, block_size=8, budget=96)
+        tight = drive(small, sched, msgs, depth=depth)
+        assert sched.counters.preemptions > 0, "the small cache never preempted"
+        chunked = any(m.num_computed_tokens + n < len(m.token_ids) for p in tight.plans for m in p.new_requests
+                      for rid, n in zip(p.scheduled_request_ids, p.num_scheduled_tokens, strict=True)
+                      if rid == m.request_id)
+        assert chunked, "no prompt was chunked"
+        for m in msgs:
+            ours, ref = tight.outputs[m.request_id], reference.outputs[m.request_id]
+            if ours != ref:
+                k = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
+                gap = reference.gaps[m.request_id][k]
+                assert gap < NEAR_TIE, f"{m.request_id} differs at token {k} where the top-2 gap is {gap:.3g}"
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 def test_shared_system_prompt_computes_only_new_tokens(smol, smollm2_dir: str) -> None:

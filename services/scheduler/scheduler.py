@@ -9,6 +9,13 @@ its blocks and is recomputed later. A waiting request first reuses whatever pref
 the KV cache already holds; the samples of an `n > 1` request share their prompt's blocks.
 The worker hears about a request once (NewRequestData) and afterwards only diffs.
 
+Async scheduling: the bus loop may build step N+1 while step N runs. A request's tokens in
+plans whose results are not back yet count as in flight (`num_inflight_tokens`), and a token the
+worker will sample in such a plan as a placeholder (`num_inflight_samples`): the next plan can
+already run it, because the worker keeps its own sampled tokens. Results apply in step order;
+one that belongs to a request since finished, aborted or preempted is dropped (a request that
+stops on EOS computes one token in vain). With nothing in flight this is the synchronous case.
+
 Disaggregation (disagg.py drives it): on a prefill engine a request whose prompt is done is
 *parked* — out of the batch, blocks kept — while its KV goes to a decode engine; a decode engine
 *adopts* a handed-over request as parked, with blocks for the incoming KV, and unparks it into
@@ -21,6 +28,7 @@ import bisect
 import enum
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,7 +72,9 @@ class Request:
     group_id: str = ""  # the client's request id; several samples share it when n > 1
     share_prompt_with: str | None = None  # sample 0 of the group, whose prompt blocks we reuse
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # KV computed, as far as results that came back say
+    num_inflight_tokens: int = 0  # scheduled in plans whose results are not back yet
+    num_inflight_samples: int = 0  # tokens those plans will sample: placeholders, not yet known
     status: Status = Status.WAITING
     known_to_worker: bool = False
     num_blocks_sent: int = 0
@@ -161,6 +171,16 @@ class QueueTimeHistogram:
         return list(itertools.accumulate(self.counts))
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A plan sent to the worker whose result is not back: what it will do to each request."""
+
+    plan: StepPlan
+    reqs: list[Request]
+    incarnations: list[int]  # num_preemptions at scheduling time: a preempted request restarts
+    samples: list[bool]  # the step samples a token for this request
+
+
 @dataclass
 class StepOutcome:
     """What one step's result turned into: text work for detokenizers, freed requests."""
@@ -187,7 +207,7 @@ class Scheduler:
         self.clock: Callable[[], float] = time.time  # wall clock, as the gateway's arrival_time
         self._step_id = 0
         self._forget: list[str] = []  # ids the worker must drop at the next plan
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[_InFlight] = deque()  # in step order
 
     # ------------------------------------------------------------------------- queue order
 
@@ -277,6 +297,16 @@ class Scheduler:
     def has_pending_forget(self) -> bool:
         return bool(self._forget)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Plans sent whose results have not been applied."""
+        return len(self._in_flight)
+
+    @property
+    def oldest_in_flight(self) -> int | None:
+        """Step id of the result to apply next."""
+        return self._in_flight[0].plan.step_id if self._in_flight else None
+
     # ------------------------------------------------------------------------- scheduling
 
     def _preempt(self, victim: Request) -> None:
@@ -284,6 +314,7 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.status = Status.WAITING
         victim.num_computed_tokens = 0
+        victim.num_inflight_tokens = victim.num_inflight_samples = 0  # its in-flight results are dropped
         victim.num_blocks_sent = 0
         victim.num_preemptions += 1
         if victim.known_to_worker:
@@ -293,9 +324,19 @@ class Scheduler:
         self.counters.preemptions += 1
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.num_inflight_samples and self._ends_on_placeholder(req):
+            return 0
+        n = min(req.num_tokens + req.num_inflight_samples - req.num_computed_tokens - req.num_inflight_tokens,
+                budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 and n > 1 else n
+
+    def _ends_on_placeholder(self, req: Request) -> bool:
+        """A token already in flight is certainly this request's last (length limits): scheduling
+        past it would only compute a token that is thrown away."""
+        pending = req.num_inflight_samples
+        return (len(req.output_token_ids) + pending >= req.max_tokens
+                or req.num_tokens + pending >= self.config.max_model_len)
 
     def schedule(self, force: bool = False) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to run, unless `force` (the
@@ -312,7 +353,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + req.num_inflight_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
                 self._preempt(victim)
@@ -397,6 +438,7 @@ class Scheduler:
         cached_ids: list[str] = []
         cached_blocks: list[list[int]] = []
         reqs = [self.requests[rid] for rid in scheduled]
+        self._count(reqs, list(scheduled.values()))
         for req in reqs:
             blocks = self.kv.block_ids(req.request_id)
             if not req.known_to_worker:
@@ -414,8 +456,14 @@ class Scheduler:
             cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
             num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self._forget)
         self._forget = []
-        self._count(reqs, plan.num_scheduled_tokens)
-        self._in_flight = plan
+        samples: list[bool] = []
+        for req, n in zip(reqs, plan.num_scheduled_tokens, strict=True):
+            # The worker samples when a step reaches the end of the tokens it knows by then.
+            done = req.num_computed_tokens + req.num_inflight_tokens + n
+            samples.append(done == req.num_tokens + req.num_inflight_samples)
+            req.num_inflight_tokens += n
+            req.num_inflight_samples += samples[-1]
+        self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
         return plan
 
     def _count(self, reqs: list[Request], tokens: list[int]) -> None:
@@ -423,8 +471,8 @@ class Scheduler:
         # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
         decode = 0
         for r, n in zip(reqs, tokens, strict=True):
-            out = r.output_token_ids
-            if out and r.num_computed_tokens == len(r.prompt_token_ids) + len(out) - 1:
+            known = r.num_tokens + r.num_inflight_samples
+            if known > len(r.prompt_token_ids) and r.num_computed_tokens + r.num_inflight_tokens == known - 1:
                 decode += n
         total = sum(tokens)
         prefill = total - decode
@@ -439,10 +487,9 @@ class Scheduler:
 
     def update(self, result: StepResult) -> StepOutcome:
         """Apply a step's sampled tokens: advance, check stops, cache full blocks, free finished ones."""
-        plan = self._in_flight
-        if plan is None or plan.step_id != result.step_id:
+        if not self._in_flight or self._in_flight[0].plan.step_id != result.step_id:
             return StepOutcome(detok=None, finished=[])
-        self._in_flight = None
+        step = self._in_flight.popleft()
         bs = self.kv.block_size
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
@@ -451,11 +498,15 @@ class Scheduler:
         rows = _DetokRows()
         finished: list[Request] = []
         parked: list[Request] = []
-        for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
-            req = self.requests.get(rid)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted while the step ran
+        for req, incarnation, sampling, n in zip(step.reqs, step.incarnations, step.samples,
+                                                 step.plan.num_scheduled_tokens, strict=True):
+            rid = req.request_id
+            if (self.requests.get(rid) is not req or req.status is not Status.RUNNING
+                    or req.num_preemptions != incarnation):
+                continue  # finished, aborted or preempted since this step was scheduled
             req.num_computed_tokens += n
+            req.num_inflight_tokens -= n
+            req.num_inflight_samples -= sampling
             # Publish newly full blocks first: a request that ends now still leaves them cached.
             if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
@@ -479,13 +530,14 @@ class Scheduler:
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
         return StepOutcome(detok=detok, finished=finished, parked=parked)
 
-    def fail_in_flight(self) -> list[Request]:
+    def fail_in_flight(self, step_id: int) -> list[Request]:
         """The step failed on the worker: its requests end with an error."""
-        plan, self._in_flight = self._in_flight, None
+        if not self._in_flight or self._in_flight[0].plan.step_id != step_id:
+            return []
+        step = self._in_flight.popleft()
         failed: list[Request] = []
-        for rid in plan.scheduled_request_ids if plan else []:
-            req = self.requests.get(rid)
-            if req is not None and req.status is Status.RUNNING:
+        for req in step.reqs:
+            if self.requests.get(req.request_id) is req and req.status is Status.RUNNING:
                 self.running.remove(req)
                 self._finish(req)
                 failed.append(req)
@@ -493,7 +545,7 @@ class Scheduler:
 
     def reset_worker(self) -> None:
         """The worker restarted and lost every request and all KV: recompute them all."""
-        self._in_flight = None
+        self._in_flight.clear()
         self._forget = []
         for req in reversed(list(self.running)):
             req.known_to_worker = False
@@ -596,7 +648,9 @@ class Scheduler:
         assert set(self.kv.tables) <= running | set(self.parked)
         assert len(self.running) <= self.config.max_num_seqs
         for r in self.running:
-            assert len(self.kv.block_ids(r.request_id)) * self.kv.block_size >= r.num_computed_tokens
+            assert (len(self.kv.block_ids(r.request_id)) * self.kv.block_size
+                    >= r.num_computed_tokens + r.num_inflight_tokens)
+            assert r.num_inflight_tokens >= 0 and 0 <= r.num_inflight_samples <= len(self._in_flight)
 
 
 class _DetokRows:

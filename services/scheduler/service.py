@@ -1,8 +1,12 @@
 """The scheduler's bus loop: requests and aborts in, one plan per step out, results back.
 
-The loop is synchronous with its worker: send plan N, wait for result N, apply it, send the
-step's tokens to the detokenizers, publish stats, schedule N+1. New requests and aborts are
-drained between steps, so a request joins the running batch at the very next step.
+Async scheduling (the default on a colocated engine): plan N+1 is built and sent while the
+worker runs step N, so the worker finds its next plan waiting instead of idling through the
+broker round trip, the scheduling and the result handling of every step. Then the loop waits
+for result N, applies it, sends the step's tokens to the detokenizers and publishes stats.
+Without it (`--no-async-scheduling`, and always on prefill/decode engines, whose hand-offs
+need each step's outcome first) the loop is synchronous: send N, wait for N, apply, schedule
+N+1. New requests and aborts are drained between plans.
 
 Faults (guard.py): a lost worker fails every request with a clear error, requests of dead
 gateways are aborted, and a broker error or restart fails what was in flight and starts the
@@ -54,6 +58,8 @@ class SchedulerService:
         s = bus.streams
         self.in_stream, self.plan_stream, self.result_stream = s.engine_in(self.e), s.plan(self.e), s.result(self.e)
         self.consumer = f"engine-{self.e}"
+        # Plans in flight at once: 2 keeps the worker's next plan queued behind the running one.
+        self.depth = 2 if args.async_scheduling and args.role == "both" else 1
         self.result_cursor = b"0-0"
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
@@ -107,18 +113,25 @@ class SchedulerService:
                 self.disagg.tick()
                 sched = self.sched
                 assert sched is not None
-                busy = sched.has_work or sched.has_pending_forget or self.disagg.wants_step
+                busy = (sched.has_work or sched.has_pending_forget or self.disagg.wants_step
+                        or sched.num_in_flight > 0)
                 self.drain_inputs(block_ms=None if busy else POLL_MS)
-                self.disagg.prepare()
-                if self.disagg.exports_pending:
-                    plan: StepPlan | None = sched.transfer_step()
-                else:
-                    plan = sched.schedule(force=self.disagg.wants_step)
-                if plan is None:
+                plan: StepPlan | None = None
+                if sched.num_in_flight < self.depth:
+                    self.disagg.prepare()
+                    if self.disagg.exports_pending:
+                        plan = sched.transfer_step()
+                    else:
+                        plan = sched.schedule(force=self.disagg.wants_step)
+                    if plan is not None:
+                        self.disagg.decorate(plan)
+                        self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
+                        if sched.num_in_flight < self.depth:
+                            continue  # room for one more plan before waiting
+                step_id = sched.oldest_in_flight
+                if step_id is None:
                     continue
-                self.disagg.decorate(plan)
-                self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
-                result = self.wait_result(plan.step_id)
+                result = self.wait_result(step_id)
                 if result is None:
                     continue
                 self.apply(result)
@@ -194,7 +207,7 @@ class SchedulerService:
         assert sched is not None
         if result.error is not None:
             log.error("step %d failed on the worker: %s", result.step_id, result.error)
-            for req in sched.fail_in_flight():
+            for req in sched.fail_in_flight(result.step_id):
                 self.send_error(req, f"the engine failed to run this request: {result.error}", 500)
             self.disagg.after_step(result, [])
             return
