@@ -20,6 +20,7 @@ GEMMs Rill runs, FLOP/s ÷ 2 × params).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -27,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+# Huge pages for large tensors, as `rill service worker` sets them: the in-process engine and
+# transformers run in this process and get the same memory as the pipeline's worker.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
