@@ -40,8 +40,7 @@ def drive(runner: ModelRunner, sched: Scheduler, msgs: list[TokenizedRequest], m
             run.plans.append(plan)
             run.decode_rows.append({  # one token past the prompt: a decode row
                 rid for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True)
-                if n == 1 and sched.requests[rid].num_computed_tokens + sched.requests[rid].num_inflight_tokens
-                > len(sched.requests[rid].prompt_token_ids)})
+                if n == 1 and sched.requests[rid].num_planned_tokens > len(sched.requests[rid].prompt_token_ids)})
         if not queue:
             break
         result = runner.execute(queue.popleft())

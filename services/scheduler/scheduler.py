@@ -29,7 +29,7 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -86,6 +86,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its tokens as the worker will know them once the plans in flight have run."""
+        return self.num_tokens + self.num_inflight_samples
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens whose KV is computed or scheduled in a plan in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -179,6 +189,15 @@ class _InFlight:
     reqs: list[Request]
     incarnations: list[int]  # num_preemptions at scheduling time: a preempted request restarts
     samples: list[bool]  # the step samples a token for this request
+
+    def current_rows(self, requests: dict[str, Request]) -> Iterator[tuple[Request, int, bool]]:
+        """(request, tokens, samples) of the rows whose request is still the one scheduled: not
+        finished, aborted or preempted since."""
+        for req, incarnation, sampling, n in zip(self.reqs, self.incarnations, self.samples,
+                                                 self.plan.num_scheduled_tokens, strict=True):
+            if (requests.get(req.request_id) is req and req.status is Status.RUNNING
+                    and req.num_preemptions == incarnation):
+                yield req, n, sampling
 
 
 @dataclass
@@ -326,8 +345,7 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         if req.num_inflight_samples and self._ends_on_placeholder(req):
             return 0
-        n = min(req.num_tokens + req.num_inflight_samples - req.num_computed_tokens - req.num_inflight_tokens,
-                budget)
+        n = min(req.num_known_tokens - req.num_planned_tokens, budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 and n > 1 else n
 
@@ -353,7 +371,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + req.num_inflight_tokens + n) is None:
+            while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
                 self._preempt(victim)
@@ -459,8 +477,7 @@ class Scheduler:
         samples: list[bool] = []
         for req, n in zip(reqs, plan.num_scheduled_tokens, strict=True):
             # The worker samples when a step reaches the end of the tokens it knows by then.
-            done = req.num_computed_tokens + req.num_inflight_tokens + n
-            samples.append(done == req.num_tokens + req.num_inflight_samples)
+            samples.append(req.num_planned_tokens + n == req.num_known_tokens)
             req.num_inflight_tokens += n
             req.num_inflight_samples += samples[-1]
         self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
@@ -471,8 +488,8 @@ class Scheduler:
         # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
         decode = 0
         for r, n in zip(reqs, tokens, strict=True):
-            known = r.num_tokens + r.num_inflight_samples
-            if known > len(r.prompt_token_ids) and r.num_computed_tokens + r.num_inflight_tokens == known - 1:
+            known = r.num_known_tokens
+            if known > len(r.prompt_token_ids) and r.num_planned_tokens == known - 1:
                 decode += n
         total = sum(tokens)
         prefill = total - decode
@@ -487,9 +504,9 @@ class Scheduler:
 
     def update(self, result: StepResult) -> StepOutcome:
         """Apply a step's sampled tokens: advance, check stops, cache full blocks, free finished ones."""
-        if not self._in_flight or self._in_flight[0].plan.step_id != result.step_id:
+        step = self._pop_in_flight(result.step_id)
+        if step is None:
             return StepOutcome(detok=None, finished=[])
-        step = self._in_flight.popleft()
         bs = self.kv.block_size
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
@@ -498,12 +515,8 @@ class Scheduler:
         rows = _DetokRows()
         finished: list[Request] = []
         parked: list[Request] = []
-        for req, incarnation, sampling, n in zip(step.reqs, step.incarnations, step.samples,
-                                                 step.plan.num_scheduled_tokens, strict=True):
+        for req, n, sampling in step.current_rows(self.requests):
             rid = req.request_id
-            if (self.requests.get(rid) is not req or req.status is not Status.RUNNING
-                    or req.num_preemptions != incarnation):
-                continue  # finished, aborted or preempted since this step was scheduled
             req.num_computed_tokens += n
             req.num_inflight_tokens -= n
             req.num_inflight_samples -= sampling
@@ -532,16 +545,19 @@ class Scheduler:
 
     def fail_in_flight(self, step_id: int) -> list[Request]:
         """The step failed on the worker: its requests end with an error."""
-        if not self._in_flight or self._in_flight[0].plan.step_id != step_id:
-            return []
-        step = self._in_flight.popleft()
+        step = self._pop_in_flight(step_id)
         failed: list[Request] = []
-        for req in step.reqs:
-            if self.requests.get(req.request_id) is req and req.status is Status.RUNNING:
-                self.running.remove(req)
-                self._finish(req)
-                failed.append(req)
+        for req, _, _ in step.current_rows(self.requests) if step else ():
+            self.running.remove(req)
+            self._finish(req)
+            failed.append(req)
         return failed
+
+    def _pop_in_flight(self, step_id: int) -> _InFlight | None:
+        """The oldest plan in flight, if `step_id` is its result (results come back in order)."""
+        if not self._in_flight or self._in_flight[0].plan.step_id != step_id:
+            return None
+        return self._in_flight.popleft()
 
     def reset_worker(self) -> None:
         """The worker restarted and lost every request and all KV: recompute them all."""
