@@ -37,6 +37,7 @@ from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
 
 from rill.services.worker.model_runner import ModelRunner, resolve_dtype  # noqa: E402
 from rill.shared.broker import free_port  # noqa: E402
+from rill.shared.config import default_max_num_batched_tokens  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 
 Row = dict[str, float]
@@ -80,11 +81,12 @@ def roofline(dtype: torch.dtype, params: int) -> tuple[dict[str, float], float]:
 
 # ------------------------------------------------------------------------------ (b) in-process
 
-def run_inprocess(runner: ModelRunner, prompts: list[list[int]], out_len: int, concurrency: int) -> Row:
+def run_inprocess(runner: ModelRunner, prompts: list[list[int]], out_len: int, concurrency: int,
+                  budget: int) -> Row:
     """The same closed loop as the pipeline client: at most `concurrency` requests in flight, the
     next one submitted as soon as one finishes; TTFT counts from each request's submission."""
     runner.reset()
-    engine = Engine(runner, budget=2048, caching=False, max_seqs=min(concurrency, 256))
+    engine = Engine(runner, budget=budget, caching=False, max_seqs=min(concurrency, 256))
     todo = list(enumerate(prompts))[::-1]
     inflight: set[str] = set()
     t0 = time.perf_counter()
@@ -132,7 +134,7 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
 # ------------------------------------------------------------------------------ (a) pipeline
 
 def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: int,
-                 concurrencies: list[int | None], quantization: str = "none") -> dict[str, Row]:
+                 concurrencies: list[int | None], quantization: str, budget: int) -> dict[str, Row]:
     import argparse as ap
 
     from rill.services.bench_serve import Prompt, run_benchmark
@@ -142,7 +144,8 @@ def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: 
                              "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
                              # Every phase replays the same prompts: without this the later
                              # phases would hit the prefix cache, which (b) does not have.
-                             "--max-num-seqs", "64", "--no-enable-prefix-caching"],
+                             "--max-num-seqs", "64", "--no-enable-prefix-caching",
+                             "--max-num-batched-tokens", str(budget)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
@@ -186,6 +189,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--serial-subset", type=int, default=4, help="requests for (c), one at a time")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Rill's step budget, pipeline and in-process (default: Rill's CPU default)")
     add_quantization_flag(p)
     args = p.parse_args()
 
@@ -197,13 +202,15 @@ def main() -> None:
     lo, hi = (int(x) for x in args.input_range.split(":"))
     prompts = workload(args.requests, lo, hi, seed=0)
     out = args.output_len
+    budget = args.max_num_batched_tokens or default_max_num_batched_tokens("cpu")
     print(f"workload: {len(prompts)} requests, prompts {lo}-{hi} tokens, {out} output tokens, greedy, "
-          f"ignore EOS, dtype {dtype}, Rill quantization {args.quantization}, {torch.get_num_threads()} threads",
+          f"ignore EOS, dtype {dtype}, Rill quantization {args.quantization}, step budget {budget} tokens, "
+          f"{torch.get_num_threads()} threads",
           flush=True)
 
     rows: dict[str, Row] = {}
     print("(a) Rill full pipeline ...", flush=True)
-    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16], args.quantization)
+    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16], args.quantization, budget)
     rows["(a) Rill pipeline, all at once"] = pipe["conc=all"]
     rows["(a) Rill pipeline, concurrency 32"] = pipe["conc=32"]
     rows["(a) Rill pipeline, concurrency 16"] = pipe["conc=16"]
@@ -212,8 +219,8 @@ def main() -> None:
     runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16,
                          quantization=args.quantization)
     runner.warmup()
-    rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts))
-    rows["(b) Rill in-process, concurrency 16"] = run_inprocess(runner, prompts, out, 16)
+    rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts), budget)
+    rows["(b) Rill in-process, concurrency 16"] = run_inprocess(runner, prompts, out, 16, budget)
     del runner
     from safetensors import safe_open
 

@@ -26,7 +26,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request may run in a step (0: the whole budget)")
@@ -176,7 +177,7 @@ def run_service(ns: argparse.Namespace) -> None:
 def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
     argv = [sys.executable, "-m", "rill.services.cli", "service", name, model_dir, "--redis-url", redis_url,
             "--prefix", ns.prefix, "--replica-name", replica, "--max-num-seqs", str(ns.max_num_seqs),
-            "--max-num-batched-tokens", str(ns.max_num_batched_tokens), "--block-size", str(ns.block_size),
+            "--block-size", str(ns.block_size),
             "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
             "--quantization", ns.quantization,
             "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
@@ -187,6 +188,7 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             "--enable-prefix-caching" if ns.enable_prefix_caching else "--no-enable-prefix-caching",
             "--async-scheduling" if ns.async_scheduling else "--no-async-scheduling"]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
+                        ("--max-num-batched-tokens", ns.max_num_batched_tokens),
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:
             argv += [flag, str(value)]

@@ -91,7 +91,7 @@ class EngineArgs:
     engine_id: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: CPU default below
     gpu_memory_utilization: float = 0.9
@@ -107,8 +107,20 @@ class EngineArgs:
     role: str = "both"  # "both" (colocated) | "prefill" | "decode": see services/scheduler/disagg.py
     async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
 
+    def step_token_budget(self, device: str) -> int:
+        """max_num_batched_tokens, or its default on `device` (cpu / cuda)."""
+        return self.max_num_batched_tokens or default_max_num_batched_tokens(device)
+
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k in bf16
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """A step's token budget when none is given. On a CPU a prompt token costs ~1.5-2 ms (SmolLM2,
+    2 cores), so a 2048-token step would stall every running stream for 3-4 s and make requests
+    that finish their prompt in it wait for the whole step; 512 keeps mixed steps under ~1 s at the
+    same throughput (README, "Step budget on a CPU"). A GPU runs 2048 tokens in milliseconds."""
+    return 2048 if device == "cuda" else 512
 
 
 def parse_size(text: str | int | None) -> int | None:

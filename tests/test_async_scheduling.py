@@ -254,6 +254,24 @@ def test_next_step_runs_the_token_the_worker_has_not_returned_yet() -> None:
     assert s.requests["a"].output_token_ids == reference(prompt, 3)[:2]
 
 
+def test_plans_ahead_only_behind_decode_only_steps() -> None:
+    """A request arriving while a prompt chunk runs joins the very next plan: none was fixed
+    behind the chunk. Behind a decode-only step, a second plan is built at once."""
+    s, w = sched(), FakeWorker(4)
+    s.add(make("a", prompt_with_output(4, eos=False), max_tokens=4))
+    assert s.may_plan_ahead(depth=2)  # nothing in flight
+    p1 = s.schedule()
+    assert p1.num_scheduled_tokens == [5] and not s.may_plan_ahead(depth=2)
+    s.add(make("b", prompt_with_output(3, eos=False, head=(20, 21)), max_tokens=3))  # arrives meanwhile
+    s.update(w.execute(p1))
+    p2 = s.schedule()
+    assert p2.scheduled_request_ids == ["a", "b"]  # "b" was not held back behind a fixed plan
+    s.update(w.execute(p2))
+    p3 = s.schedule()
+    assert p3.num_scheduled_tokens == [1, 1] and s.may_plan_ahead(depth=2)  # decode only
+    assert s.schedule() is not None and not s.may_plan_ahead(depth=2)  # depth reached
+
+
 def test_no_step_past_a_length_limit() -> None:
     s = sched()
     s.add(make("a", [5, 6, 7], max_tokens=1))

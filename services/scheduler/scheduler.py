@@ -326,6 +326,18 @@ class Scheduler:
         """Step id of the result to apply next."""
         return self._in_flight[0].plan.step_id if self._in_flight else None
 
+    def may_plan_ahead(self, depth: int) -> bool:
+        """Whether another plan may be built now, with at most `depth` in flight.
+
+        Only behind a decode-only step: there the round trip hidden is a real share of the
+        step. A step running prompt tokens is long (on a CPU each one costs about a decode
+        row), and a plan fixed while it runs would hold every request arriving meanwhile back
+        by one more whole step: waiting for its result lets them join the next plan instead.
+        """
+        if len(self._in_flight) >= depth:
+            return False
+        return not self._in_flight or all(n == 1 for n in self._in_flight[-1].plan.num_scheduled_tokens)
+
     # ------------------------------------------------------------------------- scheduling
 
     def _preempt(self, victim: Request) -> None:

@@ -81,9 +81,10 @@ class SchedulerService:
 
     def configure(self, ready: WorkerReady) -> None:
         max_model_len = min(self.args.max_model_len or ready.max_model_len, ready.max_model_len)
+        budget = self.args.step_token_budget(ready.device)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=self.args.max_num_seqs,
-                            max_num_batched_tokens=self.args.max_num_batched_tokens,
+                            max_num_batched_tokens=budget,
                             max_model_len=max_model_len,
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
                             policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
@@ -92,7 +93,7 @@ class SchedulerService:
         log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
                  "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s)", self.e, self.args.role,
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
-                 self.args.max_num_seqs, self.args.max_num_batched_tokens, ready.worker_id,
+                 self.args.max_num_seqs, budget, ready.worker_id,
                  ready.device, ready.dtype, ready.quantization)
 
     # ------------------------------------------------------------------------- main loop
@@ -117,7 +118,7 @@ class SchedulerService:
                         or sched.num_in_flight > 0)
                 self.drain_inputs(block_ms=None if busy else POLL_MS)
                 plan: StepPlan | None = None
-                if sched.num_in_flight < self.depth:
+                if sched.may_plan_ahead(self.depth):
                     self.disagg.prepare()
                     if self.disagg.exports_pending:
                         plan = sched.transfer_step()
@@ -126,7 +127,7 @@ class SchedulerService:
                     if plan is not None:
                         self.disagg.decorate(plan)
                         self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
-                        if sched.num_in_flight < self.depth:
+                        if sched.may_plan_ahead(self.depth):
                             continue  # room for one more plan before waiting
                 step_id = sched.oldest_in_flight
                 if step_id is None:

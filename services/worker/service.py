@@ -36,7 +36,7 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
     # What weights plus a full-size warm-up step use is not available to the cache.
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    runner.warmup(args.max_num_batched_tokens)
+    runner.warmup(args.step_token_budget(runner.device))
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -50,7 +50,7 @@ def build_runner(args: EngineArgs) -> ModelRunner:
     cfg = ModelConfig.from_dir(args.model_dir)
     max_len = args.max_model_len or cfg.max_position_embeddings
     # Enough blocks for the warm-up step; the real cache replaces it once sized.
-    probe_tokens = max(16, min(args.max_num_batched_tokens, max_len))
+    probe_tokens = max(16, min(args.step_token_budget(device), max_len))
     runner = ModelRunner(args.model_dir, dtype=dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
                          max_model_len=max_len, seed=args.seed, quantization=args.quantization)
