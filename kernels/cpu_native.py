@@ -1,11 +1,12 @@
-"""Native CPU kernels (cpu_paged_attention.c, cpu_quant.c), compiled on first use and called
-through ctypes.
+"""Native CPU kernels (cpu_paged_attention.c, cpu_quant.c, cpu_elementwise.c), compiled on first
+use and called through ctypes.
 
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
 form. The torch path must gather every sequence's blocks into a padded copy and run small
 batched matmuls against it, which made attention ~45 % of a batch-32 decode step; reading the
 blocks in place is several times faster. Likewise the quantise / dequantise steps around an int8 GEMM are
-one pass each instead of a dozen small torch ops (see cpu_quant.c).
+one pass each instead of a dozen small torch ops (see cpu_quant.c), and so is the residual add +
+RMSNorm between a layer's GEMMs (cpu_elementwise.c).
 
 The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
 (-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the
@@ -34,7 +35,7 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_quant.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_quant.c", "cpu_elementwise.c")]
 HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
@@ -118,6 +119,9 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.dequantize_bf16, lib.dequantize_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
+    for fn in (lib.rms_norm_bf16, lib.rms_norm_f32):
+        fn.restype = None
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
     return lib
 
 
@@ -186,3 +190,30 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
     getattr(lib, _DEQUANTIZE[dtype])(acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(),
                                      None if bias is None else bias.data_ptr(), y.data_ptr(), m, n)
     return y
+
+
+_RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
+
+
+def rms_norm_supported(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` can take x: a contiguous 2-D bf16/fp32 CPU tensor."""
+    return (x.device.type == "cpu" and x.dtype in _RMS_NORM and x.dim() == 2 and x.is_contiguous()
+            and library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch_ops.rms_norm in one pass per row: weight * RMSNorm(x) or, with `residual`,
+    (weight * RMSNorm(x + residual), x + residual). x, residual [M, K] and weight [K] contiguous,
+    all of x's dtype (checked by the caller with `rms_norm_supported`)."""
+    lib = library()
+    assert lib is not None and weight.is_contiguous() and weight.dtype == x.dtype and weight.shape == x.shape[1:]
+    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+    m, k = x.shape
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                     weight.data_ptr(), out.data_ptr(), None if total is None else total.data_ptr(),
+                                     m, k, eps)
+    return out if total is None else (out, total)
+

@@ -157,3 +157,50 @@ def test_int8_linear_native_equals_fallback(monkeypatch: pytest.MonkeyPatch) -> 
     native = layer(x)
     monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
     assert torch.equal(layer(x), native)
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch, fn, *args):  # noqa: ANN001, ANN202
+    """fn(*args) through the plain-torch code of torch_ops (native kernels off)."""
+    with monkeypatch.context() as m:
+        m.setenv("RILL_NATIVE_KERNELS", "0")
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # decode sizes run serially, prefill sizes in parallel
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rms_norm_matches_torch(monkeypatch: pytest.MonkeyPatch, rows: int, dtype: torch.dtype,
+                                       with_residual: bool) -> None:
+    """The fused residual add + RMSNorm equals the torch code's result to float rounding (a
+    different summation order), and its residual output is the same sum, bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype) if with_residual else None
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    got = torch_ops.rms_norm(x, w, 1e-5, res)
+    want = _torch_path(monkeypatch, torch_ops.rms_norm, x, w, 1e-5, res)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert got.dtype == dtype and got.shape == x.shape
+    # bf16: a rounding step of the normalised value may land the other way (one bf16 ulp)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    # ... and both are close to the float64 formula
+    s = x.double() + (0 if res is None else res.double())
+    ref = w.double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(got.double(), ref, atol=TOL[dtype][0] * 10, rtol=TOL[dtype][1] * 10)
+
+
+def test_model_step_uses_the_native_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel interface the model calls reaches the native op for contiguous CPU rows, and
+    falls back to torch for a strided view."""
+    calls: list[int] = []
+    real = cpu_native.rms_norm
+    monkeypatch.setattr(cpu_native, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.ones(64)
+    ops.rms_norm(torch.randn(4, 64), w, 1e-6, torch.randn(4, 64))
+    ops.rms_norm(torch.randn(4, 64), w, 1e-6)
+    assert len(calls) == 2
+    ops.rms_norm(torch.randn(4, 128)[:, :64], w, 1e-6)  # strided: torch path
+    assert len(calls) == 2
