@@ -18,4 +18,8 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(v.u >> 16);
 }
 
+// The fp32 instantiations of the same kernels load and store floats as they are.
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+
 #endif

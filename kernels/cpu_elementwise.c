@@ -14,9 +14,6 @@
 
 #include "cpu_bf16.h"
 
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
-
 // Rows of at most this many elements in all stay on the calling thread (decode batches): a
 // parallel region costs more than the work there.
 #define SERIAL_ELEMENTS 65536

@@ -70,7 +70,8 @@ def _compiler() -> str:
     raise RuntimeError("no C compiler (set CC, or install gcc)")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo (x86 Linux), else platform.processor()."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -85,7 +86,7 @@ def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
-                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+                                    cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"rill_cpu_kernels-{key}.so"
@@ -195,20 +196,22 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
 
 
-def rms_norm_supported(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` can take x: a contiguous 2-D bf16/fp32 CPU tensor."""
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether `rms_norm` can take these: x (and residual) contiguous 2-D bf16/fp32 CPU tensors
+    of one shape, weight contiguous [K], all of x's dtype."""
     return (x.device.type == "cpu" and x.dtype in _RMS_NORM and x.dim() == 2 and x.is_contiguous()
+            and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
+            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
+                                      and residual.shape == x.shape))
             and library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch_ops.rms_norm in one pass per row: weight * RMSNorm(x) or, with `residual`,
-    (weight * RMSNorm(x + residual), x + residual). x, residual [M, K] and weight [K] contiguous,
-    all of x's dtype (checked by the caller with `rms_norm_supported`)."""
+    (weight * RMSNorm(x + residual), x + residual). The caller checks `rms_norm_supported` first."""
     lib = library()
-    assert lib is not None and weight.is_contiguous() and weight.dtype == x.dtype and weight.shape == x.shape[1:]
-    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+    assert lib is not None
     m, k = x.shape
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
@@ -216,4 +219,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                      weight.data_ptr(), out.data_ptr(), None if total is None else total.data_ptr(),
                                      m, k, eps)
     return out if total is None else (out, total)
-

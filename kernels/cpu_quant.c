@@ -10,9 +10,6 @@
 
 #include "cpu_bf16.h"
 
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
-
 // q[m, :] = round_half_even(x[m, :] / s[m]) with s[m] = max(|x[m, :]|, min_absmax) / 127.
 // Small inputs (decode batches) stay on the calling thread: a parallel region costs more there.
 #define DEFINE_QUANTIZE(NAME, T, LOAD)                                                            \

@@ -28,8 +28,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if (cpu_native.rms_norm_supported(x) and weight.dtype == x.dtype and weight.is_contiguous()
-            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))):
+    if cpu_native.rms_norm_supported(x, weight, residual):
         return cpu_native.rms_norm(x, weight, eps, residual)  # one pass instead of six ops
     if residual is not None:
         x = x + residual  # in the model dtype, as HF adds its residuals

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rill.kernels import cpu_native
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
@@ -53,20 +54,14 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
-def cpu_has_int8_dot(cpuinfo: str | None = None) -> bool:
+def cpu_has_int8_dot(flags: str | None = None) -> bool:
     """Whether the CPU has int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
     oneDNN's int8 GEMM needs to beat float: on an AVX2-only VM it measured 5 GOP/s against
-    155 GFLOP/s for fp32. Unknown (no /proc/cpuinfo) counts as yes: no warning on a guess."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return True
-    lines = [line for line in cpuinfo.splitlines() if line.startswith("flags")]
-    if not lines:  # not x86, or unreadable: no warning on a guess
+    155 GFLOP/s for fp32. `flags`: /proc/cpuinfo's flags line (default: this machine's)."""
+    flags = cpu_native.cpu_flags() if flags is None else flags
+    if not flags.startswith("flags"):  # not x86, or unreadable: no warning on a guess
         return True
-    return bool(set(lines[0].split()) & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return bool(set(flags.split()) & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def num_blocks_for(model_cfg: ModelConfig, dtype: str, block_size: int, memory_bytes: int) -> int:
