@@ -26,6 +26,7 @@ import redis
 from rill.services.scheduler.disagg import Disaggregation
 from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
+from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Backoff, Bus
 from rill.shared.config import EngineArgs
@@ -60,6 +61,7 @@ class SchedulerService:
         self.consumer = f"engine-{self.e}"
         # Plans in flight at once: 2 keeps the worker's next plan queued behind the running one.
         self.depth = 2 if args.async_scheduling and args.role == "both" else 1
+        self.timer = PlanTimer()  # when a plan built ahead is due (as late as the worker allows)
         self.result_cursor = b"0-0"
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
@@ -118,7 +120,8 @@ class SchedulerService:
                         or sched.num_in_flight > 0)
                 self.drain_inputs(block_ms=None if busy else POLL_MS)
                 plan: StepPlan | None = None
-                if sched.may_plan_ahead(self.depth):
+                tried = sched.may_plan_ahead(self.depth) and self.timer.plan_due(sched.oldest_in_flight)
+                if tried:
                     self.disagg.prepare()
                     if self.disagg.exports_pending:
                         plan = sched.transfer_step()
@@ -127,14 +130,19 @@ class SchedulerService:
                     if plan is not None:
                         self.disagg.decorate(plan)
                         self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
+                        self.timer.sent(plan.step_id, plan.num_scheduled_tokens)
                         if sched.may_plan_ahead(self.depth):
                             continue  # room for one more plan before waiting
                 step_id = sched.oldest_in_flight
                 if step_id is None:
                     continue
-                result = self.wait_result(step_id)
+                # Wait for the result, or until a plan ahead is due (then loop back to build it).
+                ahead = sched.may_plan_ahead(self.depth) and not tried
+                until = self.timer.plan_due_at(step_id) if ahead else None
+                result = self.wait_result(step_id, until)
                 if result is None:
                     continue
+                self.timer.received(step_id)
                 self.apply(result)
                 self.publish_stats()
         finally:
@@ -172,12 +180,19 @@ class SchedulerService:
             return
         sched.add(msg)
 
-    def wait_result(self, step_id: int) -> StepResult | None:
+    def wait_result(self, step_id: int, until: float | None = None) -> StepResult | None:
+        """The result of `step_id`; None if the worker was lost or restarted, or, given `until`
+        (a time on the timer's clock), when it has not come by then."""
+        if until is not None:
+            # Sleep, then look once: a blocked XREAD cannot time out this finely (the broker
+            # checks blocked clients' timeouts every 100 ms at its default hz of 10).
+            time.sleep(max(0.0, until - self.timer.clock()))
         while not self.stop:
             if self.guard.worker_lost():
                 self.guard.fail_all(WORKER_LOST)
                 return None
-            for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS, count=16):
+            block_ms = None if until is not None else POLL_MS
+            for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, block_ms, count=16):
                 self.result_cursor = entry_id
                 msg = worker_output_decoder.decode(data)
                 if isinstance(msg, WorkerReady):
@@ -188,6 +203,8 @@ class SchedulerService:
                     return None
                 if msg.step_id == step_id:
                     return msg
+            if until is not None:
+                return None
         return None
 
     def configure_after_restart(self, ready: WorkerReady) -> None:
@@ -201,6 +218,7 @@ class SchedulerService:
             self.configure(ready)
             return
         sched.reset_worker()
+        self.timer.reset()
         self.disagg.on_worker_reset()
 
     def apply(self, result: StepResult) -> None:
