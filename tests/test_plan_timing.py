@@ -78,6 +78,17 @@ def test_a_queued_step_starts_when_the_one_before_returns() -> None:
         plan_timing.SMOOTHING * 0.050 + (1 - plan_timing.SMOOTHING) * 0.040)
 
 
+def test_the_workers_own_timing_is_preferred() -> None:
+    """The result may be read late (the scheduler slept until a due time): the worker's figure
+    keeps that delay out of the estimate."""
+    clock = FakeClock()
+    timer = PlanTimer(clock)
+    timer.sent(1, [1])
+    clock.now += 0.070  # read 70 ms after the step started...
+    timer.received(1, worker_s=0.025)  # ...but the worker ran it in 25 ms
+    assert timer.decode_step_s == pytest.approx(0.025)
+
+
 def test_prompt_steps_do_not_move_the_estimate() -> None:
     clock = FakeClock()
     timer = PlanTimer(clock)
@@ -164,7 +175,8 @@ class SlowWorker(threading.Thread):
                 sampled.append(rid)
         time.sleep(STEP_S)
         self.bus.send(self.result_stream, StepResult(step_id=plan.step_id, request_ids=sampled,
-                                                     token_ids=[7] * len(sampled)), MAXLEN["result"])
+                                                     token_ids=[7] * len(sampled), forward_ms=STEP_S * 1e3),
+                      MAXLEN["result"])
 
     def wait_step(self, step_id: int, timeout: float = 30.0) -> float:
         with self.step_started:

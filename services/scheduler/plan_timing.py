@@ -11,7 +11,7 @@ with `rill serve`, concurrency 16: TTFT p50 1.2-1.3 s building plans at once, 0.
 async scheduling, at the same throughput).
 
 So the plan ahead waits until only LEAD of the running step is left, by an estimate of the
-step's length from the decode-only steps before it (plans are built ahead only behind
+step's length from the decode-only steps before it (as the worker timed them) (plans are built ahead only behind
 decode-only steps, see Scheduler.may_plan_ahead). A step that ends earlier than estimated
 costs the worker the difference in idle time; one that ends later costs nothing (the plan just
 went out sooner than needed). With no estimate yet the plan goes out at once.
@@ -39,15 +39,19 @@ class PlanTimer:
     def sent(self, step_id: int, num_scheduled_tokens: list[int]) -> None:
         self._sent[step_id] = (self.clock(), all(n == 1 for n in num_scheduled_tokens))
 
-    def received(self, step_id: int) -> None:
-        """The result of `step_id` arrived: a decode-only step's length updates the estimate."""
+    def received(self, step_id: int, worker_s: float = 0.0) -> None:
+        """The result of `step_id` arrived; `worker_s` is how long the worker says the step took
+        (StepResult.forward_ms). A decode-only step's length updates the estimate: the worker's
+        own figure when it gives one, since the time the result was read here can be late (the
+        scheduler may have been asleep until a plan's due time), which would feed back into
+        ever later due times."""
         start = self.started_at(step_id)
         now = self.clock()
         sent = self._sent.pop(step_id, None)
         for older in [s for s in self._sent if s < step_id]:  # failed or lost steps
             del self._sent[older]
-        if start is not None and sent is not None and sent[1]:
-            took = now - start
+        took = worker_s if worker_s > 0 else None if start is None else now - start
+        if sent is not None and sent[1] and took is not None:
             self.decode_step_s = took if self.decode_step_s is None else (
                 SMOOTHING * took + (1 - SMOOTHING) * self.decode_step_s)
         self._last_result = (step_id, now)

@@ -142,7 +142,7 @@ class SchedulerService:
                 result = self.wait_result(step_id, until)
                 if result is None:
                     continue
-                self.timer.received(step_id)
+                self.timer.received(step_id, result.forward_ms / 1e3)
                 self.apply(result)
                 self.publish_stats()
         finally:
