@@ -11,8 +11,8 @@ with `rill serve`, concurrency 16: TTFT p50 1.2-1.3 s building plans at once, 0.
 async scheduling, at the same throughput).
 
 So the plan ahead waits until only LEAD of the running step is left, by an estimate of the
-step's length from the decode-only steps before it (as the worker timed them) (plans are built ahead only behind
-decode-only steps, see Scheduler.may_plan_ahead). A step that ends earlier than estimated
+step's length from the worker's timing of the decode-only steps before it (plans are built
+ahead only behind decode-only steps, see Scheduler.may_plan_ahead). A step that ends earlier than estimated
 costs the worker the difference in idle time; one that ends later costs nothing (the plan just
 went out sooner than needed). With no estimate yet the plan goes out at once.
 """
