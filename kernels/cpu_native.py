@@ -113,7 +113,7 @@ def _load(path: Path) -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
     for fn in (lib.quantize_rows_bf16, lib.quantize_rows_f32):
         fn.restype = None
         fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
@@ -139,11 +139,12 @@ def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, max_len: int,
-                 scale: float) -> None:
+                 scale: float, generic_only: bool = False) -> None:
     """out[rows[i]] = attention of q[rows[i]] (one token at position seq_lens[i] - 1) over
     sequence i's first seq_lens[i] cached tokens, for each i. block_tables [n, W] int32
     contiguous, seq_lens [n] int32, rows [n] int64; out contiguous like q. The caller checks
-    `decode_supported` first."""
+    `decode_supported` first. On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
+    path that keeps every vector in registers; `generic_only` turns it off (to compare)."""
     lib = library()
     assert lib is not None
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
@@ -153,7 +154,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rc = getattr(lib, _DECODE[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, max_len, scale)
+        num_heads, num_kv_heads, head_dim, block_size, max_len, scale, int(generic_only))
     if rc != 0:
         raise RuntimeError(f"native paged decode failed with code {rc}")
 

@@ -41,6 +41,22 @@ static inline float exp_neg(float x) {
   return p * scale.f;
 }
 
+// Scores -> unnormalised probabilities in place (exp of score - row max) and their sums, for
+// each of the `group` query heads' rows of `len` scores.
+static inline void softmax_scores(float* scores, int64_t len, int group, const float* mx, float* total) {
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    const float m = mx[g];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = exp_neg(sg[t] - m);
+      sum += sg[t];
+    }
+    total[g] = sum;
+  }
+}
+
 // q . k over n floats. Written out because compilers finish an `omp simd` reduction with a
 // chain of scalar adds through memory, which made the score pass 3x slower than its loads.
 static inline float dot(const float* a, const float* b, int n) {
@@ -73,14 +89,91 @@ static inline float dot(const float* a, const float* b, int n) {
   (pow2 ? ((int64_t)table[(t) >> shift] << shift) + ((t) & mask)                                  \
         : (int64_t)table[(t) / block_size] * block_size + (t) % block_size)
 
+#ifdef __AVX512F__
+// head_dim 64 and GQA groups of up to 4 (SmolLM2, most small Llamas): the same two passes with
+// every vector in registers. The generic loop stages each K/V row and the accumulators through
+// memory and turns out instruction-bound at ~13 GB/s of KV; here q (G x 4 vectors), the row
+// being read (4) and the accumulators (G x 4) all stay in zmm registers. Same operation order
+// as the generic path (q scaled first, one FMA chain per score, then the same softmax).
+static inline void row64_bf16(const uint16_t* p, __m512 r[4]) {
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + 16 * i))), 16));
+}
+static inline void row64_f32(const float* p, __m512 r[4]) {
+  for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(p + 16 * i);
+}
+
+#define DEFINE_PAIR64(NAME, T, ROW, STORE)                                                      \
+  static inline __attribute__((always_inline)) void NAME(                                        \
+      const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
+      int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
+      float scale, float* scores, T* out) {                                                      \
+    const int head_dim = 64;                                                                     \
+    __m512 qv[4][4], acc[4][4];                                                                  \
+    float mx[4], total[4];                                                                       \
+    for (int g = 0; g < G; ++g) {                                                                \
+      ROW(q + g * 64, qv[g]);                                                                    \
+      for (int i = 0; i < 4; ++i) {                                                              \
+        qv[g][i] = _mm512_mul_ps(qv[g][i], _mm512_set1_ps(scale));                               \
+        acc[g][i] = _mm512_setzero_ps();                                                         \
+      }                                                                                          \
+      mx[g] = -INFINITY;                                                                         \
+    }                                                                                            \
+    for (int64_t t = 0; t < len; ++t) {                                                          \
+      if (t + block_size < len) PREFETCH_ROW(k_cache + (ROW_OF(t + block_size) * num_kv_heads + h) * 64); \
+      __m512 k[4];                                                                               \
+      ROW(k_cache + (ROW_OF(t) * num_kv_heads + h) * 64, k);                                     \
+      for (int g = 0; g < G; ++g) {                                                              \
+        __m512 d = _mm512_mul_ps(qv[g][0], k[0]);                                                \
+        d = _mm512_fmadd_ps(qv[g][1], k[1], d);                                                  \
+        d = _mm512_fmadd_ps(qv[g][2], k[2], d);                                                  \
+        d = _mm512_fmadd_ps(qv[g][3], k[3], d);                                                  \
+        const float score = _mm512_reduce_add_ps(d);                                             \
+        scores[g * len + t] = score;                                                             \
+        mx[g] = score > mx[g] ? score : mx[g];                                                   \
+      }                                                                                          \
+    }                                                                                            \
+    softmax_scores(scores, len, G, mx, total);                                                   \
+    for (int64_t t = 0; t < len; ++t) {                                                          \
+      if (t + block_size < len) PREFETCH_ROW(v_cache + (ROW_OF(t + block_size) * num_kv_heads + h) * 64); \
+      __m512 v[4];                                                                               \
+      ROW(v_cache + (ROW_OF(t) * num_kv_heads + h) * 64, v);                                     \
+      for (int g = 0; g < G; ++g) {                                                              \
+        const __m512 p = _mm512_set1_ps(scores[g * len + t]);                                    \
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);             \
+      }                                                                                          \
+    }                                                                                            \
+    for (int g = 0; g < G; ++g) {                                                                \
+      float o[64];                                                                               \
+      const __m512 inv = _mm512_set1_ps(1.f / total[g]);                                         \
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[g][i], inv));   \
+      for (int d = 0; d < 64; ++d) out[g * 64 + d] = STORE(o[d]);                                \
+    }                                                                                            \
+  }
+
+DEFINE_PAIR64(pair64_bf16, uint16_t, row64_bf16, f32_to_bf16)
+DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE)
+
+// One case per group size, so that G is a constant and the loops over it unroll into registers.
+#define RUN_PAIR64(PAIR, ...)                                                                    \
+  switch (group) {                                                                               \
+    case 1: PAIR(1, __VA_ARGS__); break;                                                         \
+    case 2: PAIR(2, __VA_ARGS__); break;                                                         \
+    case 3: PAIR(3, __VA_ARGS__); break;                                                         \
+    default: PAIR(4, __VA_ARGS__); break;                                                        \
+  }
+#endif
+
 // One function per cache dtype: T is the element type, LOAD / STORE convert to and from float.
+// `generic_only` skips the register path (benchmarks and tests compare the two).
 // Per (sequence, kv head) pair: scores of the group's query heads against every position (one
 // pass over K), softmax, then one pass over V. `work` holds group * max_len scores per thread.
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                      \
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, PAIR64)                                      \
   int NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,          \
            int64_t table_stride, const int32_t* seq_lens, const int64_t* rows, T* out,            \
            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
-           int64_t max_len, float scale) {                                                       \
+           int64_t max_len, float scale, int generic_only) {                                     \
     if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||          \
         num_heads / num_kv_heads > MAX_GROUP || max_len < 1)                                     \
       return 1;                                                                                  \
@@ -100,6 +193,10 @@ static inline float dot(const float* a, const float* b, int n) {
       const int32_t* table = block_tables + s * table_stride;                                    \
       const int64_t row = rows[s];                                                               \
       float* scores = scratch + (size_t)omp_get_thread_num() * group * max_len;                  \
+      if (!generic_only && FAST64(PAIR64, q + row * q_row_stride + (int64_t)h * group * head_dim, k_cache, v_cache, table, len, \
+                 num_kv_heads, h, block_size, pow2, shift, mask, scale, scores,                   \
+                 out + (row * num_heads + (int64_t)h * group) * head_dim))                        \
+        continue;                                                                                \
       float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM];         \
       float mx[MAX_GROUP], total[MAX_GROUP];                                                     \
       for (int g = 0; g < group; ++g) {                                                          \
@@ -119,17 +216,7 @@ static inline float dot(const float* a, const float* b, int n) {
           mx[g] = score > mx[g] ? score : mx[g];                                                 \
         }                                                                                        \
       }                                                                                          \
-      for (int g = 0; g < group; ++g) {                                                          \
-        float* sg = scores + g * len;                                                            \
-        const float m = mx[g];                                                                   \
-        float sum = 0.f;                                                                         \
-        _Pragma("omp simd reduction(+:sum)")                                                     \
-        for (int64_t t = 0; t < len; ++t) {                                                      \
-          sg[t] = exp_neg(sg[t] - m);                                                                  \
-          sum += sg[t];                                                                          \
-        }                                                                                        \
-        total[g] = sum;                                                                          \
-      }                                                                                          \
+      softmax_scores(scores, len, group, mx, total);                                             \
       for (int64_t t = 0; t < len; ++t) {                                                        \
         const T* vp = v_cache + (ROW_OF(t) * num_kv_heads + h) * head_dim;                       \
         if (t + block_size < len) PREFETCH_ROW(v_cache + (ROW_OF(t + block_size) * num_kv_heads + h) * head_dim); \
@@ -153,5 +240,13 @@ static inline float dot(const float* a, const float* b, int n) {
 
 #define IDENTITY(x) (x)
 
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(paged_decode_f32, float, IDENTITY, IDENTITY)
+#ifdef __AVX512F__
+// Runs the register path and yields 1 when it applies (head_dim 64, group <= 4), else 0.
+#define FAST64(PAIR, ...) \
+  (head_dim == 64 && group <= 4 ? ({ RUN_PAIR64(PAIR, __VA_ARGS__) 1; }) : 0)
+#else
+#define FAST64(PAIR, ...) 0
+#endif
+
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, pair64_bf16)
+DEFINE_DECODE(paged_decode_f32, float, IDENTITY, IDENTITY, pair64_f32)

@@ -47,6 +47,25 @@ def test_native_decode_matches_reference(block_size: int, head_dim: int, group: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_register_path_agrees_with_the_generic_loop(group: int, dtype: torch.dtype) -> None:
+    """head_dim 64 with a group of up to 4 takes the AVX-512 register path where the CPU has it;
+    it runs the same operations in the same order as the generic loop, so the two agree to the
+    last bits (and both match the float64 reference)."""
+    lens = decode_lengths(16)
+    case = PagedCase(lens, [1] * len(lens), 16, kv_heads_for(group), group, 64, dtype, seed=77 + group)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    outs = []
+    for generic_only in (False, True):
+        out = torch.full_like(case.q, float("nan"))
+        cpu_native.paged_decode(case.q, case.k_cache, case.v_cache, case.tables, case.seq_lens_t, rows, out,
+                                max(lens), case.scale, generic_only=generic_only)
+        close(out, case.reference(), *TOL[dtype])
+        outs.append(out)
+    close(outs[0], outs[1], 1e-6, 1e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_native_decode_in_a_mixed_step_with_strided_q(dtype: torch.dtype) -> None:
     """Decode rows interleaved with prefill chunks, and q a strided slice of a fused qkv output
     (how the model passes it): decode rows go to the native kernel, chunks to SDPA, all exact."""
