@@ -109,7 +109,7 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
       const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
       int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
       float scale, float* scores, T* out) {                                                      \
-    const int head_dim = 64;                                                                     \
+    const int head_dim = 64; /* read by PREFETCH_ROW */                                        \
     __m512 qv[4][4], acc[4][4];                                                                  \
     float mx[4], total[4];                                                                       \
     for (int g = 0; g < G; ++g) {                                                                \
@@ -155,14 +155,20 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
 DEFINE_PAIR64(pair64_bf16, uint16_t, row64_bf16, f32_to_bf16)
 DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE)
 
-// One case per group size, so that G is a constant and the loops over it unroll into registers.
-#define RUN_PAIR64(PAIR, ...)                                                                    \
-  switch (group) {                                                                               \
-    case 1: PAIR(1, __VA_ARGS__); break;                                                         \
-    case 2: PAIR(2, __VA_ARGS__); break;                                                         \
-    case 3: PAIR(3, __VA_ARGS__); break;                                                         \
-    default: PAIR(4, __VA_ARGS__); break;                                                        \
-  }
+// Runs the register path and yields 1 when it applies (head_dim 64, group <= 4), else 0. One
+// case per group size, so that G is a constant and the loops over it unroll into registers.
+#define FAST64(PAIR, ...)                                                                        \
+  (head_dim == 64 && group <= 4 ? ({                                                             \
+    switch (group) {                                                                             \
+      case 1: PAIR(1, __VA_ARGS__); break;                                                       \
+      case 2: PAIR(2, __VA_ARGS__); break;                                                       \
+      case 3: PAIR(3, __VA_ARGS__); break;                                                       \
+      default: PAIR(4, __VA_ARGS__); break;                                                      \
+    }                                                                                            \
+    1;                                                                                           \
+  }) : 0)
+#else
+#define FAST64(PAIR, ...) 0
 #endif
 
 // One function per cache dtype: T is the element type, LOAD / STORE convert to and from float.
@@ -238,15 +244,5 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE)
     return 0;                                                                                    \
   }
 
-#define IDENTITY(x) (x)
-
-#ifdef __AVX512F__
-// Runs the register path and yields 1 when it applies (head_dim 64, group <= 4), else 0.
-#define FAST64(PAIR, ...) \
-  (head_dim == 64 && group <= 4 ? ({ RUN_PAIR64(PAIR, __VA_ARGS__) 1; }) : 0)
-#else
-#define FAST64(PAIR, ...) 0
-#endif
-
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, pair64_bf16)
-DEFINE_DECODE(paged_decode_f32, float, IDENTITY, IDENTITY, pair64_f32)
+DEFINE_DECODE(paged_decode_f32, float, F32_LOAD, F32_STORE, pair64_f32)

@@ -38,6 +38,16 @@ class FakeClock:
         return self.now
 
 
+def after_one_decode_step(step_s: float) -> tuple[FakeClock, PlanTimer]:
+    """A timer that has measured one decode-only step (step 1) of `step_s`."""
+    clock = FakeClock()
+    timer = PlanTimer(clock)
+    timer.sent(1, [1, 1])
+    clock.now += step_s
+    timer.received(1)
+    return clock, timer
+
+
 def test_without_an_estimate_a_plan_is_due_at_once() -> None:
     clock = FakeClock()
     timer = PlanTimer(clock)
@@ -47,11 +57,7 @@ def test_without_an_estimate_a_plan_is_due_at_once() -> None:
 
 
 def test_plan_ahead_waits_for_the_last_lead_of_the_running_step() -> None:
-    clock = FakeClock()
-    timer = PlanTimer(clock)
-    timer.sent(1, [1, 1])
-    clock.now += 0.040
-    timer.received(1)
+    clock, timer = after_one_decode_step(0.040)
     assert timer.decode_step_s == pytest.approx(0.040)
     timer.sent(2, [1, 1])  # sent after result 1: it starts now
     start = clock.now
@@ -90,11 +96,7 @@ def test_the_workers_own_timing_is_preferred() -> None:
 
 
 def test_prompt_steps_do_not_move_the_estimate() -> None:
-    clock = FakeClock()
-    timer = PlanTimer(clock)
-    timer.sent(1, [1, 1])
-    clock.now += 0.040
-    timer.received(1)
+    clock, timer = after_one_decode_step(0.040)
     timer.sent(2, [1, 300])  # a prompt chunk: ten times longer on a CPU
     clock.now += 0.400
     timer.received(2)
@@ -102,21 +104,13 @@ def test_prompt_steps_do_not_move_the_estimate() -> None:
 
 
 def test_the_lead_never_drops_below_its_floor() -> None:
-    clock = FakeClock()
-    timer = PlanTimer(clock)
-    timer.sent(1, [1])
-    clock.now += 0.004  # a fast GPU step: a quarter of it would be 1 ms
-    timer.received(1)
+    clock, timer = after_one_decode_step(0.004)  # a fast GPU step: a quarter of it would be 1 ms
     timer.sent(2, [1])
     assert timer.plan_due_at(2) == pytest.approx(clock.now + 0.004 - plan_timing.MIN_LEAD_S)
 
 
 def test_reset_forgets_steps_in_flight_but_keeps_the_estimate() -> None:
-    clock = FakeClock()
-    timer = PlanTimer(clock)
-    timer.sent(1, [1])
-    clock.now += 0.040
-    timer.received(1)
+    _, timer = after_one_decode_step(0.040)
     timer.sent(2, [1])
     timer.reset()
     assert timer.started_at(2) is None
