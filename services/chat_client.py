@@ -90,9 +90,18 @@ class ChatSession:
         from websockets.sync.client import connect
 
         self.close()
-        # __enter__ gives the connection on every websockets version (17.1 warns without it).
-        self.ws = connect(self.url, open_timeout=10, max_size=None, close_timeout=2,
-                          additional_headers=self.headers).__enter__()
+        # The sync client reads frames on a thread of its own. A Ctrl-C that the kernel delivers
+        # to that thread does not interrupt readline's select() in the main thread, which only
+        # looks at Python's signal flags when select fails with EINTR, so that Ctrl-C at the
+        # prompt would go unnoticed. Threads inherit their creator's signal mask: the connection
+        # is opened with SIGINT blocked, and the main thread alone receives it.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            # __enter__ gives the connection on every websockets version (17.1 warns without it).
+            self.ws = connect(self.url, open_timeout=10, max_size=None, close_timeout=2,
+                              additional_headers=self.headers).__enter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def close(self) -> None:
         if self.ws is not None:

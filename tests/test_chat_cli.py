@@ -118,7 +118,9 @@ def test_rill_chat_in_a_terminal(stack: ServiceStack) -> None:
 
         # 2. Ctrl-C stops a long reply; the program carries on at the prompt.
         mark = term.type("/set max_tokens 400\r")
-        term.expect(r"\(max_tokens = 400\)", mark)
+        # Type only once the prompt is back: typed earlier, the terminal itself echoes the line
+        # and readline shows it again, so the echo below would be found twice.
+        term.expect(PROMPT, term.expect(r"\(max_tokens = 400\)", mark).end())
         story = "Write a long story about a dragon who learns to bake bread."
         mark = term.type(story + "\r")
         echoed = term.expect(re.escape(story) + "\n", mark).end()
@@ -137,7 +139,7 @@ def test_rill_chat_in_a_terminal(stack: ServiceStack) -> None:
 
         # 3. The next turn carries the whole conversation, the stopped reply included.
         mark = term.type("/set max_tokens 4\r")
-        term.expect(r"\(max_tokens = 4\)", mark)
+        term.expect(PROMPT, term.expect(r"\(max_tokens = 4\)", mark).end())
         mark = term.type("Thanks!\r")
         term.expect(PROMPT, term.expect(STATS, mark, timeout=120).end())
         last = generate_decoder.decode(stack.redis.xrange(stack.streams.requests)[-1][1][FIELD])
