@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
 
-from rill.services.worker.model_runner import ModelRunner, resolve_dtype  # noqa: E402
+from rill.services.worker.dtype_choice import resolve_dtype  # noqa: E402
+from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.broker import free_port  # noqa: E402
 from rill.shared.config import default_max_num_batched_tokens  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402

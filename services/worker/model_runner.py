@@ -20,6 +20,7 @@ import torch
 from rill.kernels import cpu_native
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
+from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, check_params
 from rill.shared.config import ModelConfig, kv_cache_blocks
@@ -34,24 +35,6 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     return device
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), where its GEMMs
-    run several times faster than fp32 and KV memory halves; float32 on other CPUs, which would
-    only emulate bf16. float32 stays available for exact comparisons."""
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" or _cpu_has_bf16() else "float32"
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return dtype
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def cpu_has_int8_dot(flags: str | None = None) -> bool:

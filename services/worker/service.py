@@ -16,8 +16,9 @@ import msgspec
 import redis
 import torch
 
+from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
-from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device, resolve_dtype
+from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
