@@ -5,8 +5,8 @@ Why native code on the CPU path: decode attention over paged KV has no efficient
 form. The torch path must gather every sequence's blocks into a padded copy and run small
 batched matmuls against it, which made attention ~45 % of a batch-32 decode step; reading the
 blocks in place is several times faster. Likewise the quantise / dequantise steps around an int8 GEMM are
-one pass each instead of a dozen small torch ops (see cpu_quant.c), and so is the residual add +
-RMSNorm between a layer's GEMMs (cpu_elementwise.c).
+one pass each instead of a dozen small torch ops (see cpu_quant.c), and so are the residual add +
+RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c).
 
 The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
 (-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the
@@ -123,6 +123,9 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.rms_norm_bf16, lib.rms_norm_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
+    for fn in (lib.rope_write_kv_bf16, lib.rope_write_kv_f32):
+        fn.restype = None
+        fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     return lib
 
 
@@ -220,3 +223,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                      weight.data_ptr(), out.data_ptr(), None if total is None else total.data_ptr(),
                                      m, k, eps)
     return out if total is None else (out, total)
+
+
+_ROPE_KV = {torch.bfloat16: "rope_write_kv_bf16", torch.float32: "rope_write_kv_f32"}
+
+
+def rope_kv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether `rope_and_write_kv` can take these: q [T, Hq, D], k and v [T, Hkv, D] of one dtype
+    with contiguous heads and one row stride (e.g. slices of a fused qkv output), int64 positions
+    and slots, an fp32 [max_pos, D] cos|sin table and contiguous caches of the same dtype."""
+    def heads_contiguous(x: torch.Tensor) -> bool:
+        return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+    return (q.device.type == "cpu" and q.dtype in _ROPE_KV and k.dtype == q.dtype and v.dtype == q.dtype
+            and k_cache.dtype == q.dtype and heads_contiguous(q) and heads_contiguous(k) and heads_contiguous(v)
+            and q.stride(0) == k.stride(0) == v.stride(0) and k.shape == v.shape and q.shape[2] == k.shape[2]
+            and q.shape[2] % 2 == 0 and k_cache.is_contiguous() and k_cache.shape[-2:] == k.shape[1:]
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+            and cos_sin_cache.shape[1] == q.shape[2]
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and library() is not None)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_ops' RoPE + write_kv in one pass: the rotated (q, k) as new contiguous tensors, with
+    the rotated k and v stored at their cache slots (slots < 0 skipped). Bit-identical to the
+    torch code. The caller checks `rope_kv_supported` first."""
+    lib = library()
+    assert lib is not None and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty((t, hq, d), dtype=q.dtype)
+    k_out = torch.empty((t, hkv, d), dtype=q.dtype)
+    getattr(lib, _ROPE_KV[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), positions.data_ptr(),
+                                    slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(),
+                                    k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, hq, hkv, d)
+    return q_out, k_out

@@ -208,7 +208,8 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     """`apply_rotary` then `write_kv` of the rotated k and v; returns the rotated (q, k).
 
     The Triton backend does both in one kernel and rotates q and k IN PLACE (callers must not
-    reuse the unrotated inputs); it also skips slots < 0 (padding tokens)."""
+    reuse the unrotated inputs); it also skips slots < 0 (padding tokens). On CPU the native
+    kernel does both in one pass too (into new tensors), else torch runs them one after the other."""
     impl = _impl_for(q)
     fused = getattr(impl, "rope_and_write_kv", None)
     if fused is not None:

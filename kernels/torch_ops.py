@@ -49,6 +49,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if cpu_native.rope_kv_supported(q, k, v, positions, cos_sin_cache, k_cache, slot_mapping):
+        # One pass instead of ~10 ops, same rounding (cpu_elementwise.c).
+        return cpu_native.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 # One step's cos/sin rows, reused by every layer (the model passes the same positions tensor).
 _rope_memo: dict[str, object] = {}
 

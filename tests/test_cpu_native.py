@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,3 +224,51 @@ def test_model_step_uses_the_native_rms_norm(monkeypatch: pytest.MonkeyPatch) ->
     assert len(calls) == 2
     ops.rms_norm(torch.randn(4, 128)[:, :64], w, 1e-6)  # strided: torch path
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 600])  # decode sizes run serially, prefill sizes in parallel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, tokens: int, heads: int,
+                                              kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """RoPE on q/k slices of a fused qkv output plus the cache write: bit-identical to the torch
+    ops (same rounding), every slot written by exactly the torch path's values, slots < 0 left alone."""
+    from rill.services.worker.llama import cos_sin_cache
+
+    g = torch.Generator().manual_seed(tokens * heads)
+    cfg = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
+    cs = cos_sin_cache(cfg, 4096, "cpu")  # type: ignore[arg-type]
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    num_slots = 2 * tokens + 8
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    caches = [torch.full((num_slots // 4 + 1, 4, kv_heads, head_dim), 7.0, dtype=dtype) for _ in range(4)]
+    got_q, got_k = torch_ops.rope_and_write_kv(q, k, v, positions, cs, caches[0], caches[1], slots)
+    want_q, want_k = _torch_path(monkeypatch, torch_ops.rope_and_write_kv, q, k, v, positions, cs,
+                                 caches[2], caches[3], slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not torch.equal(got_q, q)  # it did rotate
+    # A padding token (slot -1) is rotated but not stored.
+    slots[0] = -1
+    before = [c.clone() for c in caches[:2]]
+    cpu_native.rope_and_write_kv(q, k, v, positions, cs, caches[0], caches[1], slots)
+    written = caches[0].view(-1, kv_heads, head_dim)
+    assert torch.equal(written[slots[1:]], got_k[1:])
+    untouched = torch.ones(written.shape[0], dtype=torch.bool)
+    untouched[slots[1:]] = False
+    assert torch.equal(written[untouched], before[0].view(-1, kv_heads, head_dim)[untouched])
+
+
+def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.rope_and_write_kv reaches the native pass for the model's qkv slices."""
+    calls: list[int] = []
+    real = cpu_native.rope_and_write_kv
+    monkeypatch.setattr(cpu_native, "rope_and_write_kv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    qkv = torch.randn(3, 6 * 16)
+    q, k, v = (x.view(3, 2, 16) for x in qkv.split([32, 32, 32], dim=-1))
+    cache = torch.zeros(4, 4, 2, 16)
+    ops.rope_and_write_kv(q, k, v, torch.arange(3), torch.randn(8, 16), cache, cache.clone(), torch.arange(3))
+    assert calls == [1]
