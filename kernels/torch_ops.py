@@ -2,8 +2,9 @@
 
 Attention splits a mixed step in two: every single-token (decode) row is done together, by the
 native kernel that reads the paged KV in place (cpu_native) when it is available, else by
-gathers + batched matmuls over rows grouped by length; each multi-token (prefill chunk) row
-group runs through SDPA on its own. Softmax always runs in fp32.
+gathers + batched matmuls over rows grouped by length; the multi-token (prefill chunk) rows
+likewise go to one call of the native prefill kernel, else each chunk runs through SDPA on its
+own. Softmax always runs in fp32.
 """
 
 from __future__ import annotations
@@ -225,11 +226,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan is None:  # built on the first layer, reused by the others
         plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2],
                                                        k_cache.shape[1], q.device,
-                                                       cpu_native.decode_supported(q, k_cache))
+                                                       cpu_native.decode_supported(q, k_cache),
+                                                       cpu_native.prefill_supported(q, k_cache))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.native is not None:
         n = plan.native
         cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale)
+    if plan.native_prefill is not None:
+        p = plan.native_prefill
+        cpu_native.paged_prefill(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens, out, scale)
     for group in plan.decode_groups:
         out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
     for start, end, ctx_len, seq_len, blocks in plan.prefills:
@@ -312,11 +317,24 @@ class _NativeDecode:
         self.max_len = max(meta.seq_lens_host[i] for i in seqs)
 
 
+class _NativePrefill:
+    """The multi-token rows' block tables, query starts, lengths and context lengths, for the
+    native prefill kernel."""
+
+    def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
+        qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+        idx = torch.tensor(seqs, dtype=torch.int64)
+        self.block_tables = meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+        self.q_starts = torch.tensor([qsl[i] for i in seqs], dtype=torch.int32)
+        self.q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int32)
+        self.ctx_lens = torch.tensor([seq_lens[i] - (qsl[i + 1] - qsl[i]) for i in seqs], dtype=torch.int32)
+
+
 class _AttentionPlan:
     """Index tensors and masks for one step, shared by every layer."""
 
     def __init__(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, block_size: int,
-                 device: torch.device, native: bool = False) -> None:
+                 device: torch.device, native: bool = False, native_prefill: bool = False) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         self.prefills: list[tuple[int, int, int, int, torch.Tensor]] = []
@@ -326,6 +344,12 @@ class _AttentionPlan:
                 nblocks = -(-seq_lens[i] // block_size)
                 blocks = meta.block_tables[i, :nblocks].to(torch.int64)
                 self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
+        # Multi-token rows: one call of the native kernel, which reads the paged KV in place;
+        # else SDPA per row over its (gathered) keys.
+        prefill_seqs = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
+        self.native_prefill = _NativePrefill(meta, prefill_seqs) if native_prefill and prefill_seqs else None
+        if self.native_prefill is not None:
+            self.prefills = []
         # Single-token rows: one call of the native kernel, else length groups in plain torch.
         self.native = _NativeDecode(meta, decodes) if native and decodes else None
         if self.native is not None:

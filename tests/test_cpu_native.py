@@ -79,10 +79,40 @@ def test_native_decode_in_a_mixed_step_with_strided_q(dtype: torch.dtype) -> Non
     fused[:, :heads] = case.q
     q = fused[:, :heads]
     assert not q.is_contiguous()
-    # The prefill rows' own K/V must be readable from the cache: SDPA gathers them.
+    # The prefill rows' own K/V must be readable from the cache: the native prefill reads them there.
     out, plan = run_step(case, computed, query_lens, q=q)
-    assert plan.native is not None and len(plan.prefills) == 2
+    assert plan.native is not None and plan.native_prefill is not None and plan.prefills == []
     close(out, case.reference(), *TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_prefill_matches_reference(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    """Prompt chunks with and without context, of lengths that leave partial key chunks, partial
+    tiles and partial row vectors, next to decode rows; every slot past a sequence's end is NaN,
+    so a read past the causal edge shows."""
+    computed = [0, 37, 0, 250, 5, 0]
+    query_lens = [2, 40, 130, 17, 1, 64]
+    seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    case = PagedCase(seq_lens, query_lens, block_size, 2, group, head_dim, dtype, seed=group * head_dim)
+    out, plan = run_step(case, computed, query_lens)
+    assert plan.native_prefill is not None and plan.prefills == []
+    close(out, case.reference(), *TOL[dtype])
+
+
+def test_native_prefill_agrees_with_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path (SDPA over gathered keys) and the native kernel give the same attention."""
+    computed, query_lens = [0, 100, 0], [512, 200, 3]
+    seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    case = PagedCase(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=11)
+    native, plan = run_step(case, computed, query_lens)
+    assert plan.native_prefill is not None
+    monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
+    plain, plan = run_step(case, computed, query_lens)
+    assert plan.native_prefill is None and len(plan.prefills) == 3
+    torch.testing.assert_close(native, plain, atol=2e-5, rtol=2e-5)
 
 
 def test_native_is_as_accurate_as_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
