@@ -172,10 +172,10 @@ _PREFILL = {torch.bfloat16: "paged_prefill_bf16", torch.float32: "paged_prefill_
 
 def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill` can take these tensors (else use the torch path): head_dim a
-    multiple of 16 up to 256, GQA groups up to 16."""
+    multiple of 4 up to 256, GQA groups up to 16."""
     return (q.device.type == "cpu" and q.dtype in _PREFILL and k_cache.dtype == q.dtype
             and k_cache.is_contiguous() and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and q.shape[2] <= 256 and q.shape[2] % 16 == 0 and q.shape[1] % k_cache.shape[2] == 0
+            and q.shape[2] <= 256 and q.shape[2] % 4 == 0 and q.shape[1] % k_cache.shape[2] == 0
             and q.shape[1] // k_cache.shape[2] <= 16 and library() is not None)
 
 
