@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -83,3 +85,19 @@ def test_the_real_probe_on_this_machine(cache_dir) -> None:
         assert (choice == "bfloat16") == cpu_prefers_bf16()
     else:
         assert choice == "float32"
+
+
+def test_workers_starting_together_measure_once(cache_dir, monkeypatch) -> None:
+    """Callers racing on a fresh cache: one measures, the others wait for and read its answer."""
+    calls: list[int] = []
+
+    def slow_probe() -> float:
+        calls.append(1)
+        time.sleep(0.3)
+        return 0.5 + len(calls)  # a second measurement would give another answer
+
+    monkeypatch.setattr(dtype_choice, "measure_bf16_speed", slow_probe)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: dtype_choice.bf16_speed(), range(4)))
+    assert calls == [1]
+    assert answers == [1.5] * 4

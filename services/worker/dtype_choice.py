@@ -13,6 +13,7 @@ start on the machine agrees without measuring again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ import math
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,19 +66,32 @@ def bf16_speed() -> float:
     key = hashlib.sha256("\0".join([cpu_native.cpu_flags(), platform.machine(), torch.__version__,
                                     str(torch.get_num_threads())]).encode()).hexdigest()[:16]
     path = cache_root() / "dtype-probe" / f"{key}.json"
-    try:
-        return float(json.loads(path.read_text())["bf16_speed"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    speed = measure_bf16_speed()
+    speed = _read(path)
+    if speed is not None:
+        return speed
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"bf16_speed": speed, "shapes": PROBE_SHAPES, "threads": torch.get_num_threads(),
-                               "torch": torch.__version__}))
-    os.replace(tmp, path)  # atomic: services starting together never read half a file
+    # Workers starting together on a fresh machine: one measures (without the others' probes
+    # competing for the cores), the rest wait for its answer, so they all pick the same dtype.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        speed = _read(path)
+        if speed is not None:
+            return speed
+        speed = measure_bf16_speed()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"bf16_speed": speed, "shapes": PROBE_SHAPES,
+                                   "threads": torch.get_num_threads(), "torch": torch.__version__}))
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
     log.info("dtype auto: bf16 GEMMs run at %.2fx fp32 on this CPU -> %s", speed,
              "bfloat16" if speed >= BF16_MIN_SPEED else "float32")
     return speed
+
+
+def _read(path: Path) -> float | None:
+    try:
+        return float(json.loads(path.read_text())["bf16_speed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def measure_bf16_speed(repeats: int = 7) -> float:

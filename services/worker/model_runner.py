@@ -106,10 +106,10 @@ class ModelRunner:
         """quantization: "none" or "int8" (W8A8 linear layers, CPU only; see LlamaModel.load). A
         `model` passed in is used as loaded, its own quantization included."""
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
         if self.device == "cpu":
-            configure_cpu_threads()
+            configure_cpu_threads()  # first: "auto" measures GEMMs with the threads that will serve
             _keep_freed_memory()
+        self.dtype = resolve_dtype(dtype, self.device)
         cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,

@@ -18,7 +18,12 @@ import torch
 
 from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
-from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
+from rill.services.worker.model_runner import (
+    ModelRunner,
+    configure_cpu_threads,
+    num_blocks_for,
+    resolve_device,
+)
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
@@ -47,6 +52,8 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
 
 def build_runner(args: EngineArgs) -> ModelRunner:
     device = resolve_device(args.device)
+    if device == "cpu":
+        configure_cpu_threads()  # before "auto" measures GEMMs: with the threads that will serve
     dtype = resolve_dtype(args.dtype, device)
     cfg = ModelConfig.from_dir(args.model_dir)
     max_len = args.max_model_len or cfg.max_position_embeddings
