@@ -400,7 +400,10 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
         stack.signal("tokenizer-2", signal.SIGCONT)  # it now redoes what was claimed from it
         stack.signal("detokenizer-2", signal.SIGCONT)
 
-    before = stack.stats()
+    # Stats are published after each step's outputs are sent, so the reference run's last
+    # finish can reach the client before it is counted: wait for the engine to be idle.
+    before = stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10,
+                              "the reference load did not finish")
     faulty = run(load(faults))
     for ref, got, prompt in zip(reference, faulty, PROMPTS, strict=True):
         assert got.error is None, (prompt, got.error)
