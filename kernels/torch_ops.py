@@ -306,12 +306,17 @@ class _DecodeGroup:
             .masked_fill_(masked, float("-inf")).view(len(seqs), num_heads, padded * num_kv_heads).to(device)
 
 
+def _native_tables(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
+    """The block-table rows of `seqs`, int32 and contiguous, as the native kernels read them."""
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    return meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+
+
 class _NativeDecode:
     """The single-token rows' block tables, lengths and q rows, for the native kernel."""
 
     def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
-        idx = torch.tensor(seqs, dtype=torch.int64)
-        self.block_tables = meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+        self.block_tables = _native_tables(meta, seqs)
         self.seq_lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], dtype=torch.int32)
         self.rows = torch.tensor([meta.query_start_loc_host[i] for i in seqs], dtype=torch.int64)
         self.max_len = max(meta.seq_lens_host[i] for i in seqs)
@@ -323,8 +328,7 @@ class _NativePrefill:
 
     def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
-        idx = torch.tensor(seqs, dtype=torch.int64)
-        self.block_tables = meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+        self.block_tables = _native_tables(meta, seqs)
         self.q_starts = torch.tensor([qsl[i] for i in seqs], dtype=torch.int32)
         self.q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int32)
         self.ctx_lens = torch.tensor([seq_lens[i] - (qsl[i + 1] - qsl[i]) for i in seqs], dtype=torch.int32)
@@ -337,19 +341,16 @@ class _AttentionPlan:
                  device: torch.device, native: bool = False, native_prefill: bool = False) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
-        self.prefills: list[tuple[int, int, int, int, torch.Tensor]] = []
-        for i in range(meta.num_seqs):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start > 1:
-                nblocks = -(-seq_lens[i] // block_size)
-                blocks = meta.block_tables[i, :nblocks].to(torch.int64)
-                self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
+        prefills = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
         # Multi-token rows: one call of the native kernel, which reads the paged KV in place;
-        # else SDPA per row over its (gathered) keys.
-        prefill_seqs = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
-        self.native_prefill = _NativePrefill(meta, prefill_seqs) if native_prefill and prefill_seqs else None
-        if self.native_prefill is not None:
-            self.prefills = []
+        # else SDPA per row over its keys (gathered when it has context).
+        self.native_prefill = _NativePrefill(meta, prefills) if native_prefill and prefills else None
+        self.prefills: list[tuple[int, int, int, int, torch.Tensor]] = []
+        if self.native_prefill is None:
+            for i in prefills:
+                start, end = qsl[i], qsl[i + 1]
+                blocks = meta.block_tables[i, :-(-seq_lens[i] // block_size)].to(torch.int64)
+                self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
         # Single-token rows: one call of the native kernel, else length groups in plain torch.
         self.native = _NativeDecode(meta, decodes) if native and decodes else None
         if self.native is not None:

@@ -16,14 +16,8 @@ import msgspec
 import redis
 import torch
 
-from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
-from rill.services.worker.model_runner import (
-    ModelRunner,
-    configure_cpu_threads,
-    num_blocks_for,
-    resolve_device,
-)
+from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
@@ -52,16 +46,15 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
 
 def build_runner(args: EngineArgs) -> ModelRunner:
     device = resolve_device(args.device)
-    if device == "cpu":
-        configure_cpu_threads()  # before "auto" measures GEMMs: with the threads that will serve
-    dtype = resolve_dtype(args.dtype, device)
     cfg = ModelConfig.from_dir(args.model_dir)
     max_len = args.max_model_len or cfg.max_position_embeddings
     # Enough blocks for the warm-up step; the real cache replaces it once sized.
     probe_tokens = max(16, min(args.step_token_budget(device), max_len))
-    runner = ModelRunner(args.model_dir, dtype=dtype, device=device,
+    # The runner resolves "auto" (after setting its CPU threads, which the probe should use).
+    runner = ModelRunner(args.model_dir, dtype=args.dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
                          max_model_len=max_len, seed=args.seed, quantization=args.quantization)
+    dtype = runner.dtype
     budget = _kv_bytes(runner, args)
     num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
     if num_blocks < 1:
