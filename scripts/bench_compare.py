@@ -6,6 +6,7 @@ EOS ignored, SmolLM2-135M-Instruct, same dtype everywhere.
   (a) Rill full pipeline (`rill serve`: gateway, tokenizer, scheduler, worker, detokenizer over
       an embedded broker), all requests at once, and at concurrency 16 and 32
   (b) Rill engine in-process (scheduler + model runner, no broker), all at once and at 16
+  At concurrency 16, (a) and (b) are each run twice, in turns A B B A, and their means compared.
   (c) transformers `generate`, one request at a time (a subset; throughput is per request)
   (d) transformers `generate`, static batches of 8 (left padding)
   (e) transformers `generate`, static batches of 32 (left padding)
@@ -134,51 +135,56 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
 
 # ------------------------------------------------------------------------------ (a) pipeline
 
-def run_pipeline(model_dir: str, dtype: str, prompts: list[list[int]], out_len: int,
-                 concurrencies: list[int | None], quantization: str, budget: int) -> dict[str, Row]:
-    import argparse as ap
+class Pipeline:
+    """`rill serve` in a subprocess, measured by `rill bench serve`'s client in this process. It
+    stays up (idle) while the in-process engine runs, so the two can be measured in turns."""
 
-    from rill.services.bench_serve import Prompt, run_benchmark
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
-                             "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
-                             # Every phase replays the same prompts: without this the later
-                             # phases would hit the prefix cache, which (b) does not have.
-                             "--max-num-seqs", "64", "--no-enable-prefix-caching",
-                             "--max-num-batched-tokens", str(budget)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()
+    def __init__(self, model_dir: str, dtype: str, prompts: list[list[int]], out_len: int, quantization: str,
+                 budget: int) -> None:
+        self.prompts, self.out_len = prompts, out_len
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(self.port),
+             "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
+             # Every phase replays the same prompts: without this the later phases would hit the
+             # prefix cache, which (b) does not have.
+             "--max-num-seqs", "64", "--no-enable-prefix-caching", "--max-num-batched-tokens", str(budget)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "ready at" not in line:
+            self.close()
             raise RuntimeError(f"rill serve did not start: {line!r}")
-        rows = {}
-        for conc in concurrencies:
-            args = ap.Namespace(base_url=f"http://127.0.0.1:{port}", backend="openai-completions", model=None,
-                                dataset="random", num_prompts=len(prompts), input_len=0, output_len=out_len,
-                                input_len_range="", output_len_range="", request_rate=float("inf"),
-                                max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
-                                timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
-            import asyncio
 
-            import rill.services.bench_serve as bs
+    def measure(self, conc: int | None) -> Row:
+        import argparse as ap
+        import asyncio
 
-            original = bs.make_dataset
-            # The shared workload, after two warm-up requests.
-            bs.make_dataset = lambda _a: [Prompt(p, len(p), out_len) for p in prompts[:2] + prompts]
-            try:
-                r = asyncio.run(run_benchmark(args))
-            finally:
-                bs.make_dataset = original
-            if r["failed"]:
-                raise RuntimeError(f"pipeline requests failed: {r['errors']}")
-            rows[f"conc={conc or 'all'}"] = {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"],
-                                             "tpot": r["tpot_ms"]["median"]}
-            print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s", flush=True)
-        return rows
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        import rill.services.bench_serve as bs
+
+        args = ap.Namespace(base_url=f"http://127.0.0.1:{self.port}", backend="openai-completions", model=None,
+                            dataset="random", num_prompts=len(self.prompts), input_len=0, output_len=self.out_len,
+                            input_len_range="", output_len_range="", request_rate=float("inf"),
+                            max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
+                            timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
+        original = bs.make_dataset
+        # The shared workload, after two warm-up requests.
+        bs.make_dataset = lambda _a: [bs.Prompt(p, len(p), self.out_len) for p in self.prompts[:2] + self.prompts]
+        try:
+            r = asyncio.run(bs.run_benchmark(args))
+        finally:
+            bs.make_dataset = original
+        if r["failed"]:
+            raise RuntimeError(f"pipeline requests failed: {r['errors']}")
+        print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s", flush=True)
+        return {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"], "tpot": r["tpot_ms"]["median"]}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def mean_row(runs: list[Row]) -> Row:
+    return {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
 
 
 def main() -> None:
@@ -211,17 +217,30 @@ def main() -> None:
 
     rows: dict[str, Row] = {}
     print("(a) Rill full pipeline ...", flush=True)
-    pipe = run_pipeline(model_dir, dtype, prompts, out, [None, 32, 16], args.quantization, budget)
-    rows["(a) Rill pipeline, all at once"] = pipe["conc=all"]
-    rows["(a) Rill pipeline, concurrency 32"] = pipe["conc=32"]
-    rows["(a) Rill pipeline, concurrency 16"] = pipe["conc=16"]
-
-    print("(b) Rill engine in-process ...", flush=True)
-    runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16,
-                         quantization=args.quantization)
-    runner.warmup()
-    rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts), budget)
-    rows["(b) Rill in-process, concurrency 16"] = run_inprocess(runner, prompts, out, 16, budget)
+    pipe = Pipeline(model_dir, dtype, prompts, out, args.quantization, budget)
+    try:
+        rows["(a) Rill pipeline, all at once"] = pipe.measure(None)
+        rows["(a) Rill pipeline, concurrency 32"] = pipe.measure(32)
+        print("(b) Rill engine in-process ...", flush=True)
+        runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=4096, block_size=16,
+                             quantization=args.quantization)
+        runner.warmup()
+        rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts), budget)
+        # The concurrency-16 pair, whose ratios are targets, in turns A B B A: a shared VM's speed
+        # drifts by 10-20 % over minutes, which one run of each, minutes apart, would count as
+        # overhead; the means of an ABBA sequence cancel a steady drift.
+        print("(a)/(b) concurrency 16, in turns: pipeline, in-process, in-process, pipeline ...", flush=True)
+        p16 = [pipe.measure(16)]
+        i16 = [run_inprocess(runner, prompts, out, 16, budget) for _ in range(2)]
+        p16.append(pipe.measure(16))
+    finally:
+        pipe.close()
+    rows["(a) Rill pipeline, concurrency 16"] = mean_row(p16)
+    rows["(b) Rill in-process, concurrency 16"] = mean_row(i16)
+    order = ["(a) Rill pipeline, all at once", "(a) Rill pipeline, concurrency 32", "(a) Rill pipeline, concurrency 16",
+             "(b) Rill in-process, all at once", "(b) Rill in-process, concurrency 16"]
+    rows = {name: rows[name] for name in order}
+    turns = " / ".join(f"{r['tpot']:.1f}" for r in (p16[0], *i16, p16[1]))
     del runner
     from safetensors import safe_open
 
@@ -249,6 +268,7 @@ def main() -> None:
     measured = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in flops.items())
     print(f"\nroofline: the faster matmul measured here (GFLOP/s: {measured}) / (2 x {params / 1e6:.0f}M "
           f"params) = {roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
+    print(f"concurrency 16 rows: means of two turns each; TPOT p50 ms in order (a) (b) (b) (a): {turns}")
     if not args.skip_hf:
         s8, s32 = rows["(d) transformers, static 8"], rows["(e) transformers, static 32"]
         c32, c16 = rows["(a) Rill pipeline, concurrency 32"], rows["(a) Rill pipeline, concurrency 16"]
