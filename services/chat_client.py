@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/ws"
 RECV_POLL_S = 0.1  # how often a streaming reply looks at Ctrl-C
 CANCEL_WAIT_S = 5.0  # after a cancel, how long to wait for the server's confirmation
+PROMPT_TICK_S = 0.1  # at the prompt, how often a Ctrl-C that readline has not seen yet is looked at
 HELP = ("Enter sends · Ctrl-C stops a reply · /reset starts over · "
         "/set temperature|top_p|top_k|max_tokens|seed VALUE · /quit or Ctrl-D leaves")
 SETTABLE = {"temperature": float, "top_p": float, "max_tokens": int, "top_k": int, "seed": int}
@@ -90,12 +91,13 @@ class ChatSession:
         from websockets.sync.client import connect
 
         self.close()
-        # The sync client reads frames on a thread of its own. A Ctrl-C that the kernel delivers
-        # to that thread does not interrupt readline's select() in the main thread, which only
-        # looks at Python's signal flags when select fails with EINTR, so that Ctrl-C at the
-        # prompt would go unnoticed. Threads inherit their creator's signal mask: the connection
-        # is opened with SIGINT blocked, and the main thread alone receives it.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # The sync client reads frames on a thread of its own. A Ctrl-C (or the prompt's timer
+        # tick) that the kernel delivers to that thread does not interrupt readline's select() in
+        # the main thread, which only looks at Python's signal flags when select fails with
+        # EINTR, so that Ctrl-C at the prompt would go unnoticed. Threads inherit their creator's
+        # signal mask: the connection is opened with both blocked, and the main thread alone
+        # receives them.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGALRM})
         try:
             # __enter__ gives the connection on every websockets version (17.1 warns without it).
             self.ws = connect(self.url, open_timeout=10, max_size=None, close_timeout=2,
@@ -241,6 +243,19 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
     return True
 
 
+def read_line(prompt: str) -> str:
+    """input() whose Ctrl-C is never lost. readline looks at Python's signal flags only when its
+    select() fails with EINTR; a Ctrl-C that lands after the prompt is printed but before select
+    starts waiting sets the flag and then waits for the next key (a test typing Ctrl-C as soon as
+    it read the prompt lost one now and then in CI). A timer signal every PROMPT_TICK_S interrupts
+    the wait, so a pending Ctrl-C is acted on within that time."""
+    signal.setitimer(signal.ITIMER_REAL, PROMPT_TICK_S, PROMPT_TICK_S)
+    try:
+        return input(prompt)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def run(ns: argparse.Namespace) -> int:
     out = sys.stdout
     dim = (lambda s: f"\x1b[2m{s}\x1b[0m") if out.isatty() and not os.environ.get("NO_COLOR") else (lambda s: s)
@@ -262,12 +277,13 @@ def run(ns: argparse.Namespace) -> int:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)  # read_line's tick: only wakes select()
     model = _model_name(session.url)
     out.write(f"rill chat · {model or 'model'} at {session.url}\n{dim(HELP)}\n")
     try:
         while True:
             try:
-                line = input("\nyou> ").strip()
+                line = read_line("\nyou> ").strip()
             except KeyboardInterrupt:
                 out.write("\n(Ctrl-D or /quit leaves)\n")
                 continue

@@ -162,6 +162,38 @@ def test_rill_chat_in_a_terminal(stack: ServiceStack) -> None:
         term.close()
 
 
+# Ctrl-C taken by another thread while the main thread waits at the prompt: Python only sets a
+# flag, and readline's select() is not interrupted (the same as a Ctrl-C that lands just before
+# select starts waiting). read_line must still raise KeyboardInterrupt.
+PENDING_CTRL_C = """
+import signal, sys, threading, time
+from rill.services.chat_client import read_line
+signal.signal(signal.SIGINT, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+signal.signal(signal.SIGALRM, lambda signum, frame: None)
+def ctrl_c_elsewhere():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=ctrl_c_elsewhere).start()
+t0 = time.monotonic()
+try:
+    read_line("ready> ")
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - t0:.2f} s")
+"""
+
+
+def test_a_pending_ctrl_c_is_not_lost_at_the_prompt() -> None:
+    term = Terminal([sys.executable, "-c", PENDING_CTRL_C], dict(os.environ, TERM="dumb"))
+    try:
+        term.expect("ready> ", 0, timeout=30)
+        m = term.expect(r"interrupted after ([0-9.]+) s", 0, timeout=10)
+        assert float(m.group(1)) < 2.0
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+
+
 def test_rill_chat_reports_an_unreachable_server() -> None:
     out = subprocess.run([*rill_executable(), "chat", "--url", f"127.0.0.1:{free_port()}"], capture_output=True,
                          text=True, timeout=60, stdin=subprocess.DEVNULL)
