@@ -27,8 +27,8 @@ STATS = re.compile(r"\[(\d+) tokens?[^\]\n]*\]")
 PROMPT = "you> "
 # Make the pty the child's controlling terminal, so Ctrl-C typed there is a SIGINT to it. NOFLSH:
 # by default a terminal discards output still in transit when Ctrl-C is typed, and the program
-# can answer the signal before that discard happens, so its reply to Ctrl-C was sometimes lost
-# (seen once in CI); with NOFLSH the test sees everything the program printed.
+# can answer the signal before that discard happens, which would lose its reply; with NOFLSH the
+# test sees everything the program printed.
 CTTY = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); t = termios.tcgetattr(0); "
         "t[3] |= termios.NOFLSH; termios.tcsetattr(0, termios.TCSANOW, t); os.execv(sys.argv[1], sys.argv[1:])")
 
