@@ -13,10 +13,14 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
+
+from rill.services.http_stream import ProtocolError, post_stream, split_lines
 
 WORDS = ("the river carries light across stone and time while engines hum softly under a quiet sky "
          "every token finds its place in a block of memory that the scheduler lends and takes back "
@@ -80,47 +84,84 @@ def _body(args: argparse.Namespace, p: Prompt) -> dict[str, Any]:
 
 async def _http_one(client: httpx.AsyncClient, args: argparse.Namespace, p: Prompt) -> Outcome:
     path = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+    url, body = args.base_url + path, _body(args, p)
     out = Outcome(ok=False, input_len=p.input_len)
     start = time.perf_counter()
-    last = start
-    chunks = 0
     try:
-        async with client.stream("POST", args.base_url + path, json=_body(args, p)) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    out.error = str(msg["error"])[:200]
+        if url.startswith("http://"):  # the lean reader (http_stream.py); TLS stays with httpx
+            await asyncio.wait_for(_lean_one(url, body, args, out, start), args.timeout)
+        else:
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                     return out
-                if msg.get("usage"):
-                    out.output_tokens = msg["usage"].get("completion_tokens", 0) or out.output_tokens
-                for choice in msg.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if args.backend == "openai-chat" \
-                        else choice.get("text")
-                    if text:
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            out.ttft = now - start
-                        else:
-                            out.itl.append(now - last)
-                        last = now
-                        chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                await _read_events(split_lines(r.aiter_bytes()), args, out, start)
+    except (httpx.HTTPError, OSError, EOFError, asyncio.TimeoutError, ProtocolError, msgspec.DecodeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
+    if out.error:
+        return out
     out.e2e = time.perf_counter() - start
-    out.output_tokens = out.output_tokens or chunks
-    out.ok = chunks > 0
+    out.ok = out.output_tokens > 0
     if not out.ok:
         out.error = "no text received"
     return out
+
+
+async def _lean_one(url: str, body: dict[str, Any], args: argparse.Namespace, out: Outcome, start: float) -> None:
+    resp, writer = await post_stream(url, msgspec.json.encode(body))
+    try:
+        if resp.status != 200:
+            text = b"".join([piece async for piece in resp.body]).decode(errors="replace")
+            out.error = f"HTTP {resp.status}: {text[:200]}"
+            return
+        await _read_events(resp.lines, args, out, start)
+    finally:
+        writer.close()
+
+
+async def _read_events(lines: AsyncIterator[bytes], args: argparse.Namespace, out: Outcome, start: float) -> None:
+    """Times the text chunks of an OpenAI SSE stream into `out` (TTFT, ITL, output tokens: the
+    usage figure when the server sends one, else the number of text chunks)."""
+    chat = args.backend == "openai-chat"
+    clock = _TextClock(out, start)
+    usage_tokens = 0
+    async for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        msg = _decode_event(data)
+        if "error" in msg:
+            out.error = str(msg["error"])[:200]
+            return
+        if msg.get("usage"):
+            usage_tokens = msg["usage"].get("completion_tokens", 0) or usage_tokens
+        for choice in msg.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if text:
+                clock.tick()
+    out.output_tokens = (usage_tokens or clock.chunks) if clock.chunks else 0
+
+
+_decode_event = msgspec.json.Decoder(dict).decode
+
+
+class _TextClock:
+    """TTFT and the inter-token gaps of one request, from the arrival of each text chunk."""
+
+    def __init__(self, out: Outcome, start: float) -> None:
+        self.out, self.start, self.last, self.chunks = out, start, start, 0
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.chunks == 0:
+            self.out.ttft = now - self.start
+        else:
+            self.out.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
 
 
 async def _ws_one(args: argparse.Namespace, p: Prompt, rid: int) -> Outcome:
@@ -132,23 +173,16 @@ async def _ws_one(args: argparse.Namespace, p: Prompt, rid: int) -> Outcome:
                              "max_tokens": p.output_len, "temperature": args.temperature}
     if args.ignore_eos:
         frame["ignore_eos"] = True
-    start = last = time.perf_counter()
-    chunks = 0
+    clock = _TextClock(out, time.perf_counter())
     try:
         async with websockets.connect(url, max_size=None) as ws:
             await ws.send(json.dumps(frame))
             async for raw in ws:
                 msg = json.loads(raw)
                 if msg["type"] == "delta" and msg.get("text"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        out.ttft = now - start
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    chunks += 1
+                    clock.tick()
                 elif msg["type"] == "done":
-                    out.output_tokens = msg.get("usage", {}).get("completion_tokens", chunks)
+                    out.output_tokens = msg.get("usage", {}).get("completion_tokens", clock.chunks)
                     break
                 elif msg["type"] == "error":
                     out.error = str(msg.get("error"))[:200]
@@ -156,8 +190,8 @@ async def _ws_one(args: argparse.Namespace, p: Prompt, rid: int) -> Outcome:
     except (OSError, websockets.WebSocketException) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
-    out.e2e = time.perf_counter() - start
-    out.ok = chunks > 0
+    out.e2e = time.perf_counter() - clock.start
+    out.ok = clock.chunks > 0
     return out
 
 

@@ -5,16 +5,19 @@ float32), checked against transformers' logits where the result is determined.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from service_stack import ServiceStack, standard_stack
+from service_stack import ServiceStack, rill_executable, standard_stack
 
 from rill.shared.broker import free_port
 
@@ -341,3 +344,38 @@ def test_prompt_too_long_names_the_numbers(client: openai.OpenAI) -> None:
         client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=2047)
     msg = str(err.value)
     assert "2048" in msg and "2047" in msg and err.value.param == "max_tokens"
+
+
+# --------------------------------------------------------------------------- rill bench serve
+
+BENCH_PROMPTS, BENCH_OUT = 6, 12
+
+
+def bench(stack: ServiceStack, tmp_path: Path, *flags: str) -> tuple[int, dict, str]:
+    """`rill bench serve` as a user runs it; (exit code, the --save-result JSON, stdout)."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([*rill_executable(), "bench", "serve", "--base-url", stack.base_url,
+                           "--num-prompts", str(BENCH_PROMPTS), "--input-len-range", "5:40",
+                           "--output-len", str(BENCH_OUT), "--ignore-eos", "--max-concurrency", "3", "--warmup", "1",
+                           "--quiet", "--save-result", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat", "rill-ws"])
+def test_bench_serve_times_every_token(stack: ServiceStack, tmp_path: Path, backend: str) -> None:
+    code, r, stdout = bench(stack, tmp_path, "--backend", backend)
+    assert code == 0, r["errors"]
+    assert (r["completed"], r["failed"]) == (BENCH_PROMPTS, 0)
+    assert r["total_output_tokens"] == BENCH_PROMPTS * BENCH_OUT  # EOS ignored: every request runs to the end
+    assert 0 < r["ttft_ms"]["median"] < r["e2e_ms"]["median"]
+    assert r["tpot_ms"]["median"] > 0 and r["itl_ms"]["median"] > 0
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration_s"])
+    assert "Output token throughput (tok/s):" in stdout and "P99 TTFT (ms):" in stdout
+
+
+def test_bench_serve_reports_the_servers_error(stack: ServiceStack, tmp_path: Path) -> None:
+    code, r, _ = bench(stack, tmp_path, "--model", "no-such-model")
+    assert code == 1
+    assert (r["completed"], r["failed"]) == (0, BENCH_PROMPTS)
+    assert any(e.startswith("HTTP 404") and "no-such-model" in e for e in r["errors"]), r["errors"]

@@ -1,0 +1,78 @@
+"""The load generator's plain-HTTP streaming reader against a socket server that answers with
+each body framing HTTP/1.1 allows: chunked (lines split across chunks, chunk extensions),
+Content-Length, and closed-connection delimited; and a reply that is not HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rill.services.http_stream import ProtocolError, post_stream
+
+LINES = [b"data: {\"a\": 1}", b"", b"data: [DONE]", b""]
+BODY = b"\r\n".join(LINES) + b"\r\n"
+
+
+def chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, at = b"", 0
+    for i, size in enumerate(sizes):
+        piece = body[at:at + size]
+        at += size
+        ext = b";name=x" if i == 0 else b""  # an extension is allowed after the size
+        out += f"{len(piece):x}".encode() + ext + b"\r\n" + piece + b"\r\n"
+    assert at >= len(body)
+    return out + b"0\r\n\r\n"
+
+
+async def exchange(reply: bytes) -> tuple[int, dict[str, str], list[bytes], bytes]:
+    """Serve `reply` to one POST and read it back: (status, headers, lines, request seen)."""
+    seen = bytearray()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        seen.extend(head + await reader.readexactly(length))
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        resp, writer = await post_stream(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"p": 1}',
+                                         {"Authorization": "Bearer k"})
+        try:
+            lines = [line async for line in resp.lines]
+        finally:
+            writer.close()
+    return resp.status, resp.headers, lines, bytes(seen)
+
+
+@pytest.mark.parametrize("sizes", [[len(BODY)], [3, 9, 1, 20, 100], [1] * len(BODY)])
+def test_chunked_body_lines_survive_any_split(sizes: list[int]) -> None:
+    reply = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Rill: yes\r\n\r\n" + chunked(BODY, sizes)
+    status, headers, lines, seen = asyncio.run(exchange(reply))
+    assert status == 200 and headers["x-rill"] == "yes"
+    assert lines == LINES
+    assert seen.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\n")
+    assert b"Authorization: Bearer k\r\n" in seen and seen.endswith(b'\r\n\r\n{"p": 1}')
+
+
+def test_content_length_and_close_delimited_bodies() -> None:
+    error = b'{"error": {"message": "nope"}}'
+    status, _, lines, _ = asyncio.run(exchange(
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n" % len(error) + error))
+    assert status == 404 and lines == [error]
+    status, _, lines, _ = asyncio.run(exchange(b"HTTP/1.0 200 OK\r\n\r\n" + BODY))
+    assert status == 200 and lines == LINES
+
+
+def test_a_reply_that_is_not_http_is_an_error() -> None:
+    with pytest.raises(ProtocolError):
+        asyncio.run(exchange(b"SSH-2.0-OpenSSH\r\n\r\n"))
+
+
+def test_a_body_cut_short_is_an_error() -> None:
+    with pytest.raises(asyncio.IncompleteReadError):
+        asyncio.run(exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly five"))
