@@ -96,7 +96,8 @@ async def _http_one(client: httpx.AsyncClient, args: argparse.Namespace, p: Prom
                     out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                     return out
                 await _read_events(split_lines(r.aiter_bytes()), args, out, start)
-    except (httpx.HTTPError, OSError, EOFError, asyncio.TimeoutError, ProtocolError, msgspec.DecodeError) as exc:
+    # ValueError: a line over the reader's limit, a bad Content-Length, undecodable JSON (msgspec).
+    except (httpx.HTTPError, OSError, EOFError, asyncio.TimeoutError, ProtocolError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
     if out.error:
