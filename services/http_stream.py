@@ -39,7 +39,7 @@ async def post_stream(url: str, body: bytes, headers: dict[str, str] | None = No
     reader, writer = await asyncio.open_connection(parts.hostname, port, limit=limit)
     try:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
+        host = parts.netloc.rpartition("@")[2]  # as written in the URL: brackets of an IPv6 literal kept
         head = [f"POST {target} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Accept: text/event-stream", "Connection: close"]
         head += [f"{k}: {v}" for k, v in (headers or {}).items()]

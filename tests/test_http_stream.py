@@ -55,7 +55,7 @@ def test_chunked_body_lines_survive_any_split(sizes: list[int]) -> None:
     status, headers, lines, seen = asyncio.run(exchange(reply))
     assert status == 200 and headers["x-rill"] == "yes"
     assert lines == LINES
-    assert seen.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\n")
+    assert seen.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"Authorization: Bearer k\r\n" in seen and seen.endswith(b'\r\n\r\n{"p": 1}')
 
 
