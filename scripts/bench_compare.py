@@ -166,13 +166,9 @@ class Pipeline:
                             input_len_range="", output_len_range="", request_rate=float("inf"),
                             max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
                             timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
-        original = bs.make_dataset
         # The shared workload, after two warm-up requests.
-        bs.make_dataset = lambda _a: [bs.Prompt(p, len(p), self.out_len) for p in self.prompts[:2] + self.prompts]
-        try:
-            r = asyncio.run(bs.run_benchmark(args))
-        finally:
-            bs.make_dataset = original
+        dataset = [bs.Prompt(p, len(p), self.out_len) for p in self.prompts[:2] + self.prompts]
+        r = asyncio.run(bs.run_benchmark(args, dataset))
         if r["failed"]:
             raise RuntimeError(f"pipeline requests failed: {r['errors']}")
         print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s", flush=True)

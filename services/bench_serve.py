@@ -196,10 +196,11 @@ async def _ws_one(args: argparse.Namespace, p: Prompt, rid: int) -> Outcome:
     return out
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+async def run_benchmark(args: argparse.Namespace, dataset: list[Prompt] | None = None) -> dict[str, Any]:
+    """`dataset`: the prompts to send, warm-up ones first (default: make_dataset(args))."""
     from tqdm import tqdm
 
-    prompts = make_dataset(args)
+    prompts = make_dataset(args) if dataset is None else dataset
     warm, prompts = prompts[: args.warmup], prompts[args.warmup:]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:

@@ -102,4 +102,3 @@ async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield line.removesuffix(b"\r")
     if pending:
         yield pending.removesuffix(b"\r")
-
