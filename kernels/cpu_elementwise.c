@@ -20,40 +20,53 @@
 #define SERIAL_ELEMENTS 65536
 
 // out[m, :] = weight * round(s * rsqrt(mean(s^2) + eps)), s = x[m, :] (+ residual[m, :], rounded
-// to T and stored to sum[m, :]). Statistics in fp32.
-#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                     \
-  static inline void NAME##_row(const T* x, const T* res, const T* w, T* out, T* sum, int64_t k,  \
-                                float eps) {                                                      \
-    float ss = 0.f;                                                                               \
-    if (res) {                                                                                    \
-      _Pragma("omp simd reduction(+:ss)")                                                         \
-      for (int64_t j = 0; j < k; ++j) {                                                           \
-        const T s = STORE(LOAD(x[j]) + LOAD(res[j]));                                             \
-        sum[j] = s;                                                                               \
-        ss += LOAD(s) * LOAD(s);                                                                  \
-      }                                                                                           \
-      x = sum;                                                                                    \
-    } else {                                                                                      \
-      _Pragma("omp simd reduction(+:ss)")                                                         \
-      for (int64_t j = 0; j < k; ++j) ss += LOAD(x[j]) * LOAD(x[j]);                              \
-    }                                                                                             \
-    const float inv = 1.f / sqrtf(ss / (float)k + eps);                                           \
-    _Pragma("omp simd")                                                                           \
-    for (int64_t j = 0; j < k; ++j) out[j] = STORE(LOAD(w[j]) * LOAD(STORE(LOAD(x[j]) * inv)));   \
-  }                                                                                               \
+// to T and stored to sum[m, :]). Statistics in fp32; 16 columns at a time, then one by one.
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, V)                                                   \
+  static inline void NAME##_row(const T* x, const T* res, const T* w, T* out, T* sum, int64_t k,   \
+                                float eps) {                                                       \
+    f32x16 ss16 = {0};                                                                             \
+    float ss = 0.f;                                                                                \
+    int64_t j = 0;                                                                                 \
+    if (res) {                                                                                     \
+      for (; RILL_VEC16 && j + 16 <= k; j += 16) {                                                 \
+        const f32x16 s = V##_round16(V##_load16(x + j) + V##_load16(res + j));                     \
+        V##_store16(sum + j, s);                                                                   \
+        ss16 += s * s;                                                                             \
+      }                                                                                            \
+      _Pragma("omp simd reduction(+:ss)")                                                          \
+      for (int64_t t = j; t < k; ++t) {                                                            \
+        const T s = STORE(LOAD(x[t]) + LOAD(res[t]));                                              \
+        sum[t] = s;                                                                                \
+        ss += LOAD(s) * LOAD(s);                                                                   \
+      }                                                                                            \
+      x = sum;                                                                                     \
+    } else {                                                                                       \
+      for (; RILL_VEC16 && j + 16 <= k; j += 16) {                                                 \
+        const f32x16 s = V##_load16(x + j);                                                        \
+        ss16 += s * s;                                                                             \
+      }                                                                                            \
+      _Pragma("omp simd reduction(+:ss)")                                                          \
+      for (int64_t t = j; t < k; ++t) ss += LOAD(x[t]) * LOAD(x[t]);                               \
+    }                                                                                              \
+    const float inv = 1.f / sqrtf((f32x16_sum(ss16) + ss) / (float)k + eps);                       \
+    for (j = 0; RILL_VEC16 && j + 16 <= k; j += 16)                                                \
+      V##_store16(out + j, V##_load16(w + j) * V##_round16(V##_load16(x + j) * inv));              \
+    _Pragma("omp simd")                                                                            \
+    for (int64_t t = j; t < k; ++t) out[t] = STORE(LOAD(w[t]) * LOAD(STORE(LOAD(x[t]) * inv)));    \
+  }                                                                                                \
   void NAME(const T* x, const T* res, const T* w, T* out, T* sum, int64_t m, int64_t k, float eps) { \
-    if (m * k <= SERIAL_ELEMENTS) {                                                               \
-      for (int64_t i = 0; i < m; ++i)                                                             \
+    if (m * k <= SERIAL_ELEMENTS) {                                                                \
+      for (int64_t i = 0; i < m; ++i)                                                              \
         NAME##_row(x + i * k, res ? res + i * k : 0, w, out + i * k, sum ? sum + i * k : 0, k, eps); \
-      return;                                                                                     \
-    }                                                                                             \
-    _Pragma("omp parallel for schedule(static)")                                                  \
-    for (int64_t i = 0; i < m; ++i)                                                               \
+      return;                                                                                      \
+    }                                                                                              \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int64_t i = 0; i < m; ++i)                                                                \
       NAME##_row(x + i * k, res ? res + i * k : 0, w, out + i * k, sum ? sum + i * k : 0, k, eps); \
   }
 
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, f32)
 
 // NeoX RoPE on q and k plus the KV-cache write, one pass (torch_ops.rope_and_write_kv calls it).
 //
@@ -61,45 +74,53 @@ DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
 // index_copy_), 0.4 ms for a 512-token prefill of SmolLM2's 12 q+k heads. Rounding follows the
 // torch code exactly: the pair (x_i, x_{i+D/2}) is rotated in fp32 as x*cos + partner*(+/-sin),
 // two separate multiplies and an add (contraction off), and rounded once to T; so results are
-// bit-identical. q, k, v rows may be strided (slices of the fused qkv output); q_out [T, Hq, D]
+// bit-identical (with AVX512-BF16, short of denormals, which it flushes to zero: cpu_bf16.h).
+// q, k, v rows may be strided (slices of the fused qkv output); q_out [T, Hq, D]
 // and k_out [T, Hkv, D] are contiguous; the caches are [slots, Hkv, D] and slots < 0 are skipped.
-#define DEFINE_ROPE_KV(NAME, T, LOAD, STORE)                                                      \
-  __attribute__((optimize("fp-contract=off"))) static inline void NAME##_head(                    \
-      const T* x, T* out, const float* cs, int64_t half) {                                        \
-    const float* cosv = cs;                                                                       \
-    const float* sinv = cs + half;                                                                \
-    _Pragma("omp simd")                                                                           \
-    for (int64_t i = 0; i < half; ++i) {                                                          \
-      const float a = LOAD(x[i]), b = LOAD(x[i + half]);                                          \
-      out[i] = STORE(a * cosv[i] + b * -sinv[i]);                                                 \
-      out[i + half] = STORE(b * cosv[i] + a * sinv[i]);                                           \
-    }                                                                                             \
-  }                                                                                               \
-  static inline void NAME##_token(const T* q, const T* k, const T* v, int64_t row, int64_t pos,   \
-                                  int64_t slot, const float* cos_sin, T* q_out, T* k_out,         \
-                                  T* k_cache, T* v_cache, int64_t hq, int64_t hkv, int64_t d) {   \
-    const float* cs = cos_sin + pos * d;                                                          \
+#define DEFINE_ROPE_KV(NAME, T, LOAD, STORE, V)                                                    \
+  __attribute__((optimize("fp-contract=off"))) static inline void NAME##_head(                     \
+      const T* x, T* out, const float* cs, int64_t half) {                                         \
+    const float* cosv = cs;                                                                        \
+    const float* sinv = cs + half;                                                                 \
+    int64_t i = 0;                                                                                 \
+    for (; RILL_VEC16 && i + 16 <= half; i += 16) {                                                \
+      const f32x16 a = V##_load16(x + i), b = V##_load16(x + i + half);                            \
+      const f32x16 c = f32_load16(cosv + i), sn = f32_load16(sinv + i);                            \
+      V##_store16(out + i, a * c + b * -sn);                                                       \
+      V##_store16(out + i + half, b * c + a * sn);                                                 \
+    }                                                                                              \
+    _Pragma("omp simd")                                                                            \
+    for (int64_t t = i; t < half; ++t) {                                                           \
+      const float a = LOAD(x[t]), b = LOAD(x[t + half]);                                           \
+      out[t] = STORE(a * cosv[t] + b * -sinv[t]);                                                  \
+      out[t + half] = STORE(b * cosv[t] + a * sinv[t]);                                            \
+    }                                                                                              \
+  }                                                                                                \
+  static inline void NAME##_token(const T* q, const T* k, const T* v, int64_t row, int64_t pos,    \
+                                  int64_t slot, const float* cos_sin, T* q_out, T* k_out,          \
+                                  T* k_cache, T* v_cache, int64_t hq, int64_t hkv, int64_t d) {    \
+    const float* cs = cos_sin + pos * d;                                                           \
     for (int64_t h = 0; h < hq; ++h) NAME##_head(q + row + h * d, q_out + h * d, cs, d / 2);       \
     for (int64_t h = 0; h < hkv; ++h) NAME##_head(k + row + h * d, k_out + h * d, cs, d / 2);      \
-    if (slot < 0) return;                                                                         \
-    memcpy(k_cache + slot * hkv * d, k_out, (size_t)(hkv * d) * sizeof(T));                       \
-    for (int64_t h = 0; h < hkv; ++h)                                                             \
-      memcpy(v_cache + (slot * hkv + h) * d, v + row + h * d, (size_t)d * sizeof(T));             \
-  }                                                                                               \
-  void NAME(const T* q, const T* k, const T* v, int64_t row_stride, const int64_t* positions,     \
-            const int64_t* slots, const float* cos_sin, T* q_out, T* k_out, T* k_cache,           \
-            T* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d) {                          \
-    if (t * (hq + hkv) * d <= SERIAL_ELEMENTS) {                                                  \
-      for (int64_t i = 0; i < t; ++i)                                                             \
+    if (slot < 0) return;                                                                          \
+    memcpy(k_cache + slot * hkv * d, k_out, (size_t)(hkv * d) * sizeof(T));                        \
+    for (int64_t h = 0; h < hkv; ++h)                                                              \
+      memcpy(v_cache + (slot * hkv + h) * d, v + row + h * d, (size_t)d * sizeof(T));              \
+  }                                                                                                \
+  void NAME(const T* q, const T* k, const T* v, int64_t row_stride, const int64_t* positions,      \
+            const int64_t* slots, const float* cos_sin, T* q_out, T* k_out, T* k_cache,            \
+            T* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d) {                           \
+    if (t * (hq + hkv) * d <= SERIAL_ELEMENTS) {                                                   \
+      for (int64_t i = 0; i < t; ++i)                                                              \
         NAME##_token(q, k, v, i * row_stride, positions[i], slots[i], cos_sin, q_out + i * hq * d, \
-                     k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                          \
-      return;                                                                                     \
-    }                                                                                             \
-    _Pragma("omp parallel for schedule(static)")                                                  \
-    for (int64_t i = 0; i < t; ++i)                                                               \
-      NAME##_token(q, k, v, i * row_stride, positions[i], slots[i], cos_sin, q_out + i * hq * d,  \
-                   k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                            \
+                     k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                           \
+      return;                                                                                      \
+    }                                                                                              \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int64_t i = 0; i < t; ++i)                                                                \
+      NAME##_token(q, k, v, i * row_stride, positions[i], slots[i], cos_sin, q_out + i * hq * d,   \
+                   k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                             \
   }
 
-DEFINE_ROPE_KV(rope_write_kv_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ROPE_KV(rope_write_kv_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROPE_KV(rope_write_kv_bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16)
+DEFINE_ROPE_KV(rope_write_kv_f32, float, F32_LOAD, F32_STORE, f32)
