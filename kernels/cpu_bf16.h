@@ -55,9 +55,9 @@ static inline float f32x16_sum(f32x16 v) {
   return s;
 }
 
-// Per element type: LOAD16 widens 16 values to float; STORE16 rounds 16 floats to the type and
-// stores them; ROUND16 rounds to the type's precision but keeps floats (for a value that is both
-// stored and used again). bf16 rounds to nearest even and quiets NaNs, as f32_to_bf16 does; with
+// Per element type: LOAD16 widens 16 values to float; STORE16 rounds 16 floats to the type,
+// stores them and returns what it stored, as floats (for a value that is used again); ROUND16
+// rounds to the type's precision without storing. bf16 rounds to nearest even and quiets NaNs, as f32_to_bf16 does; with
 // AVX512-BF16 one instruction does that, except that it flushes denormal inputs to zero (torch
 // keeps them; activations never get near 1e-38).
 static inline f32x16 bf16_widen16(u16x16 h) {
@@ -88,9 +88,10 @@ static inline u16x16 bf16_narrow16(f32x16 f) {
 #endif
 }
 
-static inline void bf16_store16(uint16_t* p, f32x16 f) {
+static inline f32x16 bf16_store16(uint16_t* p, f32x16 f) {
   const u16x16 h = bf16_narrow16(f);
   memcpy(p, &h, sizeof h);
+  return bf16_widen16(h);
 }
 
 static inline f32x16 bf16_round16(f32x16 f) { return bf16_widen16(bf16_narrow16(f)); }
@@ -101,7 +102,10 @@ static inline f32x16 f32_load16(const float* p) {
   return f;
 }
 
-static inline void f32_store16(float* p, f32x16 f) { memcpy(p, &f, sizeof f); }
+static inline f32x16 f32_store16(float* p, f32x16 f) {
+  memcpy(p, &f, sizeof f);
+  return f;
+}
 
 static inline f32x16 f32_round16(f32x16 f) { return f; }
 

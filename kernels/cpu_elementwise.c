@@ -29,8 +29,7 @@
     int64_t j = 0;                                                                                 \
     if (res) {                                                                                     \
       for (; RILL_VEC16 && j + 16 <= k; j += 16) {                                                 \
-        const f32x16 s = V##_round16(V##_load16(x + j) + V##_load16(res + j));                     \
-        V##_store16(sum + j, s);                                                                   \
+        const f32x16 s = V##_store16(sum + j, V##_load16(x + j) + V##_load16(res + j));            \
         ss16 += s * s;                                                                             \
       }                                                                                            \
       _Pragma("omp simd reduction(+:ss)")                                                          \
