@@ -6,7 +6,11 @@ stages (tokenizer, detokenizer) read through consumer groups and XACK after hand
 Blocking connections use ``socket_timeout=None``: redis-py's default timeout plus silent
 retries turns a long BLOCK into a hang.
 
-Fault handling lives here too. redis-py retries a failed command once, at once, on a fresh
+The sync Bus sends the per-step commands (XADD, XREAD, XREADGROUP, XACK) over a bare RESP
+connection (resp.py: redis-py costs twice the CPU per command, taken from the worker's cores on
+a small CPU server), and `exchange` batches a loop's commands into one round trip.
+
+Fault handling lives here too. A failed command is retried once, at once, on a fresh
 connection (a pooled connection may predate a broker restart), and no more: an outage reaches
 the loops at once, which catch RedisError, back off (`Backoff`) and reconnect. A reconnect can
 be silent, so the stateful services also compare `server_id()` (the broker's run_id) to learn
@@ -34,6 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.resp import Command, RespConnection
 from rill.shared.schema import encode
 
 FIELD = b"m"
@@ -202,23 +207,62 @@ return 1
 
 
 class Bus:
-    """Synchronous bus for the step loop (scheduler, worker) and the CPU-bound stages."""
+    """Synchronous bus for the step loop (scheduler, worker) and the CPU-bound stages.
+
+    The per-step commands (sends, reads, acks) go over a bare RESP connection (resp.py), and a
+    loop can batch a step's commands into one round trip with `exchange`; everything else uses
+    redis-py (`self.r`)."""
 
     def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
         self.url = url
         self.streams = Streams(prefix)
         self.r = connect(url, name=name)
+        self.hot = RespConnection(url, name=_client_name(name))
         self._ack_and_send = self.r.register_script(_ACK_AND_SEND)
 
+    # Commands, to batch with exchange(); the methods below run one at once.
+
+    @staticmethod
+    def xadd(stream: str, msg: Struct, maxlen: int = 10_000) -> Command:
+        return ("XADD", stream, "MAXLEN", "~", maxlen, "*", FIELD, encode(msg))
+
+    @staticmethod
+    def xread(stream: str, last_id: bytes, block_ms: int | None, count: int = 100) -> Command:
+        block = () if block_ms is None else ("BLOCK", block_ms)
+        return ("XREAD", "COUNT", count, *block, "STREAMS", stream, last_id)
+
+    @staticmethod
+    def xreadgroup(stream: str, group: str, consumer: str, block_ms: int | None, count: int = 100,
+                   pending: bool = False) -> Command:
+        block = () if block_ms is None or pending else ("BLOCK", block_ms)
+        return ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, *block, "STREAMS", stream,
+                "0" if pending else ">")
+
+    @staticmethod
+    def xack(stream: str, group: str, ids: list[bytes]) -> Command:
+        return ("XACK", stream, group, *ids)
+
+    def exchange(self, commands: list[Command]) -> list:
+        """Run `commands` in order in one round trip; their raw replies (reads: see entries())."""
+        return self.hot.pipeline(commands) if commands else []
+
+    @staticmethod
+    def entries(reply) -> list[Entry]:
+        """The entries of a raw XREAD / XREADGROUP reply (nil when a block timed out)."""
+        out: list[Entry] = []
+        for _stream, items in reply or ():
+            for entry_id, fields in items:
+                # Deleted entries come back as (id, nil); fields are [b"m", payload].
+                if fields and len(fields) >= 2 and fields[0] == FIELD:
+                    out.append((entry_id, fields[1]))
+        return out
+
     def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
-        return self.r.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+        return self.hot.execute(*self.xadd(stream, msg, maxlen))
 
     def send_many(self, items: list[tuple[str, Struct, int]]) -> None:
         """Fan-out of one step to several streams in one round trip."""
-        pipe = self.r.pipeline(transaction=False)
-        for stream, msg, maxlen in items:
-            pipe.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
-        pipe.execute()
+        self.exchange([self.xadd(stream, msg, maxlen) for stream, msg, maxlen in items])
 
     def last_id(self, stream: str) -> bytes:
         """Id of the newest entry, or 0-0; read from here to see only what comes next."""
@@ -226,7 +270,7 @@ class Bus:
         return got[0][0] if got else b"0-0"
 
     def read(self, stream: str, last_id: bytes, block_ms: int | None, count: int = 100) -> list[Entry]:
-        return _entries(self.r.xread({stream: last_id}, count=count, block=block_ms))
+        return self.entries(self.hot.execute(*self.xread(stream, last_id, block_ms, count)))
 
     def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
         try:
@@ -241,19 +285,19 @@ class Bus:
 
         A group lost with a restarted broker is re-created (from the stream's start: whatever
         was added since the restart is still unread)."""
-        args = (group, consumer, {stream: "0" if pending else ">"})
+        cmd = self.xreadgroup(stream, group, consumer, block_ms, count, pending)
         try:
-            resp = self.r.xreadgroup(*args, count=count, block=None if pending else block_ms)
+            resp = self.hot.execute(*cmd)
         except redis.ResponseError as exc:
             if not is_nogroup(exc):
                 raise
             self.ensure_group(stream, group)
-            resp = self.r.xreadgroup(*args, count=count, block=None if pending else block_ms)
-        return _entries(resp)
+            resp = self.hot.execute(*cmd)
+        return self.entries(resp)
 
     def ack(self, stream: str, group: str, ids: list[bytes]) -> None:
         if ids:
-            self.r.xack(stream, group, *ids)
+            self.hot.execute(*self.xack(stream, group, ids))
 
     def ack_and_send_many(self, stream: str, group: str,
                           items: list[tuple[bytes, list[tuple[str, Struct, int]]]]) -> list[bool]:
@@ -337,6 +381,7 @@ class Bus:
         return False
 
     def close(self) -> None:
+        self.hot.close()
         self.r.close()
 
 

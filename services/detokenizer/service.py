@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 
-from msgspec import Struct
-
 from rill.services.detokenizer.incremental import Detokenizer
 from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Bus, Entry, serve_group
 from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
+from rill.shared.resp import Command
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
 
 log = logging.getLogger("rill.detokenizer")
@@ -28,7 +27,7 @@ READ_COUNT = 64  # entries (steps) per read: one ReplyBatch per gateway covers a
 
 
 def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
-    """Decode every entry, send all replies and aborts in one round trip, then ack."""
+    """Decode every entry; send all replies and aborts, and ack, in one round trip."""
     replies: dict[str, list[TextDelta]] = {}
     aborts: dict[tuple[int, str], list[str]] = {}  # (engine, reason) -> request ids
     for entry_id, payload in entries:
@@ -51,13 +50,12 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
         if out.errors:
             log.warning("detok rows failed engine=%s step=%s: %s", batch.engine_id, batch.step_id,
                         "; ".join(out.errors)[:2000])
-    sends: list[tuple[str, Struct, int]] = [
-        (stream, ReplyBatch(deltas=deltas), MAXLEN["reply"]) for stream, deltas in replies.items()]
-    sends += [(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason), MAXLEN["engine_in"])
+    sends: list[Command] = [Bus.xadd(stream, ReplyBatch(deltas=deltas), MAXLEN["reply"])
+                            for stream, deltas in replies.items()]
+    sends += [Bus.xadd(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason), MAXLEN["engine_in"])
               for (engine, reason), ids in aborts.items()]
-    if sends:
-        bus.send_many(sends)
-    bus.ack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])
+    # The ack goes last in the same round trip: it runs only after the sends did.
+    bus.exchange([*sends, Bus.xack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])])
 
 
 def load_detokenizer(model_dir: str) -> Detokenizer:

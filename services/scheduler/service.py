@@ -8,6 +8,13 @@ Without it (`--no-async-scheduling`, and always on prefill/decode engines, whose
 need each step's outcome first) the loop is synchronous: send N, wait for N, apply, schedule
 N+1. New requests and aborts are drained between plans.
 
+Broker round trips: every process on a 2-core CPU server takes its CPU from the worker's
+compute threads, so the loop batches a step's commands. What it sends (plans, the step's
+detok batch, stats, acks) waits in an outbox for the next read, which goes with it in one
+exchange: reading the inputs and looking for the result also go together. A step in steady
+decode costs three round trips (the detok batch and the inputs; the inputs and the result when
+the next plan is due; that plan and the wait for the result) instead of seven.
+
 Faults (guard.py): a lost worker fails every request with a clear error, requests of dead
 gateways are aborted, and a broker error or restart fails what was in flight and starts the
 loop over (new handshake) once the broker answers again.
@@ -28,9 +35,10 @@ from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Backoff, Bus
+from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Backoff, Bus, Entry
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.resp import Command
 from rill.shared.schema import (
     AbortRequest,
     EngineStats,
@@ -63,6 +71,8 @@ class SchedulerService:
         self.depth = 2 if args.async_scheduling and args.role == "both" else 1
         self.timer = PlanTimer()  # when a plan built ahead is due (as late as the worker allows)
         self.result_cursor = b"0-0"
+        self.outbox: list[Command] = []  # sends that go with the next read (see the module doc)
+        self.inputs_fresh = False  # the inputs were read just now, with the result
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
         self.disagg = Disaggregation(self)  # prefill/decode roles: KV hand-offs between engines
@@ -118,7 +128,9 @@ class SchedulerService:
                 assert sched is not None
                 busy = (sched.has_work or sched.has_pending_forget or self.disagg.wants_step
                         or sched.num_in_flight > 0)
-                self.drain_inputs(block_ms=None if busy else POLL_MS)
+                if not self.inputs_fresh:
+                    self.drain_inputs(block_ms=None if busy else POLL_MS)
+                self.inputs_fresh = False
                 plan: StepPlan | None = None
                 tried = sched.may_plan_ahead(self.depth) and self.timer.plan_due(sched.oldest_in_flight)
                 if tried:
@@ -129,9 +141,10 @@ class SchedulerService:
                         plan = sched.schedule(force=self.disagg.wants_step)
                     if plan is not None:
                         self.disagg.decorate(plan)
-                        self.bus.send(self.plan_stream, plan, MAXLEN["plan"])
+                        self.outbox.append(Bus.xadd(self.plan_stream, plan, MAXLEN["plan"]))
                         self.timer.sent(plan.step_id, plan.num_scheduled_tokens)
                         if sched.may_plan_ahead(self.depth):
+                            self.flush()  # the worker may be idle: this plan goes now
                             continue  # room for one more plan before waiting
                 step_id = sched.oldest_in_flight
                 if step_id is None:
@@ -148,9 +161,24 @@ class SchedulerService:
         finally:
             self.bus.r.srem(self.bus.streams.engines_key(), self.e)
 
+    def flush(self) -> list:
+        """Send the outbox, then run `reads`, in one round trip; the reads' replies."""
+        return self.exchange([])
+
+    def exchange(self, reads: list[Command]) -> list:
+        """Send the outbox, then run `reads`, in one round trip; the reads' replies. The outbox
+        is taken first: after a broker error its sends are not repeated (the loop starts over)."""
+        sends, self.outbox = self.outbox, []
+        return self.bus.exchange(sends + reads)[len(sends):]
+
+    def read_inputs_command(self, block_ms: int | None = None, pending: bool = False) -> Command:
+        return Bus.xreadgroup(self.in_stream, SCHEDULER_GROUP, self.consumer, block_ms, count=256, pending=pending)
+
     def drain_inputs(self, block_ms: int | None = None, pending: bool = False) -> None:
-        entries = self.bus.read_group(self.in_stream, SCHEDULER_GROUP, self.consumer,
-                                      block_ms=block_ms, count=256, pending=pending)
+        (reply,) = self.exchange([self.read_inputs_command(block_ms, pending)])
+        self.handle_inputs(Bus.entries(reply))
+
+    def handle_inputs(self, entries: list[Entry]) -> None:
         if not entries:
             return
         for _, data in entries:
@@ -167,7 +195,7 @@ class SchedulerService:
                 self.disagg.on_abort(msg)
             elif isinstance(msg, KVHandoff | KVTransferAck):
                 self.disagg.on_message(msg)
-        self.bus.ack(self.in_stream, SCHEDULER_GROUP, [eid for eid, _ in entries])
+        self.outbox.append(Bus.xack(self.in_stream, SCHEDULER_GROUP, [eid for eid, _ in entries]))
         self.publish_stats()
 
     def admit(self, msg: TokenizedRequest) -> None:
@@ -182,8 +210,11 @@ class SchedulerService:
 
     def wait_result(self, step_id: int, until: float | None = None) -> StepResult | None:
         """The result of `step_id`; None if the worker was lost or restarted, or, given `until`
-        (a time on the timer's clock), when it has not come by then."""
+        (a time on the timer's clock), when it has not come by then. The outbox goes first,
+        and the inputs are read in the same round trip."""
         if until is not None:
+            if self.outbox:
+                self.flush()  # what the last step sent must not wait for the sleep
             # Sleep, then look once: a blocked XREAD cannot time out this finely (the broker
             # checks blocked clients' timeouts every 100 ms at its default hz of 10).
             time.sleep(max(0.0, until - self.timer.clock()))
@@ -192,7 +223,14 @@ class SchedulerService:
                 self.guard.fail_all(WORKER_LOST)
                 return None
             block_ms = None if until is not None else POLL_MS
-            for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, block_ms, count=16):
+            inputs, results = self.exchange([
+                self.read_inputs_command(),
+                Bus.xread(self.result_stream, self.result_cursor, block_ms, count=16)])
+            self.handle_inputs(Bus.entries(inputs))
+            # Read after the sleep, the inputs are as fresh as a read at the top of the loop;
+            # before a blocking wait, they are not.
+            self.inputs_fresh = until is not None
+            for entry_id, data in Bus.entries(results):
                 self.result_cursor = entry_id
                 msg = worker_output_decoder.decode(data)
                 if isinstance(msg, WorkerReady):
@@ -232,7 +270,7 @@ class SchedulerService:
             return
         outcome = sched.update(result)
         if outcome.detok is not None:
-            self.bus.send(self.bus.streams.detok, outcome.detok, MAXLEN["detok"])
+            self.outbox.append(Bus.xadd(self.bus.streams.detok, outcome.detok, MAXLEN["detok"]))
         self.disagg.after_step(result, outcome.parked)
 
     def send_error(self, req: Request, message: str, status: int) -> None:
@@ -247,7 +285,7 @@ class SchedulerService:
         if sched is None:
             return
         stats = EngineStats(engine_id=self.e, updated_at=time.time(), **sched.stats(), **self.disagg.stats())
-        self.bus.r.set(self.bus.streams.stats_key(self.e), encode(stats))
+        self.outbox.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
 
 
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:

@@ -9,6 +9,7 @@ learn that it died; broker errors are retried with backoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -86,7 +87,7 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     backoff = Backoff()
     last_id: bytes | None = None  # None until announced
     server = ""  # the broker we announced ourselves to
-    unsent: StepResult | None = None  # a result a broker error kept from going out
+    unsent: StepResult | None = None  # the last step's result, until it went out with the next read
     reconnected = False
     try:
         while not stop:
@@ -111,7 +112,12 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                         bus.send(result_stream, unsent, maxlen=result_maxlen)
                         unsent = None
                     reconnected = False
-                for entry_id, payload in bus.read(plan_stream, last_id, block_ms=POLL_MS):
+                # A step's result goes out with the read of the next plan: one round trip a step.
+                # One plan per read, so a result never waits for the step after it.
+                sends = [] if unsent is None else [Bus.xadd(result_stream, unsent, result_maxlen)]
+                *_, plans = bus.exchange([*sends, Bus.xread(plan_stream, last_id, POLL_MS, count=1)])
+                unsent = None
+                for entry_id, payload in Bus.entries(plans):
                     last_id = entry_id
                     try:
                         msg = worker_input_decoder.decode(payload)
@@ -121,8 +127,6 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                     if isinstance(msg, StepPlan):
                         unsent = runner.execute(msg)
                         transfers.run(msg, unsent)
-                        bus.send(result_stream, unsent, maxlen=result_maxlen)
-                        unsent = None
                     elif isinstance(msg, Hello):
                         log.info("hello from scheduler %s: state reset", msg.scheduler_id)
                         runner.reset()
@@ -138,6 +142,9 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                 delay = backoff.next()
                 reconnected = last_id is not None
                 stop.wait(delay)
+        if unsent is not None and not reconnected:  # stopping: the last result still goes out
+            with contextlib.suppress(redis.RedisError):
+                bus.send(result_stream, unsent, maxlen=result_maxlen)
     finally:
         if heartbeat is not None:
             heartbeat.stop()

@@ -1,0 +1,117 @@
+"""The bare RESP connection of the step loop's hot path, against a real broker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from rill.shared.broker import EmbeddedBroker, free_port
+from rill.shared.bus import DETOKENIZER_GROUP, Bus
+from rill.shared.resp import RespConnection
+from rill.shared.schema import DetokBatch, detok_decoder, encode
+
+
+def batch(step: int) -> DetokBatch:
+    return DetokBatch(engine_id=0, step_id=step, request_ids=[f"r{step}"], reply_to=["g"], offsets=[0],
+                      new_token_ids=[[step]], context_ids=[[]], finish_reasons=[None], prompt_tokens=[3],
+                      stop=[[]], skip_special_tokens=[True], include_stop_str=[False])
+
+
+def test_exchange_runs_sends_then_reads_in_order(redis_url: str, prefix: str) -> None:
+    bus = Bus(redis_url, prefix, name="resp-test")
+    stream = f"{prefix}:s"
+    try:
+        replies = bus.exchange([Bus.xadd(stream, batch(i)) for i in range(3)] + [Bus.xread(stream, b"0-0", None)])
+        ids, read = replies[:3], replies[3]
+        got = Bus.entries(read)
+        assert [eid for eid, _ in got] == ids  # the read saw the three sends of the same round trip
+        assert [detok_decoder.decode(p).step_id for _, p in got] == [0, 1, 2]
+        # The single-command helpers agree with redis-py's view of the stream.
+        eid = bus.send(stream, batch(3))
+        assert bus.r.xlen(stream) == 4 and bus.r.xrange(stream, eid, eid)[0][1][b"m"] == encode(batch(3))
+        assert bus.read(stream, eid, block_ms=None) == []
+        assert [e for e, _ in bus.read(stream, ids[1], block_ms=None)] == [ids[2], eid]
+    finally:
+        bus.close()
+
+
+def test_blocking_read_times_out_to_no_entries(redis_url: str, prefix: str) -> None:
+    bus = Bus(redis_url, prefix)
+    try:
+        t0 = time.monotonic()
+        assert bus.read(f"{prefix}:empty", b"0-0", block_ms=150) == []
+        assert time.monotonic() - t0 >= 0.1
+    finally:
+        bus.close()
+
+
+def test_error_reply_raises_after_the_whole_batch_and_keeps_the_connection_in_step(redis_url: str,
+                                                                                  prefix: str) -> None:
+    conn = RespConnection(redis_url)
+    key = f"{prefix}:k"
+    try:
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            conn.pipeline([("SET", key, "v"), ("XADD", key, "*", "m", "x"), ("SET", f"{key}2", "w")])
+        # The commands around the failing one ran, and no reply was left behind for the next call.
+        assert conn.pipeline([("GET", key), ("GET", f"{key}2")]) == [b"v", b"w"]
+        assert conn.execute("PING") == b"PONG"
+    finally:
+        conn.close()
+
+
+def test_group_reads_and_acks(redis_url: str, prefix: str) -> None:
+    bus = Bus(redis_url, prefix)
+    stream = f"{prefix}:detok"
+    try:
+        bus.ensure_group(stream, DETOKENIZER_GROUP)
+        sent = [bus.send(stream, batch(i)) for i in range(2)]
+        got = bus.read_group(stream, DETOKENIZER_GROUP, "c1", block_ms=None)
+        assert [e for e, _ in got] == sent
+        assert [e for e, _ in bus.read_group(stream, DETOKENIZER_GROUP, "c1", None, pending=True)] == sent
+        bus.exchange([Bus.xack(stream, DETOKENIZER_GROUP, sent)])
+        assert bus.read_group(stream, DETOKENIZER_GROUP, "c1", None, pending=True) == []
+        # A group lost with a restarted broker is re-created on the spot.
+        bus.r.xgroup_destroy(stream, DETOKENIZER_GROUP)
+        later = bus.send(stream, batch(2))
+        assert later in [e for e, _ in bus.read_group(stream, DETOKENIZER_GROUP, "c1", None)]
+    finally:
+        bus.close()
+
+
+def test_reconnects_after_a_broker_restart_and_fails_clearly_while_it_is_down() -> None:
+    port = free_port()
+    broker = EmbeddedBroker(port).start()
+    conn = RespConnection(broker.url, name="resp-restart")
+    try:
+        assert conn.execute("SET", "k", "1") == b"OK"
+        names = [c["name"] for c in redis.Redis.from_url(broker.url).client_list()]
+        assert "resp-restart" in names
+        broker.stop()
+        with pytest.raises(redis.ConnectionError):
+            conn.execute("GET", "k")
+        broker = EmbeddedBroker(port).start()
+        # A fresh server on the same address: the next command reconnects (it lost the key).
+        assert conn.execute("GET", "k") is None
+    finally:
+        conn.close()
+        broker.stop()
+
+
+def test_password_and_database_from_the_url() -> None:
+    with EmbeddedBroker() as broker:
+        admin = redis.Redis.from_url(broker.url)
+        admin.config_set("requirepass", "s3cret")
+        base = broker.url.rsplit("/", 1)[0].replace("redis://", "redis://:s3cret@")
+        conn = RespConnection(f"{base}/3")
+        try:
+            conn.execute("SET", "where", "db3")
+            authed = redis.Redis.from_url(f"{base}/3")
+            assert authed.get("where") == b"db3"
+            assert redis.Redis.from_url(f"{base}/0").get("where") is None
+        finally:
+            conn.close()
+        wrong = RespConnection(broker.url.replace("redis://", "redis://:nope@"))
+        with pytest.raises(redis.ResponseError):
+            wrong.execute("PING")
