@@ -61,22 +61,14 @@ async def post_stream(url: str, body: bytes, headers: dict[str, str] | None = No
     except BaseException:
         writer.close()
         raise
-    body_iter = _body(reader, got)
+    body_iter = _body(reader, got, limit)
     return StreamedResponse(int(fields[1]), got, split_lines(body_iter), body_iter), writer
 
 
-async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str], limit: int) -> AsyncIterator[bytes]:
     if "chunked" in headers.get("transfer-encoding", "").lower():
-        while True:
-            size_line = await reader.readline()
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise ProtocolError(f"bad chunk size line {size_line[:40]!r}") from None
-            if size == 0:
-                return  # trailers, if any, are not read: the connection closes
-            data = await reader.readexactly(size + 2)  # the chunk and its CRLF
-            yield data[:-2]
+        async for data in _dechunk(reader, limit):
+            yield data
     elif "content-length" in headers:
         remaining = int(headers["content-length"])
         while remaining > 0:
@@ -88,6 +80,42 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncI
     else:  # delimited by the server closing the connection
         while data := await reader.read(1 << 16):
             yield data
+
+
+async def _dechunk(reader: asyncio.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """A chunked body, de-chunked: one read and one piece per arrival of data, however many
+    chunks it holds (a server streaming one event per chunk sends each in one segment, so
+    awaiting a size line and then its chunk would cost two wake-ups per event)."""
+    buf = b""
+    while True:
+        pieces: list[bytes] = []
+        at = 0
+        while True:
+            eol = buf.find(b"\n", at)
+            if eol < 0:
+                break
+            try:
+                size = int(buf[at:eol].split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise ProtocolError(f"bad chunk size line {buf[at:eol][:40]!r}") from None
+            if size == 0:  # trailers, if any, are not read: the connection closes
+                if pieces:
+                    yield b"".join(pieces)
+                return
+            end = eol + 1 + size + 2  # the chunk and its CRLF
+            if len(buf) < end:
+                break
+            pieces.append(buf[eol + 1:end - 2])
+            at = end
+        buf = buf[at:]
+        if pieces:
+            yield b"".join(pieces)
+        if len(buf) > limit and b"\n" not in buf:  # a size line never ends
+            raise ProtocolError(f"a chunk size line over the reader's limit ({limit} bytes)")
+        data = await reader.read(1 << 16)
+        if not data:
+            raise asyncio.IncompleteReadError(buf, None)
+        buf += data
 
 
 async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

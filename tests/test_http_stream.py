@@ -25,7 +25,7 @@ def chunked(body: bytes, sizes: list[int]) -> bytes:
     return out + b"0\r\n\r\n"
 
 
-async def exchange(reply: bytes) -> tuple[int, dict[str, str], list[bytes], bytes]:
+async def exchange(reply: bytes, limit: int = 1 << 20) -> tuple[int, dict[str, str], list[bytes], bytes]:
     """Serve `reply` to one POST and read it back: (status, headers, lines, request seen)."""
     seen = bytearray()
 
@@ -41,7 +41,7 @@ async def exchange(reply: bytes) -> tuple[int, dict[str, str], list[bytes], byte
     port = server.sockets[0].getsockname()[1]
     async with server:
         resp, writer = await post_stream(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"p": 1}',
-                                         {"Authorization": "Bearer k"})
+                                         {"Authorization": "Bearer k"}, limit=limit)
         try:
             lines = [line async for line in resp.lines]
         finally:
@@ -76,3 +76,15 @@ def test_a_reply_that_is_not_http_is_an_error() -> None:
 def test_a_body_cut_short_is_an_error() -> None:
     with pytest.raises(asyncio.IncompleteReadError):
         asyncio.run(exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly five"))
+
+
+def test_many_chunks_in_one_segment_and_a_runaway_size_line() -> None:
+    # Several events in one write come out in order; a chunk larger than the limit is fine.
+    big = b"data: " + b"x" * 5000
+    body = b"\r\n".join([*LINES[:2], big, b"", *LINES[2:]]) + b"\r\n"
+    reply = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(body, [7, 5000, 11, len(body)])
+    _, _, lines, _ = asyncio.run(exchange(reply, limit=4096))
+    assert lines == [*LINES[:2], big, b"", *LINES[2:]]
+    # A size line that never ends is cut off at the limit instead of buffering forever.
+    with pytest.raises(ProtocolError):
+        asyncio.run(exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 9000, limit=4096))
