@@ -6,7 +6,7 @@ EOS ignored, SmolLM2-135M-Instruct, same dtype everywhere.
   (a) Rill full pipeline (`rill serve`: gateway, tokenizer, scheduler, worker, detokenizer over
       an embedded broker), all requests at once, and at concurrency 16 and 32
   (b) Rill engine in-process (scheduler + model runner, no broker), all at once and at 16
-  At concurrency 16, (a) and (b) are each run twice, in turns A B B A, and their means compared.
+  At concurrency 16, (a) and (b) run in turns A B B A B A A B (--turns 4 each), means compared.
   (c) transformers `generate`, one request at a time (a subset; throughput is per request)
   (d) transformers `generate`, static batches of 8 (left padding)
   (e) transformers `generate`, static batches of 32 (left padding)
@@ -179,6 +179,11 @@ class Pipeline:
         self.proc.wait(30)
 
 
+def turn_order(turns: int) -> list[str]:
+    """A B B A, then B A A B, and so on (Thue-Morse): `turns` each, balanced against drift."""
+    return [("A", "B")[bin(i).count("1") % 2] for i in range(2 * turns)]
+
+
 def mean_row(runs: list[Row]) -> Row:
     return {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
 
@@ -194,6 +199,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="Rill's step budget, pipeline and in-process (default: Rill's CPU default)")
+    p.add_argument("--turns", type=int, default=4,
+                   help="runs of each of (a) and (b) at concurrency 16, in balanced turns")
     add_quantization_flag(p)
     args = p.parse_args()
 
@@ -222,13 +229,20 @@ def main() -> None:
                              quantization=args.quantization)
         runner.warmup()
         rows["(b) Rill in-process, all at once"] = run_inprocess(runner, prompts, out, len(prompts), budget)
-        # The concurrency-16 pair, whose ratios are targets, in turns A B B A: a shared VM's speed
-        # drifts by 10-20 % over minutes, which one run of each, minutes apart, would count as
-        # overhead; the means of an ABBA sequence cancel a steady drift.
-        print("(a)/(b) concurrency 16, in turns: pipeline, in-process, in-process, pipeline ...", flush=True)
-        p16 = [pipe.measure(16)]
-        i16 = [run_inprocess(runner, prompts, out, 16, budget) for _ in range(2)]
-        p16.append(pipe.measure(16))
+        # The concurrency-16 pair, whose ratios are targets, in turns: a shared VM's speed drifts
+        # by 10-20 % over minutes and jumps by as much between two back-to-back runs, which one
+        # run of each would count as overhead or gain. The means of A B B A cancel a steady
+        # drift; A B B A B A A B also a curved one, and four of each dilute a jump.
+        sides = turn_order(args.turns)
+        print(f"(a)/(b) concurrency 16, in turns {' '.join(sides)} (A pipeline, B in-process) ...", flush=True)
+        p16: list[Row] = []
+        i16: list[Row] = []
+        for side in sides:
+            if side == "A":
+                p16.append(pipe.measure(16))
+            else:
+                i16.append(run_inprocess(runner, prompts, out, 16, budget))
+                print(f"  in-process, concurrency 16: {i16[-1]['tok_s']:.1f} tok/s", flush=True)
     finally:
         pipe.close()
     rows["(a) Rill pipeline, concurrency 16"] = mean_row(p16)
@@ -236,7 +250,8 @@ def main() -> None:
     order = ["(a) Rill pipeline, all at once", "(a) Rill pipeline, concurrency 32", "(a) Rill pipeline, concurrency 16",
              "(b) Rill in-process, all at once", "(b) Rill in-process, concurrency 16"]
     rows = {name: rows[name] for name in order}
-    turns = " / ".join(f"{r['tpot']:.1f}" for r in (p16[0], *i16, p16[1]))
+    a, b = iter(p16), iter(i16)
+    turns = " / ".join(f"{next(a if side == 'A' else b)['tpot']:.1f}" for side in sides)
     del runner
     from safetensors import safe_open
 
@@ -264,7 +279,7 @@ def main() -> None:
     measured = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in flops.items())
     print(f"\nroofline: the faster matmul measured here (GFLOP/s: {measured}) / (2 x {params / 1e6:.0f}M "
           f"params) = {roof:.0f} tok/s; pipeline achieves {base / roof:.1%} of it")
-    print(f"concurrency 16 rows: means of two turns each; TPOT p50 ms in order (a) (b) (b) (a): {turns}")
+    print(f"concurrency 16 rows: means of {args.turns} turns each; TPOT p50 ms in order {' '.join(sides)}: {turns}")
     if not args.skip_hf:
         s8, s32 = rows["(d) transformers, static 8"], rows["(e) transformers, static 32"]
         c32, c16 = rows["(a) Rill pipeline, concurrency 32"], rows["(a) Rill pipeline, concurrency 16"]
