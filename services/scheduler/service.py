@@ -161,9 +161,9 @@ class SchedulerService:
         finally:
             self.bus.r.srem(self.bus.streams.engines_key(), self.e)
 
-    def flush(self) -> list:
-        """Send the outbox, then run `reads`, in one round trip; the reads' replies."""
-        return self.exchange([])
+    def flush(self) -> None:
+        """Send the outbox now, without a read."""
+        self.exchange([])
 
     def exchange(self, reads: list[Command]) -> list:
         """Send the outbox, then run `reads`, in one round trip; the reads' replies. The outbox
