@@ -347,7 +347,7 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
     """32 greedy streams; one tokenizer and one detokenizer are SIGKILLed holding unacked work,
     another of each stalls long enough to have its work claimed and then resumes (so that work
     is done twice). Every stream must equal the fault-free run, chunk for chunk."""
-    max_tokens = 40
+    max_tokens = 80  # long enough that steps keep coming while the faults wait for stalled replicas
 
     async def load(faults: Callable[[list[Outcome]], Awaitable[None]] | None) -> list[Outcome]:
         outcomes = [Outcome() for _ in PROMPTS]
