@@ -72,6 +72,7 @@ class SchedulerService:
         self.timer = PlanTimer()  # when a plan built ahead is due (as late as the worker allows)
         self.result_cursor = b"0-0"
         self.outbox: list[Command] = []  # sends that go with the next read (see the module doc)
+        self.stats_due = False  # the stats changed: they go with the next exchange, once
         self.inputs_fresh = False  # the inputs were read just now, with the result
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
@@ -158,6 +159,7 @@ class SchedulerService:
                 self.timer.received(step_id, result.forward_ms / 1e3)
                 self.apply(result)
                 self.publish_stats()
+            self.flush()  # stopping: the last step's tokens and stats still go out
         finally:
             self.bus.r.srem(self.bus.streams.engines_key(), self.e)
 
@@ -169,6 +171,11 @@ class SchedulerService:
         """Send the outbox, then run `reads`, in one round trip; the reads' replies. The outbox
         is taken first: after a broker error its sends are not repeated (the loop starts over)."""
         sends, self.outbox = self.outbox, []
+        if self.stats_due and self.sched is not None:
+            # Built now, after everything queued: one SET however often they changed since.
+            stats = EngineStats(engine_id=self.e, updated_at=time.time(), **self.sched.stats(), **self.disagg.stats())
+            sends.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
+        self.stats_due = False
         return self.bus.exchange(sends + reads)[len(sends):]
 
     def read_inputs_command(self, block_ms: int | None = None, pending: bool = False) -> Command:
@@ -281,11 +288,8 @@ class SchedulerService:
                       MAXLEN["reply"])
 
     def publish_stats(self) -> None:
-        sched = self.sched
-        if sched is None:
-            return
-        stats = EngineStats(engine_id=self.e, updated_at=time.time(), **sched.stats(), **self.disagg.stats())
-        self.outbox.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
+        """The engine's stats changed; the next exchange publishes them."""
+        self.stats_due = True
 
 
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
