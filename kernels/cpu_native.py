@@ -36,13 +36,14 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c", "cpu_quant.c",
-                                                 "cpu_elementwise.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
+                                                 "cpu_prefill_amx.c", "cpu_quant.c", "cpu_elementwise.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_amx = False  # the build has the AMX prefill kernel and the OS granted this process the tiles
 
 
 def enabled() -> bool:
@@ -51,7 +52,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it the first time; None when it cannot be had."""
-    global _lib, _tried
+    global _lib, _tried, _amx
     if not enabled():  # read on every call, so a test or an operator can switch it off
         return None
     if _tried:
@@ -59,6 +60,7 @@ def library() -> ctypes.CDLL | None:
     _tried = True
     try:
         _lib = _load(_build())
+        _amx = _lib.amx_enable() == 0
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch kernels", exc)
         _lib = None
@@ -116,9 +118,11 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
-    for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32):
+    for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32, lib.paged_prefill_bf16_amx):
         fn.restype = i32
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32]
+    lib.amx_enable.restype = i32
+    lib.amx_enable.argtypes = []
     for fn in (lib.quantize_rows_bf16, lib.quantize_rows_f32):
         fn.restype = None
         fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
@@ -170,6 +174,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 _PREFILL = {torch.bfloat16: "paged_prefill_bf16", torch.float32: "paged_prefill_f32"}
 
 
+def amx_prefill_available() -> bool:
+    """Whether bf16 prompt chunks can run on AMX tiles here (CPU, compiler and OS all allow it;
+    RILL_AMX=0 turns it off)."""
+    return (library() is not None and _amx
+            and os.environ.get("RILL_AMX", "1").strip() not in ("0", "false", "no", "off"))
+
+
 def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill` can take these tensors (else use the torch path): head_dim a
     multiple of 4 up to 256, GQA groups up to 16."""
@@ -181,12 +192,13 @@ def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, out: torch.Tensor,
-                  scale: float) -> None:
+                  scale: float, amx: bool = True) -> None:
     """Causal attention for multi-token rows: sequence i's query rows q_starts[i] ..
     q_starts[i] + q_lens[i] sit at positions ctx_lens[i] .. and see every cached key up to their
     own position (the step's K/V must be in the cache already). block_tables [n, W], q_starts,
     q_lens, ctx_lens [n]: int32 contiguous; out contiguous like q. The caller checks
-    `prefill_supported` first."""
+    `prefill_supported` first. bf16 with head_dim a multiple of 32 runs on AMX tiles where
+    `amx_prefill_available`; `amx=False` keeps it on the vector kernel (to compare)."""
     lib = library()
     assert lib is not None
     for t in (block_tables, q_starts, q_lens, ctx_lens):
@@ -194,10 +206,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert out.is_contiguous() and v_cache.is_contiguous()
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    rc = getattr(lib, _PREFILL[q.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
-        q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale)
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
+            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale)
+    rc = -1
+    if amx and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_prefill_available():
+        rc = lib.paged_prefill_bf16_amx(*args)
+    if rc in (-1, 1, 3):  # not taken, or a shape or build it does not handle
+        rc = getattr(lib, _PREFILL[q.dtype])(*args)
     if rc != 0:
         raise RuntimeError(f"native paged prefill failed with code {rc}")
 

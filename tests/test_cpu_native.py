@@ -102,6 +102,32 @@ def test_native_prefill_matches_reference(block_size: int, head_dim: int, group:
     close(out, case.reference(), *TOL[dtype])
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_amx_prefill_matches_reference(block_size: int, head_dim: int, group: int) -> None:
+    """The AMX tile kernel (bf16) on the same cases as the vector kernel: chunks with and
+    without context, key chunks cut short, 16-row tiles partly filled, slots past each
+    sequence's end NaN; and it agrees with the vector kernel to bf16 rounding."""
+    if not cpu_native.amx_prefill_available():
+        pytest.skip("this CPU (or its OS, or the compiler) has no AMX-BF16")
+    computed = [0, 37, 0, 250, 5, 0, 31]
+    query_lens = [2, 40, 130, 17, 1, 64, 33]
+    seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    case = PagedCase(seq_lens, query_lens, block_size, 2, group, head_dim, torch.bfloat16,
+                     seed=group * head_dim + block_size)
+    out, plan = run_step(case, computed, query_lens)  # bf16, head_dim % 32 == 0: the AMX kernel
+    p = plan.native_prefill
+    assert p is not None and plan.prefills == []
+    close(out, case.reference(), *TOL[torch.bfloat16])
+    vector = out.clone()
+    cpu_native.paged_prefill(case.q, case.k_cache, case.v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens,
+                             vector, case.scale, amx=False)
+    rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(p.q_starts, p.q_lens, strict=True)])
+    assert not torch.equal(out[rows], vector[rows])  # two different kernels ran
+    close(out[rows], vector[rows], 2e-2, 2e-2)
+
+
 def test_native_prefill_agrees_with_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch path (SDPA over gathered keys) and the native kernel give the same attention."""
     computed, query_lens = [0, 100, 0], [512, 200, 3]
