@@ -12,6 +12,12 @@ Failures look like redis-py's, so the loops' handling stays as it is: an error r
 redis.ResponseError (after every reply of the batch was read, so the connection stays in step),
 a socket failure redis.ConnectionError. As with bus.connect(), a batch that fails on the socket
 is retried once, at once, on a fresh connection. One connection per loop: not thread-safe.
+
+A loop can also split a round trip: post() writes commands and returns at once, take() reads
+their replies later. The worker posts its read of the next plan before it runs a step and takes
+the reply after it: the scheduler sends that plan while the step runs, so the reply is already
+in the socket's buffer and the broker round trip leaves the step-to-step gap. Posted commands
+are not retried (a blocking read's outcome is unknown after a failure; the loop reissues it).
 """
 
 from __future__ import annotations
@@ -47,12 +53,16 @@ class RespConnection:
         self.name = name
         self._sock: socket.socket | None = None
         self._reader: hiredis.Reader | None = None
+        self._posted = 0  # commands written by post() whose replies are unread
 
     def execute(self, *args: bytes | str | int | float) -> Any:
         return self.pipeline([args])[0]
 
     def pipeline(self, commands: Sequence[Command]) -> list[Any]:
-        """Send every command, then read every reply, in one round trip."""
+        """Send every command, then read every reply, in one round trip (after the replies of
+        anything posted, which are checked and dropped)."""
+        if self._posted:
+            self.take()
         for attempt in (0, 1):
             try:
                 if self._sock is None:
@@ -64,6 +74,31 @@ class RespConnection:
                     raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
         raise AssertionError("unreachable")
 
+    @property
+    def posted(self) -> int:
+        """Commands posted whose replies have not been taken."""
+        return self._posted
+
+    def post(self, commands: Sequence[Command]) -> None:
+        """Write `commands` now without reading anything: take() reads their replies."""
+        try:
+            if self._sock is None:
+                self._connect()
+            self._send(commands)
+        except (OSError, EOFError, hiredis.ProtocolError) as exc:
+            raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
+        self._posted += len(commands)
+
+    def take(self) -> list[Any]:
+        """The replies of every command posted since the last take(), waiting for them."""
+        n, self._posted = self._posted, 0
+        if not n:
+            return []
+        try:
+            return self._check(self._read(n))
+        except (OSError, EOFError, hiredis.ProtocolError) as exc:
+            raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
+
     def close(self) -> None:
         if self._sock is not None:
             try:
@@ -72,6 +107,7 @@ class RespConnection:
                 pass
         self._sock = None
         self._reader = None
+        self._posted = 0
 
     # ---------------------------------------------------------------------------- internals
 
@@ -107,12 +143,23 @@ class RespConnection:
                 raise
 
     def _roundtrip(self, commands: Sequence[Command]) -> list[Any]:
+        self._send(commands)
+        return self._check(self._read(len(commands)))
+
+    def _send(self, commands: Sequence[Command]) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        except BaseException:
+            self.close()  # part of a batch may have gone out: out of step
+            raise
+
+    def _read(self, n: int) -> list[Any]:
         sock, reader = self._sock, self._reader
         assert sock is not None and reader is not None
         try:
-            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
             replies: list[Any] = []
-            while len(replies) < len(commands):
+            while len(replies) < n:
                 reply = reader.gets()
                 if reply is False:  # incomplete: read more
                     data = sock.recv(RECV_BYTES)
@@ -126,6 +173,10 @@ class RespConnection:
             # connection is out of step and must not be reused.
             self.close()
             raise
+        return replies
+
+    @staticmethod
+    def _check(replies: list[Any]) -> list[Any]:
         for reply in replies:
             if isinstance(reply, hiredis.ReplyError):
                 raise redis.ResponseError(str(reply))

@@ -37,6 +37,36 @@ def test_exchange_runs_sends_then_reads_in_order(redis_url: str, prefix: str) ->
         bus.close()
 
 
+def test_a_posted_blocking_read_is_answered_while_the_caller_works(redis_url: str, prefix: str) -> None:
+    """post() returns at once; the broker answers a blocking read when the entry comes, and
+    take() then finds the reply waiting (the worker's plan read). Errors of posted commands
+    raise on take(); pipeline() takes what was posted first, so replies never go astray."""
+    reader, writer = RespConnection(redis_url), Bus(redis_url, prefix)
+    stream = f"{prefix}:plans"
+    try:
+        t0 = time.monotonic()
+        reader.post([Bus.xread(stream, b"0-0", 5000, count=1)])
+        assert reader.posted == 1 and time.monotonic() - t0 < 0.5
+        eid = writer.send(stream, batch(7))  # arrives while the reader "runs a step"
+        time.sleep(0.05)
+        t1 = time.monotonic()
+        (reply,) = reader.take()
+        assert time.monotonic() - t1 < 0.05  # already in the socket
+        assert [(e, detok_decoder.decode(p).step_id) for e, p in Bus.entries(reply)] == [(eid, 7)]
+        assert reader.posted == 0 and reader.take() == []
+
+        reader.post([("SET", f"{prefix}:k", "v"), ("XADD", f"{prefix}:k", "*", "m", "x")])
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            reader.take()
+        reader.post([("INCR", f"{prefix}:n")])
+        assert reader.pipeline([("GET", f"{prefix}:n")]) == [b"1"]  # the INCR's reply was taken first
+        reader.post([("INCR", f"{prefix}:n")])
+        assert reader.take() == [2]
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_blocking_read_times_out_to_no_entries(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix)
     try:

@@ -1,7 +1,13 @@
 """The worker process: load the model, size the KV cache, then run one StepPlan after another.
 
 One process, one synchronous loop: read the engine's plan stream, execute, answer on the
-engine's result stream. The worker announces itself with WorkerReady at start and again after
+engine's result stream. Neither broker hop waits between two steps: the read of the next plan
+is posted before a step runs (its own connection: the read may block until the plan comes, and
+nothing else must queue behind it) and taken after, when the plan, sent by the scheduler while
+the step ran, is already in the socket; the result is posted without waiting for its reply,
+which is taken before the next one is posted. (A round trip there measured a median 1 ms a
+step on a 2-core VM at concurrency 16, ~2.5 % of a decode step; in-process, the gap between two
+forwards is 0.25 ms.) The worker announces itself with WorkerReady at start and again after
 every Hello, so the handshake works whichever of scheduler and worker starts first. Once ready
 it keeps a heartbeat key alive (shared/heartbeat.py), by which the scheduler and the gateways
 learn that it died; broker errors are retried with backoff.
@@ -23,6 +29,7 @@ from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.resp import RespConnection
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
 
 log = logging.getLogger("rill.worker")
@@ -87,8 +94,22 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     backoff = Backoff()
     last_id: bytes | None = None  # None until announced
     server = ""  # the broker we announced ourselves to
-    unsent: StepResult | None = None  # the last step's result, until it went out with the next read
+    plans = RespConnection(redis_url, name=f"worker-{args.engine_id}-{os.getpid()}-plans")
+    results = bus.hot  # results are posted here; their replies are taken with the next post
+    unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
     reconnected = False
+
+    def post_read() -> None:
+        plans.post([Bus.xread(plan_stream, last_id, POLL_MS, count=1)])  # type: ignore[arg-type]
+
+    def post_result(result: StepResult) -> None:
+        nonlocal unconfirmed
+        unconfirmed.append(result)
+        if results.posted:
+            results.take()  # the previous result's reply, long arrived
+            unconfirmed = [result]
+        results.post([Bus.xadd(result_stream, result, result_maxlen)])
+
     try:
         while not stop:
             try:
@@ -103,21 +124,20 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                     bus.send(result_stream, ready, maxlen=result_maxlen)
                     log.info("worker ready: engine=%d plan_stream=%s", args.engine_id, plan_stream)
                 elif reconnected:
-                    # Same broker: the scheduler still waits for that result. A restarted broker lost
-                    # the plan too; the scheduler starts over with a Hello, so the result is stale.
+                    # Same broker: the scheduler may still wait for results whose post was not
+                    # confirmed (a duplicate is ignored). A restarted broker lost the plans too;
+                    # the scheduler starts over with a Hello, so those results are stale.
                     if bus.server_id() != server:
                         log.warning("the broker restarted; waiting for the scheduler's hello")
-                        server, unsent = bus.server_id(), None
-                    if unsent is not None:
-                        bus.send(result_stream, unsent, maxlen=result_maxlen)
-                        unsent = None
+                        server, unconfirmed = bus.server_id(), []
+                    if unconfirmed:
+                        bus.exchange([Bus.xadd(result_stream, r, result_maxlen) for r in unconfirmed])
+                        unconfirmed = []
                     reconnected = False
-                # A step's result goes out with the read of the next plan: one round trip a step.
-                # One plan per read, so a result never waits for the step after it.
-                sends = [] if unsent is None else [Bus.xadd(result_stream, unsent, result_maxlen)]
-                *_, plans = bus.exchange([*sends, Bus.xread(plan_stream, last_id, POLL_MS, count=1)])
-                unsent = None
-                for entry_id, payload in Bus.entries(plans):
+                if not plans.posted:
+                    post_read()
+                (reply,) = plans.take()
+                for entry_id, payload in Bus.entries(reply):  # one plan per read
                     last_id = entry_id
                     try:
                         msg = worker_input_decoder.decode(payload)
@@ -125,12 +145,14 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                         log.warning("undecodable message %s on %s: %s", entry_id, plan_stream, exc)
                         continue
                     if isinstance(msg, StepPlan):
-                        unsent = runner.execute(msg)
-                        transfers.run(msg, unsent)
+                        post_read()  # the next plan's read waits in the socket while this step runs
+                        result = runner.execute(msg)
+                        transfers.run(msg, result)
+                        post_result(result)
                     elif isinstance(msg, Hello):
                         log.info("hello from scheduler %s: state reset", msg.scheduler_id)
                         runner.reset()
-                        unsent = None
+                        unconfirmed = []
                         bus.send(result_stream, ready, maxlen=result_maxlen)
                     elif isinstance(msg, Shutdown):
                         log.info("shutdown requested: %s", msg.reason or "no reason given")
@@ -139,13 +161,16 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
             except redis.RedisError as exc:  # broker restarting or unreachable: back off, reconnect
                 if not backoff.failures:  # once per outage; the retries that follow are quiet
                     log.warning("broker error, reconnecting with backoff: %r", exc)
+                plans.close()
+                results.close()
                 delay = backoff.next()
                 reconnected = last_id is not None
                 stop.wait(delay)
-        if unsent is not None and not reconnected:  # stopping: the last result still goes out
+        if unconfirmed and not reconnected:  # stopping: make sure the last result landed
             with contextlib.suppress(redis.RedisError):
-                bus.send(result_stream, unsent, maxlen=result_maxlen)
+                results.take()
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        plans.close()
         bus.close()
