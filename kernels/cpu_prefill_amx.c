@@ -23,7 +23,6 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#include "cpu_vec_math.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -68,30 +67,22 @@ static void pack_chunk(const uint16_t* k_cache, const uint16_t* v_cache, const i
   const int pairs = d / 2;
   uint32_t* kp = dst;
   uint32_t* vp = dst + (int64_t)CHUNK * pairs;
+  int64_t row[CHUNK];  // where key k0 + n's row of head h starts in either cache; -1 past the end
+  for (int n = 0; n < CHUNK; ++n) {
+    const int64_t p = k0 + n;
+    row[n] = n < nk ? (((int64_t)table[p / block_size] * block_size + p % block_size) * num_kv_heads + h) * d : -1;
+  }
   for (int n = 0; n < CHUNK; ++n) {
     uint32_t* col = kp + (int64_t)(n / 16) * pairs * 16 + n % 16;
-    if (n < nk) {
-      const int64_t p = k0 + n;
-      const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-      const uint32_t* kr = (const uint32_t*)(k_cache + (slot * num_kv_heads + h) * d);
-      for (int j = 0; j < pairs; ++j) col[j * 16] = kr[j];
-    } else {
-      for (int j = 0; j < pairs; ++j) col[j * 16] = 0;
-    }
+    const uint32_t* kr = row[n] < 0 ? 0 : (const uint32_t*)(k_cache + row[n]);
+    for (int j = 0; j < pairs; ++j) col[j * 16] = kr ? kr[j] : 0u;
   }
   for (int jp = 0; jp < CHUNK / 2; ++jp) {
-    const uint16_t *v0 = 0, *v1 = 0;
-    for (int t = 0; t < 2; ++t) {
-      const int n = 2 * jp + t;
-      if (n >= nk) continue;
-      const int64_t p = k0 + n;
-      const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-      const uint16_t* vr = v_cache + (slot * num_kv_heads + h) * d;
-      if (t == 0) v0 = vr; else v1 = vr;
-    }
-    uint32_t* row = vp + (int64_t)jp * d;
+    const uint16_t* v0 = row[2 * jp] < 0 ? 0 : v_cache + row[2 * jp];
+    const uint16_t* v1 = row[2 * jp + 1] < 0 ? 0 : v_cache + row[2 * jp + 1];
+    uint32_t* out = vp + (int64_t)jp * d;
 #pragma omp simd
-    for (int c = 0; c < d; ++c) row[c] = (v0 ? (uint32_t)v0[c] : 0u) | (v1 ? (uint32_t)v1[c] << 16 : 0u);
+    for (int c = 0; c < d; ++c) out[c] = (v0 ? (uint32_t)v0[c] : 0u) | (v1 ? (uint32_t)v1[c] << 16 : 0u);
   }
 }
 
