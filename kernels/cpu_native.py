@@ -294,7 +294,9 @@ def rope_kv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
     return (q.device.type == "cpu" and q.dtype in _ROPE_KV and k.dtype == q.dtype and v.dtype == q.dtype
             and k_cache.dtype == q.dtype and heads_contiguous(q) and heads_contiguous(k) and heads_contiguous(v)
-            and q.stride(0) == k.stride(0) == v.stride(0) and k.shape == v.shape and q.shape[2] == k.shape[2]
+            # One row stride for the three (a single token's view may report any stride(0): unused)
+            and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))
+            and k.shape == v.shape and q.shape[2] == k.shape[2]
             and q.shape[2] % 2 == 0 and k_cache.is_contiguous() and k_cache.shape[-2:] == k.shape[1:]
             and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
             and cos_sin_cache.shape[1] == q.shape[2]

@@ -318,13 +318,16 @@ def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, t
     assert torch.equal(written[untouched], before[0].view(-1, kv_heads, head_dim)[untouched])
 
 
-def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ops.rope_and_write_kv reaches the native pass for the model's qkv slices."""
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    """ops.rope_and_write_kv reaches the native pass for the model's qkv slices, also for a
+    single token (a batch-1 decode step), whose row views report different stride(0)s."""
     calls: list[int] = []
     real = cpu_native.rope_and_write_kv
     monkeypatch.setattr(cpu_native, "rope_and_write_kv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    qkv = torch.randn(3, 6 * 16)
-    q, k, v = (x.view(3, 2, 16) for x in qkv.split([32, 32, 32], dim=-1))
-    cache = torch.zeros(4, 4, 2, 16)
-    ops.rope_and_write_kv(q, k, v, torch.arange(3), torch.randn(8, 16), cache, cache.clone(), torch.arange(3))
+    qkv = torch.randn(tokens, 4 * 16)  # GQA: two query heads, one kv head
+    q, k, v = (x.view(tokens, -1, 16) for x in qkv.split([32, 16, 16], dim=-1))
+    cache = torch.zeros(4, 4, 1, 16)
+    ops.rope_and_write_kv(q, k, v, torch.arange(tokens), torch.randn(8, 16), cache, cache.clone(),
+                          torch.arange(tokens))
     assert calls == [1]
