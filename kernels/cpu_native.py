@@ -1,5 +1,5 @@
 """Native CPU kernels (cpu_paged_attention.c, cpu_prefill_attention.c, cpu_quant.c,
-cpu_elementwise.c), compiled on first use and called through ctypes.
+cpu_elementwise.c, cpu_small_gemm.c), compiled on first use and called through ctypes.
 
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
 form. The torch path must gather every sequence's blocks into a padded copy and run small
@@ -7,7 +7,9 @@ batched matmuls against it, which made attention ~45 % of a batch-32 decode step
 blocks in place is several times faster. Prompt chunks read them in place too, at about twice
 the speed of torch's SDPA on contiguous copies. Likewise the quantise / dequantise steps around an int8 GEMM are
 one pass each instead of a dozen small torch ops (see cpu_quant.c), and so are the residual add +
-RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c).
+RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c). bf16 linear
+layers of decode steps with up to 8 rows stream their weights faster than oneDNN does at
+those sizes (cpu_small_gemm.c).
 
 The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
 (-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the
@@ -37,7 +39,8 @@ from rill.shared.model_files import cache_root
 log = logging.getLogger("rill.kernels")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
-                                                 "cpu_prefill_amx.c", "cpu_quant.c", "cpu_elementwise.c")]
+                                                 "cpu_prefill_amx.c", "cpu_quant.c", "cpu_elementwise.c",
+                                                 "cpu_small_gemm.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
@@ -135,6 +138,12 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.rope_write_kv_bf16, lib.rope_write_kv_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.small_gemm_available.restype = i32
+    lib.small_gemm_available.argtypes = []
+    lib.small_gemm_bf16.restype = i32
+    lib.small_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.small_gemm_pack.restype = None
+    lib.small_gemm_pack.argtypes = [ptr, i64, i64, ptr]
     return lib
 
 
@@ -321,3 +330,44 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                                     slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(),
                                     k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, hq, hkv, d)
     return q_out, k_out
+
+
+def small_gemm_rows() -> int:
+    """The most rows `small_gemm` takes on this machine; 0 without AVX512-BF16 (or a build)."""
+    lib = library()
+    return 0 if lib is None else int(lib.small_gemm_available())
+
+
+def small_gemm_weight_ok(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `small_gemm` can serve this linear layer: a bf16 CPU weight [N, K] with K even,
+    and a bias (if any) of N bf16 values."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == weight.shape[:1]))
+            and small_gemm_rows() > 0)
+
+
+def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the small GEMM's layout ([N/16][K/2][16][2], N padded with zero rows)."""
+    lib = library()
+    assert lib is not None
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+    lib.small_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) for M <= small_gemm_rows(), W [n, K] as `small_gemm_pack` made
+    it; bf16 in and out, fp32 sums. The caller checks `small_gemm_weight_ok` once per weight."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.bfloat16
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    rc = lib.small_gemm_bf16(x.data_ptr(), m, packed.data_ptr(),
+                             None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), n, k)
+    if rc != 0:
+        raise RuntimeError(f"native small GEMM failed with code {rc}")
+    return out

@@ -331,3 +331,42 @@ def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch, tokens
     ops.rope_and_write_kv(q, k, v, torch.arange(tokens), torch.randn(8, 16), cache, cache.clone(),
                           torch.arange(tokens))
     assert calls == [1]
+
+
+needs_small_gemm = pytest.mark.skipif(cpu_native.small_gemm_rows() == 0, reason="no AVX512-BF16 on this CPU")
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (577, 1536), (5, 64), (49, 6)])  # N off the 16-row blocks too
+def test_small_gemm_matches_reference(rows: int, n: int, k: int) -> None:
+    """bf16 x [rows, K] @ W.T (+ bias) through the packed small GEMM: the float64 product within
+    bf16 rounding, with and without a bias, and the same as oneDNN's up to summation order."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (rows, k), (n,)))
+    packed = cpu_native.small_gemm_pack(w)
+    for bias in (b, None):
+        got = cpu_native.small_gemm(x, packed, n, bias)
+        want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * (1 + want.abs().max().item() / 16))
+        onednn = torch.nn.functional.linear(x, w, bias)
+        assert (got.float() - onednn.float()).abs().max() <= 2e-2 * (1 + want.abs().max().item())
+
+
+@needs_small_gemm
+def test_linear_takes_the_small_gemm_up_to_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 Linear runs decode-sized inputs (up to small_gemm_rows()) through the small GEMM and
+    larger ones through oneDNN, with the same values either way (to bf16 rounding)."""
+    calls: list[int] = []
+    real = cpu_native.small_gemm
+    monkeypatch.setattr(cpu_native, "small_gemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    lin = torch_ops.Linear(w, b)
+    limit = cpu_native.small_gemm_rows()
+    x = torch.randn(limit + 1, 64, generator=g).bfloat16()
+    small, large = lin(x[:limit]), lin(x)
+    assert calls == [limit]
+    assert torch.allclose(small.float(), large[:limit].float(), rtol=2e-2, atol=2e-2 * (1 + large.abs().max().item()))
+    assert torch_ops.Linear(w.float(), b.float()).small is None  # fp32 keeps oneDNN only

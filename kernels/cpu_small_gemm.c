@@ -1,0 +1,134 @@
+// bf16 linear layers for decode steps of a few rows: out[M, N] = x[M, K] . W[N, K]^T (+ bias).
+//
+// With 1-8 rows a step is a matrix-vector product: each weight is read once and used M times,
+// so the step is bound by how fast the weights stream from memory. oneDNN's blocked bf16 GEMM
+// read them at 16-31 GB/s at these sizes on a 2-core AMD EPYC VM that streams ~50 GB/s.
+//
+// Here the weight is packed once (small_gemm_pack) as [N/16][K/2][16 rows][2]: one 64-byte
+// vector holds a pair of K positions for 16 output rows, so AVX512-BF16's vdpbf16ps against the
+// input's pair at those positions, broadcast, adds into 16 outputs at once, with no horizontal
+// sums. Each thread takes a contiguous range of 16-row blocks (one sequential stream of the
+// packed weight per block it works on), NB blocks x M input rows of accumulators in registers.
+// Sums in fp32, the bias added in fp32, rounded once to bf16 (nearest even), as a GEMM with fp32
+// accumulation does; only the order of the additions differs.
+//
+// Built only for CPUs with AVX512-BF16 (elsewhere small_gemm_available() is 0 and the caller
+// keeps oneDNN). K must be even; N is padded to a multiple of 16 in the packed copy.
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+#define SMALL_GEMM_MAX_ROWS 8
+#define LANES 16
+
+// Packed layout above from row-major W [n, k]; `packed` holds ceil(n / 16) * 16 * k values
+// (padding rows are zero, so they sum to zero and are never stored).
+void small_gemm_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+  const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint16_t* dst = packed + b * LANES * k;
+    for (int64_t p = 0; p < k / 2; ++p)
+      for (int r = 0; r < LANES; ++r) {
+        const int64_t row = b * LANES + r;
+        for (int e = 0; e < 2; ++e) dst[(p * LANES + r) * 2 + e] = row < n ? w[row * k + 2 * p + e] : 0;
+      }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int small_gemm_available(void) { return SMALL_GEMM_MAX_ROWS; }
+
+// NB blocks of 16 output rows x M input rows: NB * M accumulators, NB independent chains per row.
+#define DEFINE_TILE(NAME, NB, M)                                                                 \
+  static inline void NAME(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, \
+                          int64_t b0, int64_t n, int64_t k) {                                    \
+    __m512 acc[NB][M];                                                                           \
+    for (int b = 0; b < NB; ++b)                                                                 \
+      for (int m = 0; m < M; ++m) acc[b][m] = _mm512_setzero_ps();                               \
+    const uint16_t* w = wp + b0 * LANES * k;                                                     \
+    for (int64_t p = 0; p < k / 2; ++p) {                                                        \
+      __m512bh xv[M];                                                                            \
+      for (int m = 0; m < M; ++m) {                                                              \
+        uint32_t pair;                                                                           \
+        memcpy(&pair, x + m * k + 2 * p, sizeof pair);                                           \
+        xv[m] = (__m512bh)_mm512_set1_epi32((int)pair);                                          \
+      }                                                                                          \
+      for (int b = 0; b < NB; ++b) {                                                             \
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (b * k + 2 * p) * LANES);          \
+        for (int m = 0; m < M; ++m) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], wv, xv[m]);          \
+      }                                                                                          \
+    }                                                                                            \
+    for (int b = 0; b < NB; ++b) {                                                               \
+      const int64_t row = (b0 + b) * LANES;                                                      \
+      const int64_t valid = n - row < LANES ? n - row : LANES;                                   \
+      const __mmask16 mask = (__mmask16)((1u << valid) - 1u);                                    \
+      __m512 bv = _mm512_setzero_ps();                                                           \
+      if (bias)                                                                                  \
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(                                              \
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + row)), 16));             \
+      for (int m = 0; m < M; ++m)                                                                \
+        _mm256_mask_storeu_epi16(out + m * n + row, mask,                                        \
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][m], bv)));     \
+    }                                                                                            \
+  }
+
+// Four blocks at a time up to 4 input rows, two beyond: at most 16 accumulators.
+#define DEFINE_ROWS(M, NB)                                                                       \
+  DEFINE_TILE(tile_##M, NB, M)                                                                   \
+  DEFINE_TILE(tail_##M, 1, M)                                                                    \
+  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, \
+                       int64_t n, int64_t k) {                                                   \
+    const int64_t blocks = (n + LANES - 1) / LANES, tiles = blocks / NB;                         \
+    _Pragma("omp parallel")                                                                      \
+    {                                                                                            \
+      const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                  \
+      for (int64_t t = tiles * id / threads; t < tiles * (id + 1) / threads; ++t)                \
+        tile_##M(x, wp, bias, out, t * NB, n, k);                                                \
+      if (id == threads - 1)                                                                     \
+        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, b, n, k);       \
+    }                                                                                            \
+  }
+
+DEFINE_ROWS(1, 4)
+DEFINE_ROWS(2, 4)
+DEFINE_ROWS(3, 4)
+DEFINE_ROWS(4, 4)
+DEFINE_ROWS(5, 2)
+DEFINE_ROWS(6, 2)
+DEFINE_ROWS(7, 2)
+DEFINE_ROWS(8, 2)
+
+// 0 on success; 1 when the shape is not one this kernel takes (the caller uses oneDNN).
+int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
+                    int64_t n, int64_t k) {
+  if (m < 1 || m > SMALL_GEMM_MAX_ROWS || k % 2 != 0 || n < 1) return 1;
+  switch (m) {
+    case 1: rows_1(x, wp, bias, out, n, k); break;
+    case 2: rows_2(x, wp, bias, out, n, k); break;
+    case 3: rows_3(x, wp, bias, out, n, k); break;
+    case 4: rows_4(x, wp, bias, out, n, k); break;
+    case 5: rows_5(x, wp, bias, out, n, k); break;
+    case 6: rows_6(x, wp, bias, out, n, k); break;
+    case 7: rows_7(x, wp, bias, out, n, k); break;
+    default: rows_8(x, wp, bias, out, n, k); break;
+  }
+  return 0;
+}
+
+#else  // no AVX512-BF16 in this build
+
+int small_gemm_available(void) { return 0; }
+
+int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
+                    int64_t n, int64_t k) {
+  (void)x, (void)m, (void)wp, (void)bias, (void)out, (void)n, (void)k;
+  return 1;
+}
+
+#endif
