@@ -70,6 +70,14 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library, for an op whose caller has just checked that it may run natively (the
+    `*_supported` checks call `library()`, which reads RILL_NATIVE_KERNELS): per-call ops skip
+    that second environment read, a few µs each, hundreds of times a decode step."""
+    assert _lib is not None
+    return _lib
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc"):
         if name and shutil.which(name):
@@ -166,7 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     contiguous, seq_lens [n] int32, rows [n] int64; out contiguous like q. The caller checks
     `decode_supported` first. On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
     path that keeps every vector in registers; `generic_only` turns it off (to compare)."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
     assert block_tables.is_contiguous() and out.is_contiguous() and v_cache.is_contiguous()
@@ -208,7 +216,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_lens, ctx_lens [n]: int32 contiguous; out contiguous like q. The caller checks
     `prefill_supported` first. bf16 with head_dim a multiple of 32 runs on AMX tiles where
     `amx_prefill_available`; `amx=False` keeps it on the vector kernel (to compare)."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None
     for t in (block_tables, q_starts, q_lens, ctx_lens):
         assert t.dtype == torch.int32 and t.is_contiguous()
@@ -239,7 +247,7 @@ def quant_supported(x: torch.Tensor) -> bool:
 def quantize_rows(x: torch.Tensor, min_absmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of a 2-D x whose rows are contiguous: (q [M, K] int8, scale [M, 1]
     fp32), scale = max(|row|, min_absmax) / 127, q = round-half-even(x / scale)."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None and x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8)
@@ -251,7 +259,7 @@ def quantize_rows(x: torch.Tensor, min_absmax: float) -> tuple[torch.Tensor, tor
 def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
     """acc [M, N] int32 * row_scale [M, 1] * col_scale [N] (+ bias [N], fp32) -> [M, N] of dtype."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None and acc.dtype == torch.int32 and acc.is_contiguous()
     assert row_scale.is_contiguous() and col_scale.is_contiguous() and col_scale.dtype == torch.float32
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
@@ -279,7 +287,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch_ops.rms_norm in one pass per row: weight * RMSNorm(x) or, with `residual`,
     (weight * RMSNorm(x + residual), x + residual). The caller checks `rms_norm_supported` first."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None
     m, k = x.shape
     out = torch.empty_like(x)
@@ -320,7 +328,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     """torch_ops' RoPE + write_kv in one pass: the rotated (q, k) as new contiguous tensors, with
     the rotated k and v stored at their cache slots (slots < 0 skipped). Bit-identical to the
     torch code. The caller checks `rope_kv_supported` first."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -349,7 +357,7 @@ def small_gemm_weight_ok(weight: torch.Tensor, bias: torch.Tensor | None) -> boo
 
 def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight in the small GEMM's layout ([N/16][K/2][16][2], N padded with zero rows)."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None
     weight = weight.contiguous()
     n, k = weight.shape
@@ -361,7 +369,7 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for M <= small_gemm_rows(), W [n, K] as `small_gemm_pack` made
     it; bf16 in and out, fp32 sums. The caller checks `small_gemm_weight_ok` once per weight."""
-    lib = library()
+    lib = _loaded()
     assert lib is not None and x.dtype == torch.bfloat16
     x = x.contiguous()
     m, k = x.shape
