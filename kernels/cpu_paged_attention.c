@@ -109,7 +109,7 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
       const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
       int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
       float scale, float* scores, T* out) {                                                      \
-    const int head_dim = 64; /* read by the prefetch macros */                                        \
+    const int head_dim = 64; /* read by the prefetch macros */                                 \
     __m512 qv[4][4], acc[4][4];                                                                  \
     float mx[4], total[4];                                                                       \
     for (int g = 0; g < G; ++g) {                                                                \
