@@ -175,7 +175,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     `decode_supported` first. On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
     path that keeps every vector in registers; `generic_only` turns it off (to compare)."""
     lib = _loaded()
-    assert lib is not None
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
     assert block_tables.is_contiguous() and out.is_contiguous() and v_cache.is_contiguous()
     _, num_heads, head_dim = q.shape
@@ -217,7 +216,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `prefill_supported` first. bf16 with head_dim a multiple of 32 runs on AMX tiles where
     `amx_prefill_available`; `amx=False` keeps it on the vector kernel (to compare)."""
     lib = _loaded()
-    assert lib is not None
     for t in (block_tables, q_starts, q_lens, ctx_lens):
         assert t.dtype == torch.int32 and t.is_contiguous()
     assert out.is_contiguous() and v_cache.is_contiguous()
@@ -248,7 +246,7 @@ def quantize_rows(x: torch.Tensor, min_absmax: float) -> tuple[torch.Tensor, tor
     """Symmetric int8 per row of a 2-D x whose rows are contiguous: (q [M, K] int8, scale [M, 1]
     fp32), scale = max(|row|, min_absmax) / 127, q = round-half-even(x / scale)."""
     lib = _loaded()
-    assert lib is not None and x.dim() == 2 and x.stride(1) == 1
+    assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
@@ -260,7 +258,7 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
                dtype: torch.dtype) -> torch.Tensor:
     """acc [M, N] int32 * row_scale [M, 1] * col_scale [N] (+ bias [N], fp32) -> [M, N] of dtype."""
     lib = _loaded()
-    assert lib is not None and acc.dtype == torch.int32 and acc.is_contiguous()
+    assert acc.dtype == torch.int32 and acc.is_contiguous()
     assert row_scale.is_contiguous() and col_scale.is_contiguous() and col_scale.dtype == torch.float32
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     m, n = acc.shape
@@ -288,7 +286,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """torch_ops.rms_norm in one pass per row: weight * RMSNorm(x) or, with `residual`,
     (weight * RMSNorm(x + residual), x + residual). The caller checks `rms_norm_supported` first."""
     lib = _loaded()
-    assert lib is not None
     m, k = x.shape
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
@@ -329,7 +326,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     the rotated k and v stored at their cache slots (slots < 0 skipped). Bit-identical to the
     torch code. The caller checks `rope_kv_supported` first."""
     lib = _loaded()
-    assert lib is not None and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    assert v_cache.is_contiguous() and v_cache.shape == k_cache.shape
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype)
@@ -358,7 +355,6 @@ def small_gemm_weight_ok(weight: torch.Tensor, bias: torch.Tensor | None) -> boo
 def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight in the small GEMM's layout ([N/16][K/2][16][2], N padded with zero rows)."""
     lib = _loaded()
-    assert lib is not None
     weight = weight.contiguous()
     n, k = weight.shape
     packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
@@ -370,7 +366,7 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
     """x [M, K] @ W.T (+ bias) for M <= small_gemm_rows(), W [n, K] as `small_gemm_pack` made
     it; bf16 in and out, fp32 sums. The caller checks `small_gemm_weight_ok` once per weight."""
     lib = _loaded()
-    assert lib is not None and x.dtype == torch.bfloat16
+    assert x.dtype == torch.bfloat16
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n), dtype=torch.bfloat16)
