@@ -1,8 +1,11 @@
-// bf16 linear layers for decode steps of a few rows: out[M, N] = x[M, K] . W[N, K]^T (+ bias).
+// bf16 linear layers for decode steps: out[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= 128.
 //
 // With 1-8 rows a step is a matrix-vector product: each weight is read once and used M times,
 // so the step is bound by how fast the weights stream from memory. oneDNN's blocked bf16 GEMM
 // read them at 16-31 GB/s at these sizes on a 2-core AMD EPYC VM that streams ~50 GB/s.
+// With 9-128 rows (decode batches) the step is compute bound, and oneDNN reached 190-340
+// GFLOP/s of the ~420 that its large GEMMs reach there; the register panel below, 0.05-0.4x
+// faster per layer at those sizes, keeps vdpbf16ps busier.
 //
 // Here the weight is packed once (small_gemm_pack) as [N/16][K/2][16 rows][2]: one 64-byte
 // vector holds a pair of K positions for 16 output rows, so AVX512-BF16's vdpbf16ps against the
@@ -21,7 +24,8 @@
 
 #include "cpu_bf16.h"
 
-#define SMALL_GEMM_MAX_ROWS 8
+#define VECTOR_ROWS 8  // up to here one tile holds every input row
+#define SMALL_GEMM_MAX_ROWS 128  // beyond, oneDNN's blocked GEMM measured as fast or faster
 #define LANES 16
 
 // Packed layout above from row-major W [n, k]; `packed` holds ceil(n / 16) * 16 * k values
@@ -104,10 +108,59 @@ DEFINE_ROWS(6, 2)
 DEFINE_ROWS(7, 2)
 DEFINE_ROWS(8, 2)
 
+// More rows (a decode batch of 9-128): the step is compute bound, so what matters is keeping
+// vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24 accumulators, 4 weight
+// vectors and 6 broadcasts per 24 dot products. Each thread owns a contiguous range of blocks;
+// for each tile of them it walks every 6-row group of the input, so the tile's packed weight
+// (64 x K bf16, 72-192 KB at these K) is read from memory once and from L2 after that.
+#define PANEL_ROWS 6
+#define PANEL_BLOCKS 4
+DEFINE_TILE(panel_1, PANEL_BLOCKS, 1)
+DEFINE_TILE(panel_2, PANEL_BLOCKS, 2)
+DEFINE_TILE(panel_3, PANEL_BLOCKS, 3)
+DEFINE_TILE(panel_4, PANEL_BLOCKS, 4)
+DEFINE_TILE(panel_5, PANEL_BLOCKS, 5)
+DEFINE_TILE(panel_6, PANEL_BLOCKS, 6)
+DEFINE_TILE(pair_1, 2, 1)
+DEFINE_TILE(pair_2, 2, 2)
+DEFINE_TILE(pair_3, 2, 3)
+DEFINE_TILE(pair_4, 2, 4)
+DEFINE_TILE(pair_5, 2, 5)
+DEFINE_TILE(pair_6, 2, 6)
+
+typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
+static const tile_fn PANEL[PANEL_ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6};
+static const tile_fn PAIR[PANEL_ROWS + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
+static const tile_fn SINGLE[PANEL_ROWS + 1] = {0, tail_1, tail_2, tail_3, tail_4, tail_5, tail_6};
+
+static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
+                       int64_t n, int64_t k) {
+  const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t lo = blocks * id / threads, hi = blocks * (id + 1) / threads;
+    for (int64_t b = lo; b < hi;) {
+      // Four blocks while they last, then two, then one (fewer accumulators, shorter chains).
+      const int64_t width = hi - b >= PANEL_BLOCKS ? PANEL_BLOCKS : hi - b >= 2 ? 2 : 1;
+      const tile_fn* tiles = width == PANEL_BLOCKS ? PANEL : width == 2 ? PAIR : SINGLE;
+      for (int64_t r = 0; r < m; r += PANEL_ROWS) {
+        const int rows = (int)(m - r < PANEL_ROWS ? m - r : PANEL_ROWS);
+        tiles[rows](x + r * k, wp, bias, out + r * n, b, n, k);
+      }
+      b += width;
+    }
+  }
+}
+
 // 0 on success; 1 when the shape is not one this kernel takes (the caller uses oneDNN).
 int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
                     int64_t n, int64_t k) {
   if (m < 1 || m > SMALL_GEMM_MAX_ROWS || k % 2 != 0 || n < 1) return 1;
+  if (m > VECTOR_ROWS) {
+    panel_rows(x, m, wp, bias, out, n, k);
+    return 0;
+  }
   switch (m) {
     case 1: rows_1(x, wp, bias, out, n, k); break;
     case 2: rows_2(x, wp, bias, out, n, k); break;

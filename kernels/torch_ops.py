@@ -109,8 +109,8 @@ class Linear:
     skips a per-call weight reorder (measured 10-60% faster GEMMs at decode batch sizes); when
     that private op is missing or disagrees with F.linear, plain F.linear is used. A bf16 weight
     on a CPU with AVX512-BF16 is also packed for the native small GEMM (cpu_small_gemm.c), which
-    takes inputs of up to 8 rows (decode steps of small batches: 1.1-2x oneDNN there), at the
-    cost of a second copy of the weight; whether it does is settled when the layer is built
+    takes inputs of up to 128 rows (decode steps: 1.1-2x oneDNN at 1-8 rows, 1.05-1.4x at 9-128),
+    at the cost of a second copy of the weight; whether it does is settled when the layer is built
     (RILL_NATIVE_KERNELS set afterwards does not change it)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -337,8 +337,9 @@ needs_small_gemm = pytest.mark.skipif(cpu_native.small_gemm_rows() == 0, reason=
 
 
 @needs_small_gemm
-@pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (577, 1536), (5, 64), (49, 6)])  # N off the 16-row blocks too
+# 1-8: one tile holds every row; 9-128: 6-row groups of 4-, 2- and 1-block tiles, tails included.
+@pytest.mark.parametrize("rows", [*range(1, 9), 9, 13, 32, 61, 128])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (577, 1536), (5, 64), (49, 6), (112, 64)])  # N off the 16-row blocks too
 def test_small_gemm_matches_reference(rows: int, n: int, k: int) -> None:
     """bf16 x [rows, K] @ W.T (+ bias) through the packed small GEMM: the float64 product within
     bf16 rounding, with and without a bias, and the same as oneDNN's up to summation order."""
