@@ -40,7 +40,7 @@ log = logging.getLogger("rill.kernels")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
                                                  "cpu_prefill_amx.c", "cpu_quant.c", "cpu_elementwise.c",
-                                                 "cpu_small_gemm.c")]
+                                                 "cpu_small_gemm.c", "cpu_sampling.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
@@ -146,10 +146,17 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.rope_write_kv_bf16, lib.rope_write_kv_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    for fn in (lib.silu_mul_bf16, lib.silu_mul_f32):
+        fn.restype = None
+        fn.argtypes = [ptr, ptr, i64, i64]
+    lib.silu_mul_available.restype = i32
+    lib.silu_mul_available.argtypes = []
     lib.small_gemm_available.restype = i32
     lib.small_gemm_available.argtypes = []
     lib.small_gemm_bf16.restype = i32
-    lib.small_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.small_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i64, i64]
+    lib.argmax_rows_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, ptr]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, i64, i64, ptr]
     return lib
@@ -337,6 +344,28 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     return q_out, k_out
 
 
+_SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
+
+
+def silu_mul_supported(x: torch.Tensor) -> bool:
+    """Whether `silu_and_mul` can take x: a contiguous 2-D bf16/fp32 CPU tensor [T, 2F], on a
+    CPU with AVX512-BF16 (elsewhere torch's ops measured faster: cpu_elementwise.c)."""
+    if not (x.device.type == "cpu" and x.dtype in _SILU_MUL and x.dim() == 2 and x.shape[1] % 2 == 0
+            and x.is_contiguous()):
+        return False
+    lib = library()
+    return lib is not None and bool(lib.silu_mul_available())
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] holding [gate | up] -> SiLU(gate) * up [T, F] in one pass. The caller checks
+    `silu_mul_supported` first."""
+    m, f = x.shape[0], x.shape[1] // 2
+    out = torch.empty((m, f), dtype=x.dtype)
+    getattr(_loaded(), _SILU_MUL[x.dtype])(x.data_ptr(), out.data_ptr(), m, f)
+    return out
+
+
 def small_gemm_rows() -> int:
     """The most rows `small_gemm` takes on this machine; 0 without AVX512-BF16 (or a build)."""
     lib = library()
@@ -362,16 +391,33 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for M <= small_gemm_rows(), W [n, K] as `small_gemm_pack` made
-    it; bf16 in and out, fp32 sums. The caller checks `small_gemm_weight_ok` once per weight."""
+    it; bf16 in, fp32 sums, out in bf16 or (out_dtype float32) the sums as they are. The caller
+    checks `small_gemm_weight_ok` once per weight."""
     lib = _loaded()
-    assert x.dtype == torch.bfloat16
+    assert x.dtype == torch.bfloat16 and out_dtype in (torch.bfloat16, torch.float32)
     x = x.contiguous()
     m, k = x.shape
-    out = torch.empty((m, n), dtype=torch.bfloat16)
+    out = torch.empty((m, n), dtype=out_dtype)
     rc = lib.small_gemm_bf16(x.data_ptr(), m, packed.data_ptr(),
-                             None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), n, k)
+                             None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+                             int(out_dtype == torch.float32), n, k)
     if rc != 0:
         raise RuntimeError(f"native small GEMM failed with code {rc}")
+    return out
+
+
+def argmax_supported(x: torch.Tensor) -> bool:
+    """Whether `argmax_rows` can take x: a contiguous 2-D fp32 CPU tensor with columns."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+            and x.is_contiguous() and library() is not None)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) (int64; first index of the maximum, NaN ranked highest) in one vector
+    pass per row. The caller checks `argmax_supported` first."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _loaded().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out

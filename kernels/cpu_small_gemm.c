@@ -50,8 +50,8 @@ int small_gemm_available(void) { return SMALL_GEMM_MAX_ROWS; }
 
 // NB blocks of 16 output rows x M input rows: NB * M accumulators, NB independent chains per row.
 #define DEFINE_TILE(NAME, NB, M)                                                                 \
-  static inline void NAME(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, \
-                          int64_t b0, int64_t n, int64_t k) {                                    \
+  static inline void NAME(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* out,   \
+                          int f32, int64_t b0, int64_t n, int64_t k) {                           \
     __m512 acc[NB][M];                                                                           \
     for (int b = 0; b < NB; ++b)                                                                 \
       for (int m = 0; m < M; ++m) acc[b][m] = _mm512_setzero_ps();                               \
@@ -76,9 +76,13 @@ int small_gemm_available(void) { return SMALL_GEMM_MAX_ROWS; }
       if (bias)                                                                                  \
         bv = _mm512_castsi512_ps(_mm512_slli_epi32(                                              \
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + row)), 16));             \
-      for (int m = 0; m < M; ++m)                                                                \
-        _mm256_mask_storeu_epi16(out + m * n + row, mask,                                        \
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][m], bv)));     \
+      for (int m = 0; m < M; ++m) {                                                              \
+        const __m512 y = _mm512_add_ps(acc[b][m], bv);                                           \
+        if (f32)                                                                                 \
+          _mm512_mask_storeu_ps((float*)out + m * n + row, mask, y);                             \
+        else                                                                                     \
+          _mm256_mask_storeu_epi16((uint16_t*)out + m * n + row, mask, (__m256i)_mm512_cvtneps_pbh(y)); \
+      }                                                                                          \
     }                                                                                            \
   }
 
@@ -86,16 +90,16 @@ int small_gemm_available(void) { return SMALL_GEMM_MAX_ROWS; }
 #define DEFINE_ROWS(M, NB)                                                                       \
   DEFINE_TILE(tile_##M, NB, M)                                                                   \
   DEFINE_TILE(tail_##M, 1, M)                                                                    \
-  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, \
-                       int64_t n, int64_t k) {                                                   \
+  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* out,      \
+                       int f32, int64_t n, int64_t k) {                                          \
     const int64_t blocks = (n + LANES - 1) / LANES, tiles = blocks / NB;                         \
     _Pragma("omp parallel")                                                                      \
     {                                                                                            \
       const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                  \
       for (int64_t t = tiles * id / threads; t < tiles * (id + 1) / threads; ++t)                \
-        tile_##M(x, wp, bias, out, t * NB, n, k);                                                \
+        tile_##M(x, wp, bias, out, f32, t * NB, n, k);                                           \
       if (id == threads - 1)                                                                     \
-        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, b, n, k);       \
+        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, f32, b, n, k);  \
     }                                                                                            \
   }
 
@@ -128,13 +132,13 @@ DEFINE_TILE(pair_4, 2, 4)
 DEFINE_TILE(pair_5, 2, 5)
 DEFINE_TILE(pair_6, 2, 6)
 
-typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
+typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, void*, int, int64_t, int64_t, int64_t);
 static const tile_fn PANEL[PANEL_ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6};
 static const tile_fn PAIR[PANEL_ROWS + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
 static const tile_fn SINGLE[PANEL_ROWS + 1] = {0, tail_1, tail_2, tail_3, tail_4, tail_5, tail_6};
 
-static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
-                       int64_t n, int64_t k) {
+static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
+                       int f32, int64_t n, int64_t k) {
   const int64_t blocks = (n + LANES - 1) / LANES;
 #pragma omp parallel
   {
@@ -146,30 +150,32 @@ static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const u
       const tile_fn* tiles = width == PANEL_BLOCKS ? PANEL : width == 2 ? PAIR : SINGLE;
       for (int64_t r = 0; r < m; r += PANEL_ROWS) {
         const int rows = (int)(m - r < PANEL_ROWS ? m - r : PANEL_ROWS);
-        tiles[rows](x + r * k, wp, bias, out + r * n, b, n, k);
+        void* rows_out = f32 ? (void*)((float*)out + r * n) : (void*)((uint16_t*)out + r * n);
+        tiles[rows](x + r * k, wp, bias, rows_out, f32, b, n, k);
       }
       b += width;
     }
   }
 }
 
+// out is bf16, or fp32 when f32 is set (logits: no rounding to bf16 and no widening pass after).
 // 0 on success; 1 when the shape is not one this kernel takes (the caller uses oneDNN).
-int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
-                    int64_t n, int64_t k) {
+int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
+                    int f32, int64_t n, int64_t k) {
   if (m < 1 || m > SMALL_GEMM_MAX_ROWS || k % 2 != 0 || n < 1) return 1;
   if (m > VECTOR_ROWS) {
-    panel_rows(x, m, wp, bias, out, n, k);
+    panel_rows(x, m, wp, bias, out, f32, n, k);
     return 0;
   }
   switch (m) {
-    case 1: rows_1(x, wp, bias, out, n, k); break;
-    case 2: rows_2(x, wp, bias, out, n, k); break;
-    case 3: rows_3(x, wp, bias, out, n, k); break;
-    case 4: rows_4(x, wp, bias, out, n, k); break;
-    case 5: rows_5(x, wp, bias, out, n, k); break;
-    case 6: rows_6(x, wp, bias, out, n, k); break;
-    case 7: rows_7(x, wp, bias, out, n, k); break;
-    default: rows_8(x, wp, bias, out, n, k); break;
+    case 1: rows_1(x, wp, bias, out, f32, n, k); break;
+    case 2: rows_2(x, wp, bias, out, f32, n, k); break;
+    case 3: rows_3(x, wp, bias, out, f32, n, k); break;
+    case 4: rows_4(x, wp, bias, out, f32, n, k); break;
+    case 5: rows_5(x, wp, bias, out, f32, n, k); break;
+    case 6: rows_6(x, wp, bias, out, f32, n, k); break;
+    case 7: rows_7(x, wp, bias, out, f32, n, k); break;
+    default: rows_8(x, wp, bias, out, f32, n, k); break;
   }
   return 0;
 }
@@ -178,9 +184,9 @@ int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint
 
 int small_gemm_available(void) { return 0; }
 
-int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
-                    int64_t n, int64_t k) {
-  (void)x, (void)m, (void)wp, (void)bias, (void)out, (void)n, (void)k;
+int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
+                    int f32, int64_t n, int64_t k) {
+  (void)x, (void)m, (void)wp, (void)bias, (void)out, (void)f32, (void)n, (void)k;
   return 1;
 }
 

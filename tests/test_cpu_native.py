@@ -333,6 +333,32 @@ def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch, tokens
     assert calls == [1]
 
 
+needs_silu_mul = pytest.mark.skipif(not cpu_native.silu_mul_supported(torch.zeros(1, 2)),
+                                    reason="the native SiLU * up is built for AVX512-BF16 CPUs only")
+
+
+@needs_silu_mul
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("rows", "f"), [(1, 1536), (7, 37), (300, 1536)])  # tails; serial and parallel
+def test_native_silu_and_mul_matches_torch(monkeypatch: pytest.MonkeyPatch, rows: int, f: int,
+                                           dtype: torch.dtype) -> None:
+    """SiLU(gate) * up in one pass: torch's two ops to within one rounding step of the dtype
+    (its exp is a polynomial), over gates from -100 to 100 with zeros."""
+    g = torch.Generator().manual_seed(rows + f)
+    x = (torch.randn(rows, 2 * f, generator=g) * 8).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    x[0, f:f + 4] = torch.tensor([3.0, 2.0, 1.5, 0.0])
+    got = torch_ops.silu_and_mul(x)
+    want = _torch_path(monkeypatch, torch_ops.silu_and_mul, x)
+    assert got.dtype == dtype and got.shape == (rows, f)
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20  # relative: a few units of rounding
+    torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=1e-30)
+    assert abs(got[0, 1].item()) < 1e-30 and got[0, 2].item() == 150.0  # saturated ends, no overflow
+    gate, up = x[:, :f].double(), x[:, f:].double()
+    ref = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(got.double(), ref, rtol=2 * step, atol=1e-30)
+
+
 needs_small_gemm = pytest.mark.skipif(cpu_native.small_gemm_rows() == 0, reason="no AVX512-BF16 on this CPU")
 
 
@@ -371,3 +397,35 @@ def test_linear_takes_the_small_gemm_up_to_its_rows(monkeypatch: pytest.MonkeyPa
     assert calls == [limit]
     assert torch.allclose(small.float(), large[:limit].float(), rtol=2e-2, atol=2e-2 * (1 + large.abs().max().item()))
     assert torch_ops.Linear(w.float(), b.float()).small is None  # fp32 keeps oneDNN only
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_small_gemm_writes_fp32_sums_for_logits(rows: int) -> None:
+    """Out in fp32 the small GEMM keeps its sums unrounded: closer to float64 than the bf16 out,
+    which is exactly its rounding. Linear.float_out takes that path for rows it serves."""
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((200, 96), (rows, 96), (200,)))
+    packed = cpu_native.small_gemm_pack(w)
+    f32 = cpu_native.small_gemm(x, packed, 200, b, torch.float32)
+    bf16 = cpu_native.small_gemm(x, packed, 200, b)
+    assert f32.dtype == torch.float32 and torch.equal(f32.bfloat16(), bf16)
+    want = x.double() @ w.double().t() + b.double()
+    assert (f32.double() - want).abs().max() < 1e-4 * (1 + want.abs().max())
+    assert torch.equal(torch_ops.Linear(w, b).float_out(x), f32)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 5), (3, 16), (32, 49152), (7, 1000)])
+def test_native_argmax_equals_torch(rows: int, cols: int) -> None:
+    """First index of the largest value per row, as torch's argmax: with ties inside and across
+    vector lanes, a maximum in the tail, and a NaN (ranked highest by torch)."""
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=g).round()  # many ties
+    x[0, -1] = 100.0  # the maximum in the scalar tail
+    if rows > 2:
+        x[1, 3] = x[1, cols - 1] = 50.0  # a tie: the first one wins
+        x[2, cols // 2] = float("nan")
+    assert cpu_native.argmax_supported(x)
+    assert torch.equal(cpu_native.argmax_rows(x), x.argmax(dim=-1))
+    assert not cpu_native.argmax_supported(x.bfloat16())
+    assert rows == 1 or not cpu_native.argmax_supported(x.t())  # strided: torch's argmax

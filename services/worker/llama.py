@@ -210,7 +210,7 @@ class LlamaModel:
         """fp32 logits of final hidden states (see final_hidden)."""
         if self.lm_head is None:
             raise RuntimeError("a headless model (built for calibration) has no logits")
-        return self.lm_head(hidden).float()
+        return self.lm_head.float_out(hidden)
 
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rill.kernels import cpu_native
 from rill.shared.schema import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -254,7 +255,7 @@ class Sampler:
         """One token id per row of processed logits (int64, on their device)."""
         idx = [i for i, r in enumerate(rows) if r.params.temperature > 0]
         if not idx:
-            return x.argmax(dim=-1)
+            return _argmax(x)
         vocab, dev = x.shape[1], x.device
         sub = [rows[i] for i in idx]
         # Rows are copied out only when some are left behind: each copy moves B x vocab floats.
@@ -270,7 +271,7 @@ class Sampler:
                                                   [sub[j].params.top_p for j in filtered], u[filtered])
         if len(idx) == len(rows):
             return picks
-        out = x.argmax(dim=-1)  # the greedy rows
+        out = _argmax(x)  # the greedy rows
         out[idx] = picks
         return out
 
@@ -282,6 +283,11 @@ class Sampler:
                 r.generator.manual_seed(_mix_seed(r.params.seed, r.output_index))
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=self.device)[0]
         return u
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1): natively for CPU logits (one vector pass per row, ~10x torch's)."""
+    return cpu_native.argmax_rows(x) if cpu_native.argmax_supported(x) else x.argmax(dim=-1)
 
 
 def _logprobs(raw: torch.Tensor, picks: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
