@@ -93,8 +93,10 @@ static inline float dot(const float* a, const float* b, int n) {
 // head_dim 64 and GQA groups of up to 4 (SmolLM2, most small Llamas): the same two passes with
 // every vector in registers. The generic loop stages each K/V row and the accumulators through
 // memory and turns out instruction-bound at ~13 GB/s of KV; here q (G x 4 vectors), the row
-// being read (4) and the accumulators (G x 4) all stay in zmm registers. Same operation order
-// as the generic path (q scaled first, one FMA chain per score, then the same softmax).
+// being read (4) and the accumulators (G x 4) all stay in zmm registers. fp32 caches keep the
+// generic path's operation order (q scaled first, one FMA chain per score); bf16 caches with
+// AVX512-BF16 take their dot products in bf16 pairs (kpass64_bf16), scaled after. Then the same
+// softmax and V pass.
 static inline void row64_bf16(const uint16_t* p, __m512 r[4]) {
   for (int i = 0; i < 4; ++i)
     r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -104,20 +106,19 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
   for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(p + 16 * i);
 }
 
-#define DEFINE_PAIR64(NAME, T, ROW, STORE)                                                      \
+// The K pass: scores[g * len + t] = q_g . k_t * scale for the G query heads, and each head's
+// maximum. Rows widened to fp32 (ROW), q scaled first, one FMA chain per score: the fp32
+// caches' pass, and bf16's on CPUs without AVX512-BF16.
+#define DEFINE_KPASS_WIDE(NAME, T, ROW)                                                          \
   static inline __attribute__((always_inline)) void NAME(                                        \
-      const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
-      int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
-      float scale, float* scores, T* out) {                                                      \
+      const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, \
+      int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask, float scale,   \
+      float* scores, float* mx) {                                                                \
     const int head_dim = 64; /* read by the prefetch macros */                                 \
-    __m512 qv[4][4], acc[4][4];                                                                  \
-    float mx[4], total[4];                                                                       \
+    __m512 qv[4][4];                                                                             \
     for (int g = 0; g < G; ++g) {                                                                \
       ROW(q + g * 64, qv[g]);                                                                    \
-      for (int i = 0; i < 4; ++i) {                                                              \
-        qv[g][i] = _mm512_mul_ps(qv[g][i], _mm512_set1_ps(scale));                               \
-        acc[g][i] = _mm512_setzero_ps();                                                         \
-      }                                                                                          \
+      for (int i = 0; i < 4; ++i) qv[g][i] = _mm512_mul_ps(qv[g][i], _mm512_set1_ps(scale));     \
       mx[g] = -INFINITY;                                                                         \
     }                                                                                            \
     for (int64_t t = 0; t < len; ++t) {                                                          \
@@ -134,6 +135,92 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
         mx[g] = score > mx[g] ? score : mx[g];                                                   \
       }                                                                                          \
     }                                                                                            \
+  }
+
+DEFINE_KPASS_WIDE(kpass64_f32, float, row64_f32)
+
+#ifdef __AVX512BF16__
+// Sums of 16 vectors' lanes as one vector: out[j] = sum of v[j]'s lanes. A tree of 15 pair
+// merges (2 shuffles + 1 add each) instead of 16 horizontal sums (~8 dependent ops each).
+static inline __m512 sum16_lanes(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: two partials each of v[2i], v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial each of v[4i .. 4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes pairwise: [b0 L0+L1, b0 L2+L3, b1 L0+L1, b1 L2+L3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// bf16 caches: q . k straight from the bf16 rows with vdpbf16ps (exact products, fp32 sums; no
+// widening of K), then * scale; 16 positions at a time, their partial sums merged into one
+// vector of 16 scores by sum16_lanes. The K pass had been the bulk of the kernel's instructions
+// (per score: 4 FMAs, a horizontal sum, a share of 4 widenings).
+static inline __attribute__((always_inline)) void kpass64_bf16(
+    const int G, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table,
+    int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask, float scale,
+    float* scores, float* mx) {
+  const int head_dim = 64; /* read by the prefetch macros */
+  __m512bh qb[4][2];
+  __m512 top[4];
+  for (int g = 0; g < G; ++g) {
+    qb[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);
+    qb[g][1] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+    top[g] = _mm512_set1_ps(-INFINITY);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t t0 = 0;
+  for (; t0 + 16 <= len; t0 += 16) {
+    const uint16_t* kr[16];
+    for (int j = 0; j < 16; ++j) {
+      K_PASS_PREFETCH(t0 + j, 64);
+      kr[j] = k_cache + (ROW_OF(t0 + j) * num_kv_heads + h) * 64;
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 part[16];
+      for (int j = 0; j < 16; ++j)
+        part[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(kr[j])),
+                                   qb[g][1], (__m512bh)_mm512_loadu_si512(kr[j] + 32));
+      const __m512 s16 = _mm512_mul_ps(sum16_lanes(part), sv);
+      _mm512_storeu_ps(scores + g * len + t0, s16);
+      top[g] = _mm512_max_ps(top[g], s16);
+    }
+  }
+  for (int g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(top[g]);
+  for (int64_t t = t0; t < len; ++t) {
+    K_PASS_PREFETCH(t, 64);
+    const uint16_t* kp = k_cache + (ROW_OF(t) * num_kv_heads + h) * 64;
+    for (int g = 0; g < G; ++g) {
+      const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(kp)),
+                                        qb[g][1], (__m512bh)_mm512_loadu_si512(kp + 32));
+      const float score = _mm512_reduce_add_ps(d) * scale;
+      scores[g * len + t] = score;
+      mx[g] = score > mx[g] ? score : mx[g];
+    }
+  }
+}
+#define KPASS64_BF16 kpass64_bf16
+#else
+DEFINE_KPASS_WIDE(kpass64_bf16_widened, uint16_t, row64_bf16)
+#define KPASS64_BF16 kpass64_bf16_widened
+#endif
+
+// The V pass and the output, after the K pass (KPASS) and the softmax.
+#define DEFINE_PAIR64(NAME, T, ROW, STORE, KPASS)                                               \
+  static inline __attribute__((always_inline)) void NAME(                                        \
+      const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
+      int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
+      float scale, float* scores, T* out) {                                                      \
+    const int head_dim = 64; /* read by the prefetch macros */                                 \
+    __m512 acc[4][4];                                                                            \
+    float mx[4], total[4];                                                                       \
+    KPASS(G, q, k_cache, v_cache, table, len, num_kv_heads, h, block_size, pow2, shift, mask, scale, scores, mx); \
+    for (int g = 0; g < G; ++g)                                                                  \
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();                               \
     softmax_scores(scores, len, G, mx, total);                                                   \
     for (int64_t t = 0; t < len; ++t) {                                                          \
       V_PASS_PREFETCH(t, 64);                                                                    \
@@ -152,8 +239,8 @@ static inline void row64_f32(const float* p, __m512 r[4]) {
     }                                                                                            \
   }
 
-DEFINE_PAIR64(pair64_bf16, uint16_t, row64_bf16, f32_to_bf16)
-DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE)
+DEFINE_PAIR64(pair64_bf16, uint16_t, row64_bf16, f32_to_bf16, KPASS64_BF16)
+DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
 
 // Runs the register path and yields 1 when it applies (head_dim 64, group <= 4), else 0. One
 // case per group size, so that G is a constant and the loops over it unroll into registers.

@@ -137,24 +137,29 @@ static const tile_fn PANEL[PANEL_ROWS + 1] = {0, panel_1, panel_2, panel_3, pane
 static const tile_fn PAIR[PANEL_ROWS + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
 static const tile_fn SINGLE[PANEL_ROWS + 1] = {0, tail_1, tail_2, tail_3, tail_4, tail_5, tail_6};
 
+// Blocks b .. hi of the output, every row group of each tile before the next tile.
+static void panel_range(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
+                       int f32, int64_t n, int64_t k, int64_t b, int64_t hi) {
+  while (b < hi) {
+    // Four blocks while they last, then two, then one (fewer accumulators, shorter chains).
+    const int64_t width = hi - b >= PANEL_BLOCKS ? PANEL_BLOCKS : hi - b >= 2 ? 2 : 1;
+    const tile_fn* tiles = width == PANEL_BLOCKS ? PANEL : width == 2 ? PAIR : SINGLE;
+    for (int64_t r = 0; r < m; r += PANEL_ROWS) {
+      const int rows = (int)(m - r < PANEL_ROWS ? m - r : PANEL_ROWS);
+      void* rows_out = f32 ? (void*)((float*)out + r * n) : (void*)((uint16_t*)out + r * n);
+      tiles[rows](x + r * k, wp, bias, rows_out, f32, b, n, k);
+    }
+    b += width;
+  }
+}
+
 static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
                        int f32, int64_t n, int64_t k) {
   const int64_t blocks = (n + LANES - 1) / LANES;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t lo = blocks * id / threads, hi = blocks * (id + 1) / threads;
-    for (int64_t b = lo; b < hi;) {
-      // Four blocks while they last, then two, then one (fewer accumulators, shorter chains).
-      const int64_t width = hi - b >= PANEL_BLOCKS ? PANEL_BLOCKS : hi - b >= 2 ? 2 : 1;
-      const tile_fn* tiles = width == PANEL_BLOCKS ? PANEL : width == 2 ? PAIR : SINGLE;
-      for (int64_t r = 0; r < m; r += PANEL_ROWS) {
-        const int rows = (int)(m - r < PANEL_ROWS ? m - r : PANEL_ROWS);
-        void* rows_out = f32 ? (void*)((float*)out + r * n) : (void*)((uint16_t*)out + r * n);
-        tiles[rows](x + r * k, wp, bias, rows_out, f32, b, n, k);
-      }
-      b += width;
-    }
+    panel_range(x, m, wp, bias, out, f32, n, k, blocks * id / threads, blocks * (id + 1) / threads);
   }
 }
 
