@@ -171,20 +171,25 @@ def _client_name(name: str | None) -> str | None:
     return None if not name else re.sub(r"[^A-Za-z0-9_.:@-]", "_", name)[:64]
 
 
+def _tcp_options(url: str) -> dict[str, bool]:
+    """Keepalive for TCP brokers; a unix:// socket's connection class takes no such option."""
+    return {} if url.startswith("unix:") else {"socket_keepalive": True}
+
+
 def connect(url: str, socket_timeout: float | None = None, name: str | None = None) -> redis.Redis:
     """A client that retries a command once, at once (see module doc); None: no read timeout.
     `name` is shown by CLIENT LIST (which replica holds which connection)."""
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
-                                socket_keepalive=True, retry=Retry(NoBackoff(), 1), decode_responses=False,
-                                client_name=_client_name(name))
+                                retry=Retry(NoBackoff(), 1), decode_responses=False,
+                                client_name=_client_name(name), **_tcp_options(url))
 
 
 def aconnect(url: str, socket_timeout: float | None = None, single: bool = False,
              name: str | None = None) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
-                                   socket_keepalive=True, retry=AsyncRetry(NoBackoff(), 1),
-                                   decode_responses=False, single_connection_client=single,
-                                   client_name=_client_name(name))
+                                   retry=AsyncRetry(NoBackoff(), 1), decode_responses=False,
+                                   single_connection_client=single, client_name=_client_name(name),
+                                   **_tcp_options(url))
 
 
 def server_id_of(info: dict) -> str:

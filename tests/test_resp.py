@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -145,3 +146,32 @@ def test_password_and_database_from_the_url() -> None:
         wrong = RespConnection(broker.url.replace("redis://", "redis://:nope@"))
         with pytest.raises(redis.ResponseError):
             wrong.execute("PING")
+
+
+async def test_every_client_takes_a_unix_socket_url(tmp_path) -> None:
+    """--redis-url unix:///path: the sync and asyncio clients (redis-py's unix connections take
+    no TCP keepalive option) and the bare RESP connection all reach a broker on a socket file."""
+    from rill.shared.broker import valkey_binary
+    from rill.shared.bus import aconnect, connect
+
+    sock = tmp_path / "broker.sock"
+    proc = subprocess.Popen([str(valkey_binary()), "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"unix://{sock}?db=2"
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = connect(url, name="sync client")
+        client.set("k", b"sync")
+        aclient = aconnect(url, name="async client")
+        assert await aclient.get("k") == b"sync"
+        await aclient.aclose()
+        conn = RespConnection(url)
+        assert conn.execute("GET", "k") == b"sync"
+        conn.close()
+        assert redis.Redis(unix_socket_path=str(sock), db=0).get("k") is None  # the URL's db, not 0
+    finally:
+        proc.terminate()
+        proc.wait(5)
