@@ -132,24 +132,6 @@ DEFINE_ROPE_KV(rope_write_kv_f32, float, F32_LOAD, F32_STORE, f32)
 // torch's by one rounding step of T. In torch it is three ops and two passes: 35 + 13 us per
 // layer for a batch-32 SmolLM2 decode step (2-core AMD EPYC).
 #if RILL_VEC16
-// exp_neg on 16 lanes, the same steps.
-static inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723e-6f)));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 static inline f32x16 sigmoid16(f32x16 g) {
   const __m512 gv = (__m512)g, one = _mm512_set1_ps(1.f);
   const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));

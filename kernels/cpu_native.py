@@ -47,6 +47,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-m
 _lib: ctypes.CDLL | None = None
 _tried = False
 _amx = False  # the build has the AMX prefill kernel and the OS granted this process the tiles
+_silu_mul = False  # the build has the native SiLU * up (AVX512-BF16 CPUs)
 
 
 def enabled() -> bool:
@@ -55,7 +56,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it the first time; None when it cannot be had."""
-    global _lib, _tried, _amx
+    global _lib, _tried, _amx, _silu_mul
     if not enabled():  # read on every call, so a test or an operator can switch it off
         return None
     if _tried:
@@ -64,6 +65,7 @@ def library() -> ctypes.CDLL | None:
     try:
         _lib = _load(_build())
         _amx = _lib.amx_enable() == 0
+        _silu_mul = bool(_lib.silu_mul_available())
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch kernels", exc)
         _lib = None
@@ -353,8 +355,7 @@ def silu_mul_supported(x: torch.Tensor) -> bool:
     if not (x.device.type == "cpu" and x.dtype in _SILU_MUL and x.dim() == 2 and x.shape[1] % 2 == 0
             and x.is_contiguous()):
         return False
-    lib = library()
-    return lib is not None and bool(lib.silu_mul_available())
+    return library() is not None and _silu_mul
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
