@@ -86,37 +86,7 @@ int small_gemm_available(void) { return SMALL_GEMM_MAX_ROWS; }
     }                                                                                            \
   }
 
-// Four blocks at a time up to 4 input rows, two beyond: at most 16 accumulators.
-#define DEFINE_ROWS(M, NB)                                                                       \
-  DEFINE_TILE(tile_##M, NB, M)                                                                   \
-  DEFINE_TILE(tail_##M, 1, M)                                                                    \
-  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* out,      \
-                       int f32, int64_t n, int64_t k) {                                          \
-    const int64_t blocks = (n + LANES - 1) / LANES, tiles = blocks / NB;                         \
-    _Pragma("omp parallel")                                                                      \
-    {                                                                                            \
-      const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                  \
-      for (int64_t t = tiles * id / threads; t < tiles * (id + 1) / threads; ++t)                \
-        tile_##M(x, wp, bias, out, f32, t * NB, n, k);                                           \
-      if (id == threads - 1)                                                                     \
-        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, f32, b, n, k);  \
-    }                                                                                            \
-  }
-
-DEFINE_ROWS(1, 4)
-DEFINE_ROWS(2, 4)
-DEFINE_ROWS(3, 4)
-DEFINE_ROWS(4, 4)
-DEFINE_ROWS(5, 2)
-DEFINE_ROWS(6, 2)
-DEFINE_ROWS(7, 2)
-DEFINE_ROWS(8, 2)
-
-// More rows (a decode batch of 9-128): the step is compute bound, so what matters is keeping
-// vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24 accumulators, 4 weight
-// vectors and 6 broadcasts per 24 dot products. Each thread owns a contiguous range of blocks;
-// for each tile of them it walks every 6-row group of the input, so the tile's packed weight
-// (64 x K bf16, 72-192 KB at these K) is read from memory once and from L2 after that.
+// The tiles, by blocks (4, 2, 1) and input rows. One set serves both paths below.
 #define PANEL_ROWS 6
 #define PANEL_BLOCKS 4
 DEFINE_TILE(panel_1, PANEL_BLOCKS, 1)
@@ -131,7 +101,47 @@ DEFINE_TILE(pair_3, 2, 3)
 DEFINE_TILE(pair_4, 2, 4)
 DEFINE_TILE(pair_5, 2, 5)
 DEFINE_TILE(pair_6, 2, 6)
+DEFINE_TILE(pair_7, 2, 7)
+DEFINE_TILE(pair_8, 2, 8)
+DEFINE_TILE(tail_1, 1, 1)
+DEFINE_TILE(tail_2, 1, 2)
+DEFINE_TILE(tail_3, 1, 3)
+DEFINE_TILE(tail_4, 1, 4)
+DEFINE_TILE(tail_5, 1, 5)
+DEFINE_TILE(tail_6, 1, 6)
+DEFINE_TILE(tail_7, 1, 7)
+DEFINE_TILE(tail_8, 1, 8)
 
+// Up to 8 input rows, all in one tile: four blocks at a time up to 4 rows, two beyond (at most
+// 16 accumulators), a block at a time for the last thread's leftover blocks.
+#define DEFINE_ROWS(M, TILE, NB)                                                                 \
+  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* out,      \
+                       int f32, int64_t n, int64_t k) {                                          \
+    const int64_t blocks = (n + LANES - 1) / LANES, tiles = blocks / NB;                         \
+    _Pragma("omp parallel")                                                                      \
+    {                                                                                            \
+      const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                  \
+      for (int64_t t = tiles * id / threads; t < tiles * (id + 1) / threads; ++t)                \
+        TILE(x, wp, bias, out, f32, t * NB, n, k);                                               \
+      if (id == threads - 1)                                                                     \
+        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, f32, b, n, k);  \
+    }                                                                                            \
+  }
+
+DEFINE_ROWS(1, panel_1, 4)
+DEFINE_ROWS(2, panel_2, 4)
+DEFINE_ROWS(3, panel_3, 4)
+DEFINE_ROWS(4, panel_4, 4)
+DEFINE_ROWS(5, pair_5, 2)
+DEFINE_ROWS(6, pair_6, 2)
+DEFINE_ROWS(7, pair_7, 2)
+DEFINE_ROWS(8, pair_8, 2)
+
+// More rows (a decode batch of 9-128): the step is compute bound, so what matters is keeping
+// vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24 accumulators, 4 weight
+// vectors and 6 broadcasts per 24 dot products. Each thread owns a contiguous range of blocks;
+// for each tile of them it walks every 6-row group of the input, so the tile's packed weight
+// (64 x K bf16, 72-192 KB at these K) is read from memory once and from L2 after that.
 typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, void*, int, int64_t, int64_t, int64_t);
 static const tile_fn PANEL[PANEL_ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6};
 static const tile_fn PAIR[PANEL_ROWS + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};

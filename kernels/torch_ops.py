@@ -126,16 +126,19 @@ class Linear:
             self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows:
+        if self._small_takes(x):
             return cpu_native.small_gemm(x, self.small, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def _small_takes(self, x: torch.Tensor) -> bool:
+        return self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows
+
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """self(x) in fp32 (logits): the small GEMM writes its fp32 sums directly, skipping the
         rounding to bf16 and the widening pass over [rows, vocab] after it."""
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows:
+        if self._small_takes(x):
             return cpu_native.small_gemm(x, self.small, self.out_features, self.bias, torch.float32)
         return self(x).float()
 
