@@ -13,14 +13,13 @@ import json
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
 
-from rill.services.http_stream import ProtocolError, post_stream, split_lines
+from rill.services.http_stream import Head, ProtocolError, split_lines, stream_lines
 
 WORDS = ("the river carries light across stone and time while engines hum softly under a quiet sky "
          "every token finds its place in a block of memory that the scheduler lends and takes back "
@@ -87,19 +86,22 @@ async def _http_one(client: httpx.AsyncClient, args: argparse.Namespace, p: Prom
     url, body = args.base_url + path, _body(args, p)
     out = Outcome(ok=False, input_len=p.input_len)
     start = time.perf_counter()
+    events = _EventReader(args.backend == "openai-chat", out, start)
     try:
         if url.startswith("http://"):  # the lean reader (http_stream.py); TLS stays with httpx
-            await asyncio.wait_for(_lean_one(url, body, args, out, start), args.timeout)
+            await asyncio.wait_for(stream_lines(url, msgspec.json.encode(body), events.line, on_head=events.head),
+                                   args.timeout)
         else:
             async with client.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                    return out
-                await _read_events(split_lines(r.aiter_bytes()), args, out, start)
-    # ValueError: a line over the reader's limit, a bad Content-Length, undecodable JSON (msgspec).
+                events.head(Head(r.status_code, {}))
+                async for line in split_lines(r.aiter_bytes()):
+                    if events.line(line):
+                        break
+    # ValueError: a bad Content-Length, undecodable JSON (msgspec).
     except (httpx.HTTPError, OSError, EOFError, asyncio.TimeoutError, ProtocolError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
+    events.finish()
     if out.error:
         return out
     out.e2e = time.perf_counter() - start
@@ -109,44 +111,52 @@ async def _http_one(client: httpx.AsyncClient, args: argparse.Namespace, p: Prom
     return out
 
 
-async def _lean_one(url: str, body: dict[str, Any], args: argparse.Namespace, out: Outcome, start: float) -> None:
-    resp, writer = await post_stream(url, msgspec.json.encode(body))
-    try:
-        if resp.status != 200:
-            text = b"".join([piece async for piece in resp.body]).decode(errors="replace")
-            out.error = f"HTTP {resp.status}: {text[:200]}"
-            return
-        await _read_events(resp.lines, args, out, start)
-    finally:
-        writer.close()
+_decode_event = msgspec.json.Decoder(dict).decode
 
 
-async def _read_events(lines: AsyncIterator[bytes], args: argparse.Namespace, out: Outcome, start: float) -> None:
-    """Times the text chunks of an OpenAI SSE stream into `out` (TTFT, ITL, output tokens: the
-    usage figure when the server sends one, else the number of text chunks)."""
-    chat = args.backend == "openai-chat"
-    clock = _TextClock(out, start)
-    usage_tokens = 0
-    async for line in lines:
+class _EventReader:
+    """Times the text chunks of an OpenAI SSE stream into `out`, one body line at a time (TTFT,
+    ITL, output tokens: the usage figure when the server sends one, else the number of text
+    chunks). A non-200 answer's body becomes the error."""
+
+    def __init__(self, chat: bool, out: Outcome, start: float) -> None:
+        self.chat, self.out = chat, out
+        self.clock = _TextClock(out, start)
+        self.status = 200
+        self.usage_tokens = 0
+        self.error_body: list[bytes] = []
+
+    def head(self, head: Head) -> None:
+        self.status = head.status
+
+    def line(self, line: bytes) -> bool:
+        """True once the stream is over ([DONE] or an error event)."""
+        if self.status != 200:
+            self.error_body.append(line)
+            return False
         if not line.startswith(b"data:"):
-            continue
+            return False
         data = line[5:].strip()
         if data == b"[DONE]":
-            break
+            return True
         msg = _decode_event(data)
         if "error" in msg:
-            out.error = str(msg["error"])[:200]
-            return
+            self.out.error = str(msg["error"])[:200]
+            return True
         if msg.get("usage"):
-            usage_tokens = msg["usage"].get("completion_tokens", 0) or usage_tokens
+            self.usage_tokens = msg["usage"].get("completion_tokens", 0) or self.usage_tokens
         for choice in msg.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
             if text:
-                clock.tick()
-    out.output_tokens = (usage_tokens or clock.chunks) if clock.chunks else 0
+                self.clock.tick()
+        return False
 
-
-_decode_event = msgspec.json.Decoder(dict).decode
+    def finish(self) -> None:
+        if self.status != 200:
+            text = b"\n".join(self.error_body).decode(errors="replace")
+            self.out.error = f"HTTP {self.status}: {text[:200]}"
+        elif not self.out.error and self.clock.chunks:
+            self.out.output_tokens = self.usage_tokens or self.clock.chunks
 
 
 class _TextClock:

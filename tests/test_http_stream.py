@@ -1,4 +1,4 @@
-"""The load generator's plain-HTTP streaming reader against a socket server that answers with
+"""The load generator's plain-HTTP streaming reader (an asyncio.Protocol) against a socket server that answers with
 each body framing HTTP/1.1 allows: chunked (lines split across chunks, chunk extensions),
 Content-Length, and closed-connection delimited; and a reply that is not HTTP."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from rill.services.http_stream import ProtocolError, post_stream
+from rill.services.http_stream import Head, ProtocolError, stream_lines
 
 LINES = [b"data: {\"a\": 1}", b"", b"data: [DONE]", b""]
 BODY = b"\r\n".join(LINES) + b"\r\n"
@@ -40,13 +40,12 @@ async def exchange(reply: bytes, limit: int = 1 << 20) -> tuple[int, dict[str, s
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        resp, writer = await post_stream(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"p": 1}',
-                                         {"Authorization": "Bearer k"}, limit=limit)
-        try:
-            lines = [line async for line in resp.lines]
-        finally:
-            writer.close()
-    return resp.status, resp.headers, lines, bytes(seen)
+        lines: list[bytes] = []
+        heads: list[Head] = []
+        head = await stream_lines(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"p": 1}', lines.append,
+                                  {"Authorization": "Bearer k"}, on_head=heads.append, limit=limit)
+    assert heads == [head]  # told once, before the lines
+    return head.status, head.headers, lines, bytes(seen)
 
 
 @pytest.mark.parametrize("sizes", [[len(BODY)], [3, 9, 1, 20, 100], [1] * len(BODY)])
@@ -88,3 +87,37 @@ def test_many_chunks_in_one_segment_and_a_runaway_size_line() -> None:
     # A size line that never ends is cut off at the limit instead of buffering forever.
     with pytest.raises(ProtocolError):
         asyncio.run(exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 9000, limit=4096))
+
+
+def test_the_handler_stops_the_read_and_its_errors_surface() -> None:
+    """on_line returning True ends the exchange at that line; an exception it raises (a bad
+    event) comes out of stream_lines instead of being lost in the event loop."""
+    reply = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(BODY, [len(BODY)])
+
+    async def run(on_line) -> list[bytes]:
+        seen: list[bytes] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)  # and the connection stays open: only the handler ends the read
+            await writer.drain()
+            await asyncio.sleep(5)
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            def record(line: bytes) -> bool | None:
+                seen.append(line)
+                return on_line(line)
+            await asyncio.wait_for(stream_lines(f"http://127.0.0.1:{port}/", b"{}", record), 2)
+        return seen
+
+    assert asyncio.run(run(lambda line: line == b"data: [DONE]")) == LINES[:3]
+
+    def bad(line: bytes) -> None:
+        if line.startswith(b"data: [DONE]"):
+            raise ValueError("undecodable event")
+
+    with pytest.raises(ValueError, match="undecodable"):
+        asyncio.run(run(bad))
