@@ -12,7 +12,9 @@ EOS ignored, SmolLM2-135M-Instruct, same dtype everywhere.
   (e) transformers `generate`, static batches of 32 (left padding)
 Prints output tok/s, TTFT p50 and TPOT p50 for each, ratios to (a), the targets, and the
 achieved fraction of a roofline measured in the same run (the faster of the bf16/fp32 and int8
-GEMMs Rill runs, FLOP/s ÷ 2 × params).
+GEMMs Rill runs, FLOP/s ÷ 2 × params). Each pipeline phase also prints the CPU seconds of every
+process of the server (from /proc) and of the benchmark client, and the share of the cores all
+but the worker took: the in-process engine has its cores to itself.
 
     .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
                                               [--quantization none|int8]   (Rill rows only)
@@ -135,6 +137,51 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
 
 # ------------------------------------------------------------------------------ (a) pipeline
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of `root` and its descendants, by role: the
+    service name of `rill service <name>` children, "broker" for the embedded valkey-server."""
+    parents: dict[int, int] = {}
+    stats: dict[int, tuple[str, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(entry)
+        parents[pid] = int(fields[1])
+        role = "serve"
+        if b"service" in argv and argv.index(b"service") + 1 < len(argv):
+            role = argv[argv.index(b"service") + 1].decode()
+        elif argv and b"valkey-server" in argv[0]:
+            role = "broker"
+        stats[pid] = (role, (int(fields[11]) + int(fields[12])) / TICK)
+    out: dict[str, float] = {}
+    for pid, (role, cpu) in stats.items():
+        p = pid
+        while p not in (root, 0, 1) and p in parents:
+            p = parents[p]
+        if p == root:
+            out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], client: float, wall: float) -> str:
+    """The CPU each part of the pipeline took during a phase, and the share of the cores that
+    went to everything but the worker (which the in-process engine does not share its cores with)."""
+    used = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    used["client"] = client
+    others = sum(v for role, v in used.items() if role != "worker")
+    parts = ", ".join(f"{role} {v:.2f}" for role, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+    return f"CPU-s {parts}; all but the worker {others / (wall * (os.cpu_count() or 1)):.1%} of the cores"
+
 class Pipeline:
     """`rill serve` in a subprocess, measured by `rill bench serve`'s client in this process. It
     stays up (idle) while the in-process engine runs, so the two can be measured in turns."""
@@ -168,10 +215,12 @@ class Pipeline:
                             timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
         # The shared workload, after two warm-up requests.
         dataset = [bs.Prompt(p, len(p), self.out_len) for p in self.prompts[:2] + self.prompts]
+        before, t0, c0 = tree_cpu(self.proc.pid), time.perf_counter(), time.process_time()
         r = asyncio.run(bs.run_benchmark(args, dataset))
+        split = cpu_split(before, tree_cpu(self.proc.pid), time.process_time() - c0, time.perf_counter() - t0)
         if r["failed"]:
             raise RuntimeError(f"pipeline requests failed: {r['errors']}")
-        print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s", flush=True)
+        print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s; {split}", flush=True)
         return {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"], "tpot": r["tpot_ms"]["median"]}
 
     def close(self) -> None:
