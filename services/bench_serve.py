@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from rill.services.http_stream import Head, ProtocolError, split_lines, stream_lines
+from rill.services.http_stream import Head, LineSplitter, ProtocolError, stream_lines
 
 WORDS = ("the river carries light across stone and time while engines hum softly under a quiet sky "
          "every token finds its place in a block of memory that the scheduler lends and takes back "
@@ -93,10 +93,14 @@ async def _http_one(client: httpx.AsyncClient, args: argparse.Namespace, p: Prom
                                    args.timeout)
         else:
             async with client.stream("POST", url, json=body) as r:
-                events.head(Head(r.status_code, {}))
-                async for line in split_lines(r.aiter_bytes()):
-                    if events.line(line):
+                events.status = r.status_code
+                lines = LineSplitter()
+                async for data in r.aiter_bytes():
+                    if any(events.line(line) for line in lines.feed(data)):
                         break
+                else:
+                    if tail := lines.rest():
+                        events.line(tail)
     # ValueError: a bad Content-Length, undecodable JSON (msgspec).
     except (httpx.HTTPError, OSError, EOFError, asyncio.TimeoutError, ProtocolError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,7 @@ TLS: https URLs stay with httpx.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -21,6 +21,25 @@ MAX_HEADER_LINES = 100
 
 # A body line; return True to stop reading (the rest of the response is not read).
 LineHandler = Callable[[bytes], bool | None]
+
+
+class LineSplitter:
+    """The lines of a byte stream fed in pieces, without their endings (LF or CRLF)."""
+
+    def __init__(self) -> None:
+        self.partial = b""  # the start of a line whose end has not come
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if b"\n" not in data:
+            self.partial += data
+            return []
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [line.removesuffix(b"\r") for line in lines]
+
+    def rest(self) -> bytes:
+        """What is left after the stream ended: an unterminated last line, or b""."""
+        line, self.partial = self.partial.removesuffix(b"\r"), b""
+        return line
 
 
 class ProtocolError(Exception):
@@ -70,7 +89,7 @@ class _Exchange(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.head: Head | None = None
         self.raw = b""  # received, not yet parsed: the head, or chunk framing
-        self.partial = b""  # the start of a body line whose end has not come
+        self.lines = LineSplitter()  # the body's lines
         self.mode = ""  # body framing: "chunked", "length" or "close"
         self.state = "size"  # chunked: reading a "size" line, chunk "data", or its "crlf"
         self.remaining = 0  # bytes of the chunk (chunked) or of the body (length) still to come
@@ -156,12 +175,8 @@ class _Exchange(asyncio.Protocol):
 
     def _feed(self, payload: bytes) -> bool:
         """Body bytes: complete lines go to the handler; True once it asked to stop."""
-        if b"\n" not in payload:
-            self.partial += payload
-            return False
-        *lines, self.partial = (self.partial + payload).split(b"\n")
-        for line in lines:
-            if self.on_line(line.removesuffix(b"\r")):
+        for line in self.lines.feed(payload):
+            if self.on_line(line):
                 self._finish(flush=False)
                 return True
         return False
@@ -169,9 +184,8 @@ class _Exchange(asyncio.Protocol):
     def _finish(self, flush: bool = True) -> None:
         if self.done.done():
             return
-        if flush and self.partial:
-            line, self.partial = self.partial, b""
-            self.on_line(line.removesuffix(b"\r"))
+        if flush and (line := self.lines.rest()):
+            self.on_line(line)
         assert self.head is not None
         self.done.set_result(self.head)
         if self.transport is not None:
@@ -192,7 +206,7 @@ class _Exchange(asyncio.Protocol):
             except Exception as err:  # noqa: BLE001 - the handler's error on the last line
                 self._fail(err)
             return
-        self._fail(exc or asyncio.IncompleteReadError(self.partial, None))
+        self._fail(exc or asyncio.IncompleteReadError(self.lines.partial, None))
 
 
 async def stream_lines(url: str, body: bytes, on_line: LineHandler, headers: dict[str, str] | None = None,
@@ -219,17 +233,3 @@ async def stream_lines(url: str, body: bytes, on_line: LineHandler, headers: dic
         return await done
     finally:
         transport.close()
-
-
-async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The lines of a byte stream, without their endings (LF or CRLF): for httpx's body."""
-    pending = b""
-    async for data in chunks:
-        pending += data
-        if b"\n" not in data:
-            continue
-        *complete, pending = pending.split(b"\n")
-        for line in complete:
-            yield line.removesuffix(b"\r")
-    if pending:
-        yield pending.removesuffix(b"\r")
