@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
 
+from rill.services.supervisor import children_of  # noqa: E402
 from rill.services.worker.dtype_choice import resolve_dtype  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.broker import free_port  # noqa: E402
@@ -140,36 +141,24 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> Row:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _role(cmdline: str) -> str:
+    """A `rill serve` child's role: the service name of `rill service <name>`, or "broker"."""
+    argv = cmdline.split()
+    if "service" in argv[:-1]:
+        return argv[argv.index("service") + 1]
+    return "broker" if argv and "valkey-server" in argv[0] else "other"
+
+
 def tree_cpu(root: int) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) of `root` and its descendants, by role: the
-    service name of `rill service <name>` children, "broker" for the embedded valkey-server."""
-    parents: dict[int, int] = {}
-    stats: dict[int, tuple[str, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        pid = int(entry)
-        parents[pid] = int(fields[1])
-        role = "serve"
-        if b"service" in argv and argv.index(b"service") + 1 < len(argv):
-            role = argv[argv.index(b"service") + 1].decode()
-        elif argv and b"valkey-server" in argv[0]:
-            role = "broker"
-        stats[pid] = (role, (int(fields[11]) + int(fields[12])) / TICK)
+    """CPU seconds (user + system, all threads) of `rill serve` (`root`) and of each child, by
+    role; a child that ended meanwhile is left out."""
     out: dict[str, float] = {}
-    for pid, (role, cpu) in stats.items():
-        p = pid
-        while p not in (root, 0, 1) and p in parents:
-            p = parents[p]
-        if p == root:
-            out[role] = out.get(role, 0.0) + cpu
+    for pid, role in [(root, "serve"), *((p, _role(c)) for p, c in children_of(root).items())]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
     return out
 
 
