@@ -38,7 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rill.shared.lifecycle import POLL_MS, StopFlag
-from rill.shared.resp import Command, RespConnection
+from rill.shared.resp import AsyncRespConnection, Command, RespConnection
 from rill.shared.schema import encode
 
 FIELD = b"m"
@@ -125,15 +125,6 @@ MAXLEN = {"requests": 100_000, "engine_in": 100_000, "plan": 1_000, "result": 1_
           "detok": 20_000, "reply": 20_000}
 
 Entry = tuple[bytes, bytes]  # (entry id, payload)
-
-
-def _entries(resp) -> list[Entry]:
-    out: list[Entry] = []
-    for _stream, items in resp or []:
-        for entry_id, fields in items:
-            if fields and FIELD in fields:  # deleted entries come back as (id, None)
-                out.append((entry_id, fields[FIELD]))
-    return out
 
 
 def _is_busygroup(exc: Exception) -> bool:
@@ -391,12 +382,13 @@ class Bus:
 
 
 class AsyncBus:
-    """asyncio bus for the gateway. Blocking reads get their own connection."""
+    """asyncio bus for the gateway. The blocking read of the reply stream, once a step, gets its
+    own bare RESP connection (resp.py); everything else goes through redis-py (`self.r`)."""
 
     def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
         self.streams = Streams(prefix)
         self.r = aconnect(url, name=name)
-        self.reader = aconnect(url, single=True, name=name)
+        self.reader = AsyncRespConnection(url, name=_client_name(name))
 
     async def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
         return await self.r.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
@@ -406,13 +398,13 @@ class AsyncBus:
         return got[0][0] if got else b"0-0"
 
     async def read(self, stream: str, last_id: bytes, block_ms: int | None, count: int = 500) -> list[Entry]:
-        return _entries(await self.reader.xread({stream: last_id}, count=count, block=block_ms))
+        return Bus.entries(await self.reader.execute(*Bus.xread(stream, last_id, block_ms, count)))
 
     async def get(self, key: str) -> bytes | None:
         return await self.r.get(key)
 
     async def close(self) -> None:
-        await self.reader.aclose()
+        self.reader.close()
         await self.r.aclose()
 
 
