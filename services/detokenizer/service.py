@@ -26,8 +26,9 @@ log = logging.getLogger("rill.detokenizer")
 READ_COUNT = 64  # entries (steps) per read: one ReplyBatch per gateway covers all of them
 
 
-def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
-    """Decode every entry; send all replies and aborts, and ack, in one round trip."""
+def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[Command]:
+    """Decode every entry; the commands that send all replies and aborts, then ack, in one round
+    trip (serve_group sends them ahead of its next read)."""
     replies: dict[str, list[TextDelta]] = {}
     aborts: dict[tuple[int, str], list[str]] = {}  # (engine, reason) -> request ids
     for entry_id, payload in entries:
@@ -55,7 +56,7 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> None:
     sends += [Bus.xadd(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason), MAXLEN["engine_in"])
               for (engine, reason), ids in aborts.items()]
     # The ack goes last in the same round trip: it runs only after the sends did.
-    bus.exchange([*sends, Bus.xack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])])
+    return [*sends, Bus.xack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])]
 
 
 def load_detokenizer(model_dir: str) -> Detokenizer:

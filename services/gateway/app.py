@@ -402,13 +402,15 @@ class Gateway:
             if self.watch_engine:
                 engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
                 s = self.bus.streams
-                beats = await self.bus.r.mget([k for e in engines for k in (s.heartbeat("scheduler", e),
-                                                                          s.heartbeat("worker", e))])
-                live = any(beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines)))
+                keys = [k for e in engines for k in (s.heartbeat("scheduler", e), s.heartbeat("worker", e))]
+                spans = []  # each role's slice of the keys: every heartbeat in one MGET
                 for role, names in zip(REPLICA_ROLES, replicas, strict=True):
-                    alive = bool(names) and any(b is not None for b in await self.bus.r.mget(
-                        [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]))
-                    self._replicas_gone[role].observe(alive, now)
+                    spans.append((role, len(keys), len(keys) + len(names)))
+                    keys += [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]
+                beats = await self.bus.r.mget(keys)
+                live = any(beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines)))
+                for role, lo, hi in spans:
+                    self._replicas_gone[role].observe(any(b is not None for b in beats[lo:hi]), now)
         except Exception as exc:  # the broker is unreachable (or answers with errors)
             if self.broker_ok:
                 log.warning("broker unreachable: %r", exc)
