@@ -206,7 +206,6 @@ class RespConnection(_Target):
         return replies
 
 
-
 class _RespProtocol(asyncio.Protocol):
     """Parses replies as they arrive; wakes the one waiter when it has the replies it wants."""
 
