@@ -235,7 +235,8 @@ class _RespProtocol(asyncio.Protocol):
         self._fail(exc or EOFError("the broker closed the connection"))
 
     def _fail(self, exc: BaseException) -> None:
-        self.lost = exc
+        if self.lost is None:  # keep the first cause: the abort below reports a plain close later
+            self.lost = exc
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
         if self.transport is not None:
