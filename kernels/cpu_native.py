@@ -1,4 +1,4 @@
-"""Native CPU kernels (cpu_paged_attention.c, cpu_prefill_attention.c, cpu_quant.c,
+"""Native CPU kernels (cpu_paged_attention.c, cpu_prefill_*.c, cpu_quant.c,
 cpu_elementwise.c, cpu_small_gemm.c), compiled on first use and called through ctypes.
 
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
@@ -39,7 +39,7 @@ from rill.shared.model_files import cache_root
 log = logging.getLogger("rill.kernels")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
-                                                 "cpu_prefill_amx.c", "cpu_quant.c", "cpu_elementwise.c",
+                                                 "cpu_prefill_amx.c", "cpu_prefill_bf16dot.c", "cpu_quant.c", "cpu_elementwise.c",
                                                  "cpu_small_gemm.c", "cpu_sampling.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
@@ -48,6 +48,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _amx = False  # the build has the AMX prefill kernel and the OS granted this process the tiles
 _silu_mul = False  # the build has the native SiLU * up (AVX512-BF16 CPUs)
+_prefill_dot = False  # the build has the AVX512-BF16 dot-product prefill kernel
 
 
 def enabled() -> bool:
@@ -56,7 +57,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it the first time; None when it cannot be had."""
-    global _lib, _tried, _amx, _silu_mul
+    global _lib, _tried, _amx, _silu_mul, _prefill_dot
     if not enabled():  # read on every call, so a test or an operator can switch it off
         return None
     if _tried:
@@ -66,6 +67,7 @@ def library() -> ctypes.CDLL | None:
         _lib = _load(_build())
         _amx = _lib.amx_enable() == 0
         _silu_mul = bool(_lib.silu_mul_available())
+        _prefill_dot = bool(_lib.prefill_dot_available())
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch kernels", exc)
         _lib = None
@@ -131,11 +133,13 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
-    for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32, lib.paged_prefill_bf16_amx):
+    for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32, lib.paged_prefill_bf16_amx, lib.paged_prefill_bf16_dot):
         fn.restype = i32
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32]
     lib.amx_enable.restype = i32
     lib.amx_enable.argtypes = []
+    lib.prefill_dot_available.restype = i32
+    lib.prefill_dot_available.argtypes = []
     for fn in (lib.quantize_rows_bf16, lib.quantize_rows_f32):
         fn.restype = None
         fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
@@ -206,6 +210,11 @@ def amx_prefill_available() -> bool:
             and os.environ.get("RILL_AMX", "1").strip() not in ("0", "false", "no", "off"))
 
 
+def dot_prefill_available() -> bool:
+    """Whether bf16 prompt chunks can run on AVX512-BF16 dot products here (the build has them)."""
+    return library() is not None and _prefill_dot
+
+
 def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill` can take these tensors (else use the torch path): head_dim a
     multiple of 4 up to 256, GQA groups up to 16."""
@@ -215,27 +224,42 @@ def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[1] // k_cache.shape[2] <= 16 and library() is not None)
 
 
+PREFILL_KERNELS = ("auto", "amx", "dot", "vector")
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, out: torch.Tensor,
-                  scale: float, amx: bool = True) -> None:
+                  scale: float, kernel: str | None = None) -> None:
     """Causal attention for multi-token rows: sequence i's query rows q_starts[i] ..
     q_starts[i] + q_lens[i] sit at positions ctx_lens[i] .. and see every cached key up to their
     own position (the step's K/V must be in the cache already). block_tables [n, W], q_starts,
     q_lens, ctx_lens [n]: int32 contiguous; out contiguous like q. The caller checks
-    `prefill_supported` first. bf16 with head_dim a multiple of 32 runs on AMX tiles where
-    `amx_prefill_available`; `amx=False` keeps it on the vector kernel (to compare)."""
+    `prefill_supported` first.
+
+    `kernel` (default RILL_PREFILL_KERNEL, else "auto") "auto" takes the fastest this CPU has for
+    bf16: AMX tiles (head_dim a multiple of 32, `amx_prefill_available`), else AVX512-BF16 dot
+    products (`dot_prefill_available`), else the fp32-FMA vector kernel, which is also fp32's.
+    "amx", "dot" and "vector" ask for one (to compare); one that the CPU or the shape cannot take
+    falls back to the vector kernel."""
     lib = _loaded()
     for t in (block_tables, q_starts, q_lens, ctx_lens):
         assert t.dtype == torch.int32 and t.is_contiguous()
     assert out.is_contiguous() and v_cache.is_contiguous()
+    if kernel is None:
+        kernel = os.environ.get("RILL_PREFILL_KERNEL", "auto").strip().lower() or "auto"
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
             q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale)
     rc = -1
-    if amx and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_prefill_available():
-        rc = lib.paged_prefill_bf16_amx(*args)
+    if q.dtype == torch.bfloat16:
+        if kernel in ("auto", "amx") and head_dim % 32 == 0 and amx_prefill_available():
+            rc = lib.paged_prefill_bf16_amx(*args)
+        if rc in (-1, 1, 3) and kernel in ("auto", "dot") and _prefill_dot:
+            rc = lib.paged_prefill_bf16_dot(*args)
     if rc in (-1, 1, 3):  # not taken, or a shape or build it does not handle
         rc = getattr(lib, _PREFILL[q.dtype])(*args)
     if rc != 0:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Prompt-chunk attention on the CPU: the native paged kernels against the torch path (SDPA over
-the chunk's keys, gathered from the cache when it has context), same run, same inputs. In bf16 on
-CPUs with AMX-BF16 the AMX tile kernel runs too ("amx"); "native" is the vector kernel.
+the chunk's keys, gathered from the cache when it has context), same run, same inputs. "native"
+is the fp32-FMA vector kernel; in bf16 the AVX512-BF16 dot-product kernel ("dot") and the AMX
+tile kernel ("amx") run too where the CPU has them.
 
 SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, 16-token blocks scattered over the
 pool). Each case is one step's multi-token rows, as `torch_ops.paged_attention` gets them:
@@ -33,16 +34,17 @@ CASES = {
 
 
 def per_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ops.AttentionMetadata, native: bool,
-             repeats: int, amx: bool = False) -> float:
+             repeats: int, kernel: str = "vector") -> float:
     """Best seconds per call (the per-step plan is rebuilt each time, as every step does)."""
     os.environ["RILL_NATIVE_KERNELS"] = "1" if native else "0"
-    os.environ["RILL_AMX"] = "1" if amx else "0"
+    os.environ["RILL_PREFILL_KERNEL"] = kernel
     times = []
     for _ in range(repeats + 1):
         meta.aux.clear()
         t0 = time.perf_counter()
         ops.paged_attention(q, k, v, meta, HEAD_DIM ** -0.5)
         times.append(time.perf_counter() - t0)
+    os.environ.pop("RILL_PREFILL_KERNEL")
     return min(times[1:])
 
 
@@ -54,10 +56,12 @@ def main() -> None:
     if cpu_native.library() is None:
         raise SystemExit("the native kernels did not build on this machine")
     rng = random.Random(0)
-    has_amx = cpu_native.amx_prefill_available()
-    print(f"{'dtype':<9} | {'case':<22} | {'torch SDPA us':>13} | {'native us':>9} | {'speed-up':>8} "
-          f"| {'native GFLOP/s':>14} | {'amx us':>7} | {'speed-up':>8} | {'amx GFLOP/s':>11}")
-    print("-" * 130)
+    extra = [k for k, ok in (("dot", cpu_native.dot_prefill_available()), ("amx", cpu_native.amx_prefill_available()))
+             if ok]
+    head = f"{'dtype':<9} | {'case':<22} | {'torch SDPA us':>13} | {'native us':>9} | {'speed-up':>8} | {'GFLOP/s':>7}"
+    for k in extra:
+        head += f" | {k + ' us':>7} | {'speed-up':>8} | {'GFLOP/s':>7}"
+    print(head + "\n" + "-" * len(head))
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for name, chunks in CASES.items():
             need = [-(-(c + n) // BLOCK) for c, n in chunks]
@@ -74,10 +78,10 @@ def main() -> None:
             # causal: query i of a chunk sees context + i + 1 keys; QK and PV are 2 FLOP per MAC each
             flop = sum(4 * HEADS * HEAD_DIM * (n * c + n * (n + 1) / 2) for c, n in chunks)
             line = (f"{str(dtype).removeprefix('torch.'):<9} | {name:<22} | {plain * 1e6:>13.0f} | {native * 1e6:>9.0f} "
-                    f"| {plain / native:>7.2f}x | {flop / native / 1e9:>14.1f}")
-            if has_amx and dtype == torch.bfloat16:
-                amx = per_call(q, k, v, meta, True, args.repeats, amx=True)
-                line += f" | {amx * 1e6:>7.0f} | {plain / amx:>7.2f}x | {flop / amx / 1e9:>11.1f}"
+                    f"| {plain / native:>7.2f}x | {flop / native / 1e9:>7.1f}")
+            for kernel in extra if dtype == torch.bfloat16 else []:
+                t = per_call(q, k, v, meta, True, args.repeats, kernel)
+                line += f" | {t * 1e6:>7.0f} | {plain / t:>7.2f}x | {flop / t / 1e9:>7.1f}"
             print(line)
 
 

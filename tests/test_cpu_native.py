@@ -122,10 +122,50 @@ def test_amx_prefill_matches_reference(block_size: int, head_dim: int, group: in
     close(out, case.reference(), *TOL[torch.bfloat16])
     vector = out.clone()
     cpu_native.paged_prefill(case.q, case.k_cache, case.v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens,
-                             vector, case.scale, amx=False)
+                             vector, case.scale, kernel="vector")
     rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(p.q_starts, p.q_lens, strict=True)])
     assert not torch.equal(out[rows], vector[rows])  # two different kernels ran
     close(out[rows], vector[rows], 2e-2, 2e-2)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", [20, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_dot_prefill_matches_reference(block_size: int, head_dim: int, group: int) -> None:
+    """The AVX512-BF16 dot-product kernel on the vector kernel's cases: chunks with and without
+    context, key chunks and key pairs cut short, partial row vectors, slots past each sequence's
+    end NaN (a padded key pair must not carry them into P.V); and it agrees with the vector
+    kernel to bf16 rounding."""
+    if not cpu_native.dot_prefill_available():
+        pytest.skip("this CPU (or the compiler) has no AVX512-BF16")
+    computed = [0, 37, 0, 250, 5, 0, 31]
+    query_lens = [2, 40, 130, 17, 1, 64, 33]
+    seq_lens = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    case = PagedCase(seq_lens, query_lens, block_size, 2, group, head_dim, torch.bfloat16,
+                     seed=group * head_dim + block_size + 1)
+    _, plan = run_step(case, computed, query_lens)
+    p = plan.native_prefill
+    assert p is not None and plan.prefills == []
+    outs = {}
+    for kernel in ("dot", "vector"):
+        out = torch.full_like(case.q, float("nan"))
+        cpu_native.paged_prefill(case.q, case.k_cache, case.v_cache, p.block_tables, p.q_starts, p.q_lens,
+                                 p.ctx_lens, out, case.scale, kernel=kernel)
+        outs[kernel] = out
+    rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(p.q_starts, p.q_lens, strict=True)])
+    close(outs["dot"][rows], case.reference()[rows], *TOL[torch.bfloat16])
+    assert not torch.equal(outs["dot"][rows], outs["vector"][rows])  # two different kernels ran
+    close(outs["dot"][rows], outs["vector"][rows], 2e-2, 2e-2)
+
+
+def test_prefill_kernel_choice_is_checked() -> None:
+    case = PagedCase([5], [5], 16, 1, 1, 64, torch.bfloat16, seed=3)
+    _, plan = run_step(case, [0], [5])
+    p = plan.native_prefill
+    assert p is not None
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        cpu_native.paged_prefill(case.q, case.k_cache, case.v_cache, p.block_tables, p.q_starts, p.q_lens,
+                                 p.ctx_lens, torch.empty_like(case.q), case.scale, kernel="fastest")
 
 
 def test_native_prefill_agrees_with_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
