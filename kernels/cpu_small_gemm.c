@@ -10,8 +10,9 @@
 // Here the weight is packed once (small_gemm_pack) as [N/16][K/2][16 rows][2]: one 64-byte
 // vector holds a pair of K positions for 16 output rows, so AVX512-BF16's vdpbf16ps against the
 // input's pair at those positions, broadcast, adds into 16 outputs at once, with no horizontal
-// sums. Each thread takes a contiguous range of 16-row blocks (one sequential stream of the
-// packed weight per block it works on), NB blocks x M input rows of accumulators in registers.
+// sums. Each thread works through a contiguous share of the 16-row blocks (one sequential stream
+// of the packed weight) and may take blocks from others' (split_blocks), NB blocks x M input rows
+// of accumulators in registers.
 // Sums in fp32, the bias added in fp32, rounded once to bf16 (nearest even), as a GEMM with fp32
 // accumulation does; only the order of the additions differs.
 //
@@ -19,6 +20,7 @@
 // keeps oneDNN). K must be even; N is padded to a multiple of 16 in the packed copy.
 
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -112,19 +114,78 @@ DEFINE_TILE(tail_6, 1, 6)
 DEFINE_TILE(tail_7, 1, 7)
 DEFINE_TILE(tail_8, 1, 8)
 
+// Work split: each thread owns a contiguous share of the blocks and works through it from the
+// front, a few blocks per claim (one sequential stream of the weight, as a static split); a
+// thread that runs out takes blocks from the back of another's share. On a 2-core server the
+// other processes preempt one of the worker's threads every few ms; with fixed shares the other
+// thread then spun at the barrier until it came back, here it takes over what is left.
+// A share is [front, back) in one 64-bit word, so that a claim from either end is one CAS.
+typedef struct {
+  _Atomic uint64_t span;
+  char pad[56];  // one cache line per share
+} Share;
+
+#define MAX_SHARES 64
+
+static inline uint64_t span_of(int64_t front, int64_t back) { return (uint64_t)back << 32 | (uint64_t)front; }
+
+// Up to `most` blocks from the front (the owner) or the back (a thief) of a share: the first
+// block, and *count; -1 when it is empty.
+static inline int64_t claim(Share* sh, int64_t most, int from_back, int64_t* count) {
+  uint64_t s = atomic_load_explicit(&sh->span, memory_order_relaxed);
+  for (;;) {
+    const int64_t front = (int64_t)(s & 0xffffffffu), back = (int64_t)(s >> 32);
+    if (front >= back) return -1;
+    const int64_t n = back - front < most ? back - front : most;
+    const uint64_t next = from_back ? span_of(front, back - n) : span_of(front + n, back);
+    if (atomic_compare_exchange_weak_explicit(&sh->span, &s, next, memory_order_relaxed, memory_order_relaxed)) {
+      *count = n;
+      return from_back ? back - n : front;
+    }
+  }
+}
+
+typedef void (*range_fn)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, void*, int, int64_t, int64_t,
+                         int64_t, int64_t);
+
+// Blocks 0 .. blocks-1 over the team: own share first, PANEL_BLOCKS per claim, then 2 at a time
+// from the back of the others'.
+static void split_blocks(range_fn run, const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias,
+                         void* out, int f32, int64_t n, int64_t k) {
+  const int64_t blocks = (n + LANES - 1) / LANES;
+  Share shares[MAX_SHARES] __attribute__((aligned(64)));
+  int team = omp_get_max_threads();
+  team = team < MAX_SHARES ? team : MAX_SHARES;
+  for (int t = 0; t < team; ++t) atomic_init(&shares[t].span, span_of(blocks * t / team, blocks * (t + 1) / team));
+#pragma omp parallel num_threads(team)
+  {
+    const int threads = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t b, count;
+    while ((b = claim(&shares[id], PANEL_BLOCKS, 0, &count)) >= 0) run(x, m, wp, bias, out, f32, n, k, b, b + count);
+    for (int j = 1; j < threads; ++j) {
+      Share* other = &shares[(id + j) % threads];
+      while ((b = claim(other, 2, 1, &count)) >= 0) run(x, m, wp, bias, out, f32, n, k, b, b + count);
+    }
+  }
+}
+
 // Up to 8 input rows, all in one tile: four blocks at a time up to 4 rows, two beyond (at most
-// 16 accumulators), a block at a time for the last thread's leftover blocks.
-#define DEFINE_ROWS(M, TILE, NB)                                                                 \
-  static void rows_##M(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* out,      \
-                       int f32, int64_t n, int64_t k) {                                          \
-    const int64_t blocks = (n + LANES - 1) / LANES, tiles = blocks / NB;                         \
-    _Pragma("omp parallel")                                                                      \
-    {                                                                                            \
-      const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                  \
-      for (int64_t t = tiles * id / threads; t < tiles * (id + 1) / threads; ++t)                \
-        TILE(x, wp, bias, out, f32, t * NB, n, k);                                               \
-      if (id == threads - 1)                                                                     \
-        for (int64_t b = tiles * NB; b < blocks; ++b) tail_##M(x, wp, bias, out, f32, b, n, k);  \
+// 16 accumulators), a block at a time for what is left of a range.
+#define DEFINE_ROWS(M, WIDE, WIDEST)                                                             \
+  static void rows_range_##M(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, \
+                             void* out, int f32, int64_t n, int64_t k, int64_t b, int64_t hi) {  \
+    (void)m;                                                                                     \
+    while (b < hi) {                                                                             \
+      if (WIDEST >= PANEL_BLOCKS && hi - b >= PANEL_BLOCKS) {                                    \
+        WIDE(x, wp, bias, out, f32, b, n, k);                                                    \
+        b += PANEL_BLOCKS;                                                                       \
+      } else if (hi - b >= 2) {                                                                  \
+        pair_##M(x, wp, bias, out, f32, b, n, k);                                                \
+        b += 2;                                                                                  \
+      } else {                                                                                   \
+        tail_##M(x, wp, bias, out, f32, b, n, k);                                                \
+        b += 1;                                                                                  \
+      }                                                                                          \
     }                                                                                            \
   }
 
@@ -137,11 +198,14 @@ DEFINE_ROWS(6, pair_6, 2)
 DEFINE_ROWS(7, pair_7, 2)
 DEFINE_ROWS(8, pair_8, 2)
 
+static const range_fn ROWS[VECTOR_ROWS + 1] = {0, rows_range_1, rows_range_2, rows_range_3, rows_range_4,
+                                               rows_range_5, rows_range_6, rows_range_7, rows_range_8};
+
 // More rows (a decode batch of 9-128): the step is compute bound, so what matters is keeping
 // vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24 accumulators, 4 weight
-// vectors and 6 broadcasts per 24 dot products. Each thread owns a contiguous range of blocks;
-// for each tile of them it walks every 6-row group of the input, so the tile's packed weight
-// (64 x K bf16, 72-192 KB at these K) is read from memory once and from L2 after that.
+// vectors and 6 broadcasts per 24 dot products. For each tile of the blocks a thread claims, it
+// walks every 6-row group of the input, so the tile's packed weight (64 x K bf16, 72-192 KB at
+// these K) is read from memory once and from L2 after that.
 typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, void*, int, int64_t, int64_t, int64_t);
 static const tile_fn PANEL[PANEL_ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6};
 static const tile_fn PAIR[PANEL_ROWS + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
@@ -149,7 +213,7 @@ static const tile_fn SINGLE[PANEL_ROWS + 1] = {0, tail_1, tail_2, tail_3, tail_4
 
 // Blocks b .. hi of the output, every row group of each tile before the next tile.
 static void panel_range(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
-                       int f32, int64_t n, int64_t k, int64_t b, int64_t hi) {
+                        int f32, int64_t n, int64_t k, int64_t b, int64_t hi) {
   while (b < hi) {
     // Four blocks while they last, then two, then one (fewer accumulators, shorter chains).
     const int64_t width = hi - b >= PANEL_BLOCKS ? PANEL_BLOCKS : hi - b >= 2 ? 2 : 1;
@@ -163,35 +227,12 @@ static void panel_range(const uint16_t* x, int64_t m, const uint16_t* wp, const 
   }
 }
 
-static void panel_rows(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
-                       int f32, int64_t n, int64_t k) {
-  const int64_t blocks = (n + LANES - 1) / LANES;
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-    panel_range(x, m, wp, bias, out, f32, n, k, blocks * id / threads, blocks * (id + 1) / threads);
-  }
-}
-
 // out is bf16, or fp32 when f32 is set (logits: no rounding to bf16 and no widening pass after).
 // 0 on success; 1 when the shape is not one this kernel takes (the caller uses oneDNN).
 int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out,
                     int f32, int64_t n, int64_t k) {
   if (m < 1 || m > SMALL_GEMM_MAX_ROWS || k % 2 != 0 || n < 1) return 1;
-  if (m > VECTOR_ROWS) {
-    panel_rows(x, m, wp, bias, out, f32, n, k);
-    return 0;
-  }
-  switch (m) {
-    case 1: rows_1(x, wp, bias, out, f32, n, k); break;
-    case 2: rows_2(x, wp, bias, out, f32, n, k); break;
-    case 3: rows_3(x, wp, bias, out, f32, n, k); break;
-    case 4: rows_4(x, wp, bias, out, f32, n, k); break;
-    case 5: rows_5(x, wp, bias, out, f32, n, k); break;
-    case 6: rows_6(x, wp, bias, out, f32, n, k); break;
-    case 7: rows_7(x, wp, bias, out, f32, n, k); break;
-    default: rows_8(x, wp, bias, out, f32, n, k); break;
-  }
+  split_blocks(m > VECTOR_ROWS ? panel_range : ROWS[m], x, m, wp, bias, out, f32, n, k);
   return 0;
 }
 

@@ -422,6 +422,31 @@ def test_small_gemm_matches_reference(rows: int, n: int, k: int) -> None:
 
 
 @needs_small_gemm
+@pytest.mark.parametrize("rows", [3, 7, 16])
+def test_small_gemm_is_the_same_whichever_thread_takes_a_block(rows: int) -> None:
+    """Threads work through their own share of the output blocks and take blocks from the back of
+    others' shares when they run out (more threads than cores: they are preempted all the time,
+    so shares change hands). Every block is computed once, by some thread, in the same order of
+    additions whatever tile took it: the output is bit-identical to one thread's."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 577, 576  # 37 blocks, the last one partial
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    packed = cpu_native.small_gemm_pack(w)
+    before = torch.get_num_threads()
+    try:
+        for threads in (3, 8):
+            for _ in range(20):  # a fresh input each time: a block left unwritten cannot match by chance
+                x = torch.randn(rows, k, generator=g).bfloat16()
+                torch.set_num_threads(1)
+                want = [cpu_native.small_gemm(x, packed, n, b, dt) for dt in (torch.bfloat16, torch.float32)]
+                torch.set_num_threads(threads)
+                got = [cpu_native.small_gemm(x, packed, n, b, dt) for dt in (torch.bfloat16, torch.float32)]
+                assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_small_gemm
 def test_linear_takes_the_small_gemm_up_to_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 Linear runs decode-sized inputs (up to small_gemm_rows()) through the small GEMM and
     larger ones through oneDNN, with the same values either way (to bf16 rounding)."""
