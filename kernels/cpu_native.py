@@ -8,8 +8,8 @@ blocks in place is several times faster. Prompt chunks read them in place too, a
 the speed of torch's SDPA on contiguous copies. Likewise the quantise / dequantise steps around an int8 GEMM are
 one pass each instead of a dozen small torch ops (see cpu_quant.c), and so are the residual add +
 RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c). bf16 linear
-layers of decode steps (up to 128 rows) run faster than through oneDNN: with a few rows they
-stream their weights faster, with more they keep the dot-product units busier (cpu_small_gemm.c).
+layers of up to 1024 rows run faster than through oneDNN: with a few rows they stream their
+weights faster, with more they keep the dot-product units busier (cpu_small_gemm.c).
 
 The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
 (-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the

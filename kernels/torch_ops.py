@@ -106,14 +106,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+LOGITS_SMALL_ROWS = 128  # see Linear
+
+
 class Linear:
     """y = x @ W.T + b. On CPU the weight is pre-packed once into oneDNN's blocked layout, which
     skips a per-call weight reorder (measured 10-60% faster GEMMs at decode batch sizes); when
     that private op is missing or disagrees with F.linear, plain F.linear is used. A bf16 weight
     on a CPU with AVX512-BF16 is also packed for the native small GEMM (cpu_small_gemm.c), which
-    takes inputs of up to 128 rows (decode steps: 1.1-2x oneDNN at 1-8 rows, 1.05-1.4x at 9-128),
-    at the cost of a second copy of the weight; whether it does is settled when the layer is built
-    (RILL_NATIVE_KERNELS set afterwards does not change it)."""
+    takes inputs of up to `small_gemm_rows()` rows (1.1-2x oneDNN at 1-8 rows, 1.05-1.4x at
+    9-128, 1.05x at 160-512 and as fast at 1024, and it shares out its blocks so that a preempted
+    thread does not stall the other), at the cost of a second copy of the weight; whether it does
+    is settled when the layer is built (RILL_NATIVE_KERNELS set afterwards does not change it).
+    Logits (`float_out`) take it up to LOGITS_SMALL_ROWS: with a vocabulary-wide output oneDNN's
+    blocking wins from ~96 rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight: torch.Tensor | None = weight
@@ -138,9 +144,11 @@ class Linear:
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """self(x) in fp32 (logits): the small GEMM writes its fp32 sums directly, skipping the
         rounding to bf16 and the widening pass over [rows, vocab] after it."""
-        if self._small_takes(x):
+        if self._small_takes(x) and x.shape[0] <= LOGITS_SMALL_ROWS:
             return cpu_native.small_gemm(x, self.small, self.out_features, self.bias, torch.float32)
-        return self(x).float()
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "").float()
+        return F.linear(x, self.weight, self.bias).float()
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -404,7 +404,7 @@ needs_small_gemm = pytest.mark.skipif(cpu_native.small_gemm_rows() == 0, reason=
 
 @needs_small_gemm
 # 1-8: one tile holds every row; 9-128: 6-row groups of 4-, 2- and 1-block tiles, tails included.
-@pytest.mark.parametrize("rows", [*range(1, 9), 9, 13, 32, 61, 128])
+@pytest.mark.parametrize("rows", [*range(1, 9), 9, 13, 32, 61, 128, 301, 1024])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (577, 1536), (5, 64), (49, 6), (112, 64)])  # N off the 16-row blocks too
 def test_small_gemm_matches_reference(rows: int, n: int, k: int) -> None:
     """bf16 x [rows, K] @ W.T (+ bias) through the packed small GEMM: the float64 product within
@@ -462,6 +462,23 @@ def test_linear_takes_the_small_gemm_up_to_its_rows(monkeypatch: pytest.MonkeyPa
     assert calls == [limit]
     assert torch.allclose(small.float(), large[:limit].float(), rtol=2e-2, atol=2e-2 * (1 + large.abs().max().item()))
     assert torch_ops.Linear(w.float(), b.float()).small is None  # fp32 keeps oneDNN only
+
+
+@needs_small_gemm
+def test_logits_take_the_small_gemm_up_to_their_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 logits (float_out) come from the small GEMM's sums up to LOGITS_SMALL_ROWS rows and
+    from oneDNN beyond, the same values either way (to bf16 rounding of the products' order)."""
+    calls: list[int] = []
+    real = cpu_native.small_gemm
+    monkeypatch.setattr(cpu_native, "small_gemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 64, generator=g).bfloat16()
+    lin = torch_ops.Linear(w, None)
+    x = torch.randn(torch_ops.LOGITS_SMALL_ROWS + 1, 64, generator=g).bfloat16()
+    small, large = lin.float_out(x[:-1]), lin.float_out(x)
+    assert calls == [torch_ops.LOGITS_SMALL_ROWS]
+    assert small.dtype == large.dtype == torch.float32
+    assert torch.allclose(small, large[:-1], rtol=2e-2, atol=2e-2 * (1 + large.abs().max().item()))
 
 
 @needs_small_gemm
