@@ -161,11 +161,13 @@ static void split_blocks(range_fn run, const uint16_t* x, int64_t m, const uint1
   for (int t = 0; t < team; ++t) atomic_init(&shares[t].span, span_of(blocks * t / team, blocks * (t + 1) / team));
 #pragma omp parallel num_threads(team)
   {
-    const int threads = omp_get_num_threads(), id = omp_get_thread_num();
+    // the team may come out smaller than asked (nested in another parallel region): every share
+    // is then still taken, from the back, by the threads there are
+    const int id = omp_get_thread_num();
     int64_t b, count;
     while ((b = claim(&shares[id], PANEL_BLOCKS, 0, &count)) >= 0) run(x, m, wp, bias, out, f32, n, k, b, b + count);
-    for (int j = 1; j < threads; ++j) {
-      Share* other = &shares[(id + j) % threads];
+    for (int j = 1; j < team; ++j) {
+      Share* other = &shares[(id + j) % team];
       while ((b = claim(other, 2, 1, &count)) >= 0) run(x, m, wp, bias, out, f32, n, k, b, b + count);
     }
   }
@@ -203,9 +205,9 @@ DEFINE_ROWS(8, pair_8, 2)
 static const range_fn ROWS[VECTOR_ROWS + 1] = {0, rows_range_1, rows_range_2, rows_range_3, rows_range_4,
                                                rows_range_5, rows_range_6, rows_range_7, rows_range_8};
 
-// More rows (a decode batch of 9-128): the step is compute bound, so what matters is keeping
-// vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24 accumulators, 4 weight
-// vectors and 6 broadcasts per 24 dot products. For each tile of the blocks a thread claims, it
+// More rows (a decode batch of 9-128, a prompt step up to 1024): the step is compute bound, so
+// what matters is keeping vdpbf16ps fed. A tile is 4 blocks (64 outputs) x 6 input rows, 24
+// accumulators, 4 weight vectors and 6 broadcasts per 24 dot products. For each tile of the blocks a thread claims, it
 // walks every 6-row group of the input, so the tile's packed weight (64 x K bf16, 72-192 KB at
 // these K) is read from memory once and from L2 after that.
 typedef void (*tile_fn)(const uint16_t*, const uint16_t*, const uint16_t*, void*, int, int64_t, int64_t, int64_t);
