@@ -101,11 +101,21 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+_build_key: str | None = None
+
+
+def build_key() -> str | None:
+    """The hash of the loaded library's sources, flags, compiler and CPU; None without one."""
+    return _build_key if library() is not None else None
+
+
 def _build() -> Path:
+    global _build_key
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
                                     cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    _build_key = key
     folder = cache_root() / "kernels"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"rill_cpu_kernels-{key}.so"

@@ -220,14 +220,16 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                quantization: str | None = None) -> AnyLinear:
+                quantization: str | None = None, logits: bool = False) -> AnyLinear:
     """A callable x -> x @ weight.T + bias, prepared once for the weight's device; with
-    quantization "int8", the W8A8 int8 version (CPU weights only)."""
+    quantization "int8", the W8A8 int8 version (CPU weights only). `logits`: the LM head, called
+    through `float_out` (on CPU its GEMM choice is measured for that use)."""
     if quantization is None or quantization == "none":
-        return _impl_for(weight).Linear(weight, bias)
+        impl = _impl_for(weight)
+        return impl.Linear(weight, bias, logits=True) if logits and impl is torch_ops else impl.Linear(weight, bias)
     if quantization != "int8":
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    return torch_ops.Int8Linear(weight, bias)  # refuses non-CPU weights
+    return torch_ops.Int8Linear(weight, bias, logits)  # refuses non-CPU weights
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

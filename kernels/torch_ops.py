@@ -9,12 +9,14 @@ own. Softmax always runs in fp32.
 
 from __future__ import annotations
 
+import bisect
+import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from rill.kernels import cpu_native
+from rill.kernels import chooser, cpu_native
 
 if TYPE_CHECKING:
     from rill.kernels.ops import AttentionMetadata
@@ -109,46 +111,100 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 LOGITS_SMALL_ROWS = 128  # see Linear
 
 
+def gemm_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
+    """The implementations a Linear of this weight can run (chooser.py): oneDNN on its pre-packed
+    weight; for bf16, oneDNN's fp32 GEMM on an fp32 copy of the weight (`f32`: on CPUs whose
+    bf16 units are slower than their fp32 FMAs, e.g. Intel Xeons without AMX) and, on an
+    AVX512-BF16 CPU, the native small GEMM."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return []
+    names = ["onednn"]
+    if weight.dtype == torch.bfloat16:
+        names.append("f32")
+    if cpu_native.small_gemm_weight_ok(weight, bias):
+        names.append("small")
+    return names
+
+
+def gemm_incumbent(names: list[str], bucket: int, logits: bool) -> str:
+    """What a Linear runs at `bucket` rows without a measured choice: the small GEMM wherever it
+    can (up to its row limit; logits up to LOGITS_SMALL_ROWS, where oneDNN's blocking over a
+    vocabulary-wide output won on the CPUs it was first tuned on), else oneDNN."""
+    limit = min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
+    return "small" if "small" in names and bucket <= limit else names[0]
+
+
 class Linear:
     """y = x @ W.T + b. On CPU the weight is pre-packed once into oneDNN's blocked layout, which
     skips a per-call weight reorder (measured 10-60% faster GEMMs at decode batch sizes); when
     that private op is missing or disagrees with F.linear, plain F.linear is used. A bf16 weight
-    on a CPU with AVX512-BF16 is also packed for the native small GEMM (cpu_small_gemm.c), which
-    takes inputs of up to `small_gemm_rows()` rows (1.1-2x oneDNN at 1-8 rows, 1.05-1.4x at
-    9-128, 1.05x at 160-512 and as fast at 1024, and it shares out its blocks so that a preempted
-    thread does not stall the other), at the cost of a second copy of the weight; whether it does
-    is settled when the layer is built (RILL_NATIVE_KERNELS set afterwards does not change it).
-    Logits (`float_out`) take it up to LOGITS_SMALL_ROWS: with a vocabulary-wide output oneDNN's
-    blocking wins from ~96 rows."""
+    can also run on the native small GEMM (AVX512-BF16 CPUs, cpu_small_gemm.c, up to
+    `small_gemm_rows()` rows) or as an fp32 GEMM: which one serves a call of m rows is the
+    measured choice of m's row bucket (chooser.py; `logits`: this layer is called through
+    `float_out`, the LM head). Those two need their own copies of the weight, kept only when
+    some bucket chose them. The route is settled when the layer is built."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logits: bool = False) -> None:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self.small = cpu_native.small_gemm_pack(weight) if cpu_native.small_gemm_weight_ok(weight, bias) else None
-        self.small_rows = cpu_native.small_gemm_rows() if self.small is not None else 0
+        names = gemm_candidates(weight, bias)
+        buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+        self.route = chooser.installed().route(
+            "gemm", gemm_shape(weight, logits), buckets,
+            [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
+        use_small = "small" in names and self.route.uses("small")
+        self.small = cpu_native.small_gemm_pack(weight) if use_small else None
+        # Logits take it up to LOGITS_SMALL_ROWS only: beyond, a vocabulary-wide output favours
+        # oneDNN's blocking, and those rows are not measured (the LM head sees sampled rows).
+        self.small_rows = 0 if not use_small else \
+            min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
+        self.f32 = None
+        if "f32" in names and self.route.uses("f32"):
+            self.f32 = _prepack(weight.float(), None if bias is None else bias.float())
+            self.f32_bias = None if bias is None else bias.float()
         self.packed = _prepack(weight, bias) if weight.device.type == "cpu" else None
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it
 
+    def _pick(self, x: torch.Tensor) -> str:
+        if x.dim() != 2:
+            return "onednn"
+        name = self.route.pick(x.shape[0])
+        if name == "small" and (self.small is None or x.shape[0] > self.small_rows):
+            return "f32" if self.f32 is not None else "onednn"
+        return "f32" if name == "f32" and self.f32 is not None else "onednn" if name == "f32" else name
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small_takes(x):
+        name = self._pick(x)
+        if name == "small":
             return cpu_native.small_gemm(x, self.small, self.out_features, self.bias)
+        if name == "f32":
+            return self._f32(x).to(x.dtype)
+        return self._large(x)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def _small_takes(self, x: torch.Tensor) -> bool:
-        return self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows
+    def _f32(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self.f32, self.f32_bias, "none", [], "")
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
-        """self(x) in fp32 (logits): the small GEMM writes its fp32 sums directly, skipping the
-        rounding to bf16 and the widening pass over [rows, vocab] after it."""
-        if self._small_takes(x) and x.shape[0] <= LOGITS_SMALL_ROWS:
+        """self(x) in fp32 (logits): the small GEMM and the fp32 GEMM hand over their fp32 sums
+        directly, skipping the rounding to bf16 and the widening pass over [rows, vocab] after it."""
+        name = self._pick(x)
+        if name == "small":
             return cpu_native.small_gemm(x, self.small, self.out_features, self.bias, torch.float32)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "").float()
-        return F.linear(x, self.weight, self.bias).float()
+        if name == "f32":
+            return self._f32(x)
+        return self._large(x).float()
+
+
+def gemm_shape(weight: torch.Tensor, logits: bool = False) -> tuple[object, ...]:
+    """A Linear's key in the kernel table: out x in features, dtype, and whether it makes logits."""
+    return (*weight.shape, str(weight.dtype).removeprefix("torch."), *(("logits",) if logits else ()))
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -183,15 +239,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear:
     """y = x @ W.T + b with W8A8 dynamic quantization (CPU): W is quantized once, symmetric per
-    output channel; x per row at every call. On a CPU with VNNI but no AMX, oneDNN's int8 GEMM runs
+    output channel; x per row at every call. On a CPU with VNNI but no AMX, oneDNN's int8 GEMM ran
     3-7x faster than its bf16 one (the whole layer, quantization included, 2-4x), at ~1% relative
     error per output for well-spread rows, more where one channel dominates a row.
 
     y = (int32 accumulator) * row_scale * channel_scale (+ b), computed in fp32, returned in x's
     dtype. The weight is kept [N, K] and handed to `torch._int_mm` as its transposed view, the
-    layout that measured fastest."""
+    layout that measured fastest. Where `torch._int_mm` is missing or wrong for this shape
+    (_int_mm_exact), or where the measured choice of a row bucket says so (chooser.py: a CPU
+    without int8 dot products), the int8 values are multiplied in fp32 instead: the same
+    quantization, another GEMM, and an fp32 copy of the weight kept for it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logits: bool = False) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"--quantization int8 is CPU-only: the {weight.device.type} (Triton/cuBLAS) backend "
                              "has no int8 GEMM; serve with --quantization none")
@@ -200,9 +259,13 @@ class Int8Linear:
         self.scale = wf.abs().amax(dim=1).clamp_(min=_MIN_ABSMAX).div_(_INT8_MAX)  # [N] fp32
         self.qweight = wf.div_(self.scale[:, None]).round_().to(torch.int8).contiguous()  # [N, K]
         self.bias = None if bias is None else bias.float()
-        # Without a working int8 GEMM for this shape (see _int_mm_exact), the int8 values are
-        # multiplied in fp32 instead: same quantization, a slower GEMM.
-        self.qweight_f32 = None if _int_mm_exact(self.qweight) else self.qweight.float()
+        exact = _int_mm_exact(self.qweight)
+        buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+        self.route = chooser.installed().route("gemm_int8", gemm_shape(weight, logits), buckets,
+                                               ["int_mm" if exact else "fp32"] * len(buckets))
+        if not exact:
+            self.route = chooser.Route(self.route.buckets, ("fp32",) * len(buckets))
+        self.qweight_f32 = self.qweight.float() if self.route.uses("fp32") else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -211,7 +274,7 @@ class Int8Linear:
         # code below does, in one call each instead of ~12 small ops.
         native = x2.stride(-1) == 1 and cpu_native.quant_supported(x2)
         q, row_scale = cpu_native.quantize_rows(x2, _MIN_ABSMAX) if native else quantize_rows(x2)
-        if self.qweight_f32 is None:
+        if self.qweight_f32 is None or self.route.pick(x2.shape[0]) == "int_mm":
             acc = torch._int_mm(q, self.qweight.t())
             if native:
                 return cpu_native.dequantize(acc, row_scale, self.scale, self.bias, x.dtype) \
@@ -256,17 +319,68 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_new: torch.Tensor | None = None) -> torch.Tensor:
     plan = meta.aux.get("torch_plan")
     if plan is None:  # built on the first layer, reused by the others
-        plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2],
-                                                       k_cache.shape[1], q.device,
-                                                       cpu_native.decode_supported(q, k_cache),
-                                                       cpu_native.prefill_supported(q, k_cache))
+        plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1],
+                                                       q.device, *attention_kernels(meta, q, k_cache))
+    return attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
+
+
+def attention_shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[object, ...]:
+    """Attention's key in the kernel table: dtype, query heads, KV heads, head size."""
+    return (str(q.dtype).removeprefix("torch."), q.shape[1], k_cache.shape[2], q.shape[2])
+
+
+def prefill_candidates(q: torch.Tensor, k_cache: torch.Tensor) -> list[str]:
+    """Prompt-chunk attention implementations for these tensors, the flag-based pick first:
+    native kernels (AMX tiles, AVX512-BF16 dot products, fp32 FMAs) where they apply, and SDPA."""
+    if not cpu_native.prefill_supported(q, k_cache):
+        return ["sdpa"]
+    names = []
+    if q.dtype == torch.bfloat16:
+        if q.shape[2] % 32 == 0 and cpu_native.amx_prefill_available():
+            names.append("amx")
+        if cpu_native.dot_prefill_available():
+            names.append("dot")
+    return [*names, "vector", "sdpa"]
+
+
+def decode_candidates(q: torch.Tensor, k_cache: torch.Tensor) -> list[str]:
+    """Decode attention implementations: the native kernel (with its register-only fast path where
+    the shape allows), its generic loop, and torch's gathers + batched matmuls."""
+    return ["native", "generic", "torch"] if cpu_native.decode_supported(q, k_cache) else ["torch"]
+
+
+def attention_kernels(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[str, str]:
+    """(decode, prefill) implementations for this step: the measured choice (chooser.py; prompt
+    chunks by the longest context among them) where it is one this step can run, else the
+    flag-based pick. RILL_PREFILL_KERNEL=amx|dot|vector forces the native prefill kernel."""
+    table, shape = chooser.installed(), attention_shape(q, k_cache)
+    decode_names = decode_candidates(q, k_cache)
+    decode = table.choice("decode", shape, 0) or decode_names[0]
+    prefill_names = prefill_candidates(q, k_cache)
+    qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+    longest = max((seq_lens[i] for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1), default=0)
+    bucket = chooser.CONTEXT_BUCKETS[min(bisect.bisect_left(chooser.CONTEXT_BUCKETS, longest),
+                                         len(chooser.CONTEXT_BUCKETS) - 1)]
+    prefill = table.choice("prefill", shape, bucket) or prefill_names[0]
+    forced = os.environ.get("RILL_PREFILL_KERNEL", "").strip().lower()
+    if forced in ("amx", "dot", "vector") and "vector" in prefill_names:
+        prefill = forced
+    return (decode if decode in decode_names else decode_names[0],
+            prefill if prefill in prefill_names else prefill_names[0])
+
+
+def attend(plan: _AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every row of a step, by the implementations its plan chose."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.native is not None:
         n = plan.native
-        cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale)
+        cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale,
+                                generic_only=plan.decode_kernel == "generic")
     if plan.native_prefill is not None:
         p = plan.native_prefill
-        cpu_native.paged_prefill(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens, out, scale)
+        cpu_native.paged_prefill(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens, out, scale,
+                                 kernel=plan.prefill_kernel)
     for group in plan.decode_groups:
         out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
     for start, end, ctx_len, seq_len, blocks in plan.prefills:
@@ -367,15 +481,18 @@ class _NativePrefill:
 
 
 class _AttentionPlan:
-    """Index tensors and masks for one step, shared by every layer."""
+    """Index tensors and masks for one step, shared by every layer. `decode_kernel`: native,
+    generic or torch; `prefill_kernel`: amx, dot, vector (native) or sdpa (see attention_kernels)."""
 
     def __init__(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, block_size: int,
-                 device: torch.device, native: bool = False, native_prefill: bool = False) -> None:
+                 device: torch.device, decode_kernel: str = "torch", prefill_kernel: str = "sdpa") -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+        self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         prefills = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
         # Multi-token rows: one call of the native kernel, which reads the paged KV in place;
         # else SDPA per row over its keys (gathered when it has context).
+        native_prefill = prefill_kernel != "sdpa"
         self.native_prefill = _NativePrefill(meta, prefills) if native_prefill and prefills else None
         self.prefills: list[tuple[int, int, int, int, torch.Tensor]] = []
         if self.native_prefill is None:
@@ -384,7 +501,7 @@ class _AttentionPlan:
                 blocks = meta.block_tables[i, :-(-seq_lens[i] // block_size)].to(torch.int64)
                 self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
         # Single-token rows: one call of the native kernel, else length groups in plain torch.
-        self.native = _NativeDecode(meta, decodes) if native and decodes else None
+        self.native = _NativeDecode(meta, decodes) if decode_kernel != "torch" and decodes else None
         if self.native is not None:
             decodes = []
         groups = split_by_length([-(-seq_lens[i] // block_size) for i in decodes]) if decodes else []

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "to the decode engines (0 with --decode-engines 0: one colocated engine)")
     serve.add_argument("--decode-engines", type=int, default=0,
                        help="disaggregated serving: engines N..N+M-1 decode what the prefill engines hand over")
+    serve.add_argument("--kernel-report", action="store_true",
+                       help="print the CPU kernel choices measured on this machine for this model (measuring what "
+                            "Rill's cache lacks), every candidate's time beside them, and exit")
+    serve.add_argument("--remeasure-kernels", action="store_true",
+                       help="with --kernel-report: measure every choice again and replace the cached table")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from rill.services.bench_serve import add_arguments as bench_serve_arguments
@@ -243,6 +248,32 @@ def engine_children(ns: argparse.Namespace, redis_url: str, model_dir: str, tag:
     return children
 
 
+def kernel_report(ns: argparse.Namespace) -> int:
+    """`rill serve --kernel-report`: the worker's kernel table for this model, as it would start."""
+    import torch
+
+    from rill.kernels import chooser
+    from rill.kernels.cpu_tuning import ModelShapes, tune_model
+    from rill.services.worker.dtype_choice import resolve_dtype
+    from rill.services.worker.model_runner import configure_cpu_threads
+    from rill.shared.model_files import resolve_model
+
+    setup_logging("serve", ns.log_level)
+    if ns.device == "cuda":
+        raise SystemExit("rill: --kernel-report is about CPU kernels; CUDA runs the Triton kernels")
+    model_dir = str(resolve_model(ns.model))
+    configure_cpu_threads()
+    dtype = resolve_dtype(ns.dtype, "cpu")
+    table, keys = tune_model(ModelShapes.of(ModelConfig.from_dir(model_dir)), getattr(torch, dtype),
+                             ns.quantization, remeasure=ns.remeasure_kernels)
+    if not keys:
+        print("rill: native CPU kernels are off or unavailable: every op runs its torch implementation")
+        return 0
+    print(chooser.report(table, keys))
+    print(f"(dtype {dtype}, quantization {ns.quantization}; cached in {chooser.table_path()})")
+    return 0
+
+
 def serve(ns: argparse.Namespace) -> int:
     from rill.services.supervisor import Supervisor
     from rill.shared.broker import EmbeddedBroker
@@ -314,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(chat(ns))
     if ns.command == "serve":
-        raise SystemExit(serve(ns))
+        raise SystemExit(kernel_report(ns) if ns.kernel_report else serve(ns))
     run_service(ns)
 
 

@@ -16,6 +16,18 @@ import redis
 import torch
 
 
+@pytest.fixture(autouse=True)
+def default_kernel_choices() -> Iterator[None]:
+    """Every test starts with no measured kernel choices installed (a ModelRunner built by an
+    earlier test installs this machine's table for the whole process): a test then sees each op's
+    incumbent unless it builds a runner or installs a table itself."""
+    from rill.kernels import chooser
+
+    chooser.install(chooser.KernelTable())
+    yield
+    chooser.install(chooser.KernelTable())
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     url = os.environ.get("REDIS_URL")

@@ -473,7 +473,7 @@ def test_logits_take_the_small_gemm_up_to_their_own_rows(monkeypatch: pytest.Mon
     monkeypatch.setattr(cpu_native, "small_gemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     g = torch.Generator().manual_seed(2)
     w = torch.randn(200, 64, generator=g).bfloat16()
-    lin = torch_ops.Linear(w, None)
+    lin = torch_ops.Linear(w, None, logits=True)
     x = torch.randn(torch_ops.LOGITS_SMALL_ROWS + 1, 64, generator=g).bfloat16()
     small, large = lin.float_out(x[:-1]), lin.float_out(x)
     assert calls == [torch_ops.LOGITS_SMALL_ROWS]

@@ -138,7 +138,7 @@ class LlamaModel:
         self.norm = norm
         self.tied = lm_head is embed if tied is None else tied
         # Quantized, a tied head gets its own int8 copy; the embedding lookup keeps the model dtype.
-        self.lm_head = None if lm_head is None else ops.make_linear(lm_head, quantization=quantization)
+        self.lm_head = None if lm_head is None else ops.make_linear(lm_head, quantization=quantization, logits=True)
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device

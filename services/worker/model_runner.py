@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rill.kernels import cpu_native
+from rill.kernels import chooser, cpu_native
+from rill.kernels.cpu_tuning import ModelShapes, tune_model
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.dtype_choice import resolve_dtype
@@ -58,6 +59,15 @@ def configure_cpu_threads() -> int:
     n = int(os.environ.get("RILL_WORKER_THREADS") or usable or 1)
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
+
+
+def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> None:
+    """Install the kernel choices measured on this machine for this model's shapes (measuring
+    what Rill's cache lacks: a second or two on a machine's first start)."""
+    shapes = ModelShapes.of(cfg)
+    table, keys = tune_model(shapes, dtype, quantization)
+    log.info("kernels (%s, %d threads): %s", chooser.cpu_model(), torch.get_num_threads(),
+             chooser.summary(table, keys))
 
 
 def _keep_freed_memory() -> None:
@@ -111,6 +121,9 @@ class ModelRunner:
             _keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
+        if self.device == "cpu" and model is None:
+            # Before the layers are built: each one reads its measured GEMM choice when built.
+            choose_cpu_kernels(cfg, TORCH_DTYPES[self.dtype], quantization)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,
                                               max_positions=self.max_model_len, quantization=quantization)

@@ -1,0 +1,179 @@
+"""What the kernel chooser (chooser.py) times for one model on this machine: every op that has
+more than one CPU implementation, on the model's own shapes, at each bucket where the choice
+may differ. `tune_model` measures what the cache lacks and installs the table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rill.kernels import chooser, cpu_native, torch_ops
+from rill.kernels.chooser import KernelTable, Probe
+from rill.kernels.ops import make_attention_metadata
+
+log = logging.getLogger("rill.kernels")
+
+BLOCK_SIZE = 16
+PREFILL_CHUNK = 512  # the CPU's default step budget (shared.config)
+DECODE_BATCH, DECODE_CONTEXT = 32, 512
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The shapes a Llama-style model's step runs: each linear layer's (out, in) features, the LM
+    head's, and the attention heads."""
+
+    linears: tuple[tuple[int, int], ...]
+    logits: tuple[int, int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, cfg) -> ModelShapes:  # cfg: shared.config.ModelConfig (duck-typed: kernels import no services)
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        return cls(linears=((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)), logits=(cfg.vocab_size, h),
+                   heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def gemm_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
+    """Float GEMM candidates of one weight at `rows` rows; None when there is nothing to choose."""
+    g = _gen()
+    weight = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    names = torch_ops.gemm_candidates(weight, None)
+    packed = torch_ops._prepack(weight, None)
+    if len(names) < 2 or packed is None:
+        return None
+    small = cpu_native.small_gemm_pack(weight) if "small" in names else None
+    f32 = torch_ops._prepack(weight.float(), None) if "f32" in names else None
+    out_dtype = torch.float32 if logits else dtype
+    impls: dict[str, Callable[[], torch.Tensor]] = {
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").to(out_dtype),
+        "small": lambda: cpu_native.small_gemm(x, small, n, None, out_dtype),
+        "f32": lambda: torch.ops.mkldnn._linear_pointwise(x.float(), f32, None, "none", [], "").to(out_dtype),
+    }
+    if f32 is None:
+        names = [m for m in names if m != "f32"]
+    first = torch_ops.gemm_incumbent(names, rows, logits)
+    order = [first, *(m for m in names if m != first)]
+    return Probe("gemm", torch_ops.gemm_shape(weight, logits), rows, {m: impls[m] for m in order})
+
+
+def int8_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
+    """int8 GEMM candidates (oneDNN's s8 GEMM, or the int8 values in fp32) of one weight."""
+    g = _gen()
+    weight = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    lin = torch_ops.Int8Linear(weight, None, logits)
+    if not torch_ops._int_mm_exact(lin.qweight):
+        return None
+    lin.qweight_f32 = lin.qweight.float()
+    forced = {name: chooser.Route((rows,), (name,)) for name in ("int_mm", "fp32")}
+
+    def run(name: str) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            lin.route = forced[name]
+            return lin(x)
+        return call
+
+    return Probe("gemm_int8", torch_ops.gemm_shape(weight, logits), rows, {m: run(m) for m in forced})
+
+
+def _paged(seq_lens: list[int], query_lens: list[int], shapes: ModelShapes, dtype: torch.dtype):
+    """Random q and a paged cache holding `seq_lens` tokens per sequence, with its metadata."""
+    g = _gen()
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    ids = torch.randperm(sum(blocks), generator=g).tolist()
+    tables, at = [], 0
+    for b in blocks:
+        tables.append(ids[at:at + b])
+        at += b
+    cache_shape = (sum(blocks), BLOCK_SIZE, shapes.kv_heads, shapes.head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=g).to(dtype)
+    _, meta = make_attention_metadata(tables, [s - q for s, q in zip(seq_lens, query_lens, strict=True)],
+                                      query_lens, BLOCK_SIZE)
+    q = torch.randn(sum(query_lens), shapes.heads, shapes.head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def _attention_probe(op: str, bucket: int, names: list[str], q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta, shapes: ModelShapes, fresh: bool = False) -> Probe | None:
+    if len(names) < 2:
+        return None
+    scale = shapes.head_dim ** -0.5
+    # A fresh prompt's keys are handed to attention beside the cache, as the model does.
+    k_new = k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping] if fresh else None
+    v_new = v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping] if fresh else None
+
+    def run(name: str) -> Callable[[], torch.Tensor]:
+        kernels = (name, "sdpa") if op == "decode" else ("native", name)
+        plan = torch_ops._AttentionPlan(meta, shapes.heads, shapes.kv_heads, BLOCK_SIZE, q.device, *kernels)
+        return lambda: torch_ops.attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
+
+    return Probe(op, torch_ops.attention_shape(q, k_cache), bucket, {m: run(m) for m in names})
+
+
+def prefill_probe(shapes: ModelShapes, dtype: torch.dtype, bucket: int) -> Probe | None:
+    """One prompt chunk of PREFILL_CHUNK tokens whose context reaches a quarter of the bucket (at
+    least the chunk itself): a fresh short prompt for the first bucket, a long prompt's later chunk after."""
+    seq = max(PREFILL_CHUNK, bucket // 4)
+    q, k_cache, v_cache, meta = _paged([seq], [PREFILL_CHUNK], shapes, dtype)
+    return _attention_probe("prefill", bucket, torch_ops.prefill_candidates(q, k_cache), q, k_cache, v_cache, meta,
+                            shapes, fresh=seq == PREFILL_CHUNK)
+
+
+def decode_probe(shapes: ModelShapes, dtype: torch.dtype) -> Probe | None:
+    q, k_cache, v_cache, meta = _paged([DECODE_CONTEXT] * DECODE_BATCH, [1] * DECODE_BATCH, shapes, dtype)
+    return _attention_probe("decode", 0, torch_ops.decode_candidates(q, k_cache), q, k_cache, v_cache, meta, shapes)
+
+
+def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") \
+        -> list[Callable[[], Probe | None]]:
+    """Every probe of one model, each built only when measured (a cached entry costs nothing)."""
+    makers: list[Callable[[], Probe | None]] = []
+    gemm = int8_probe if quantization == "int8" else gemm_probe
+    for (n, k), logits in [*((s, False) for s in shapes.linears), (shapes.logits, True)]:
+        for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
+            makers.append(lambda n=n, k=k, rows=rows, logits=logits: gemm(n, k, dtype, rows, logits))
+    for bucket in chooser.CONTEXT_BUCKETS:
+        makers.append(lambda bucket=bucket: prefill_probe(shapes, dtype, bucket))
+    makers.append(lambda: decode_probe(shapes, dtype))
+    return makers
+
+
+def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") -> list[str]:
+    """The table keys of model_probes, in the same order (without building any probe)."""
+    name = str(dtype).removeprefix("torch.")
+    op = "gemm_int8" if quantization == "int8" else "gemm"
+    keys = []
+    for (n, k), logits in [*((s, False) for s in shapes.linears), (shapes.logits, True)]:
+        shape = (n, k, name, *(("logits",) if logits else ()))
+        for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
+            keys.append(KernelTable.key(op, shape, rows))
+    attn = (name, shapes.heads, shapes.kv_heads, shapes.head_dim)
+    keys += [KernelTable.key("prefill", attn, b) for b in chooser.CONTEXT_BUCKETS]
+    keys.append(KernelTable.key("decode", attn, 0))
+    return keys
+
+
+def tune_model(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none",
+               remeasure: bool = False) -> tuple[KernelTable, list[str]]:
+    """Measure what the cache lacks for this model (once per machine key), install the table and
+    return it with this model's keys."""
+    if not cpu_native.enabled():
+        return KernelTable(), []
+    keys = entry_keys(shapes, dtype, quantization)
+    table, _ = chooser.tune(model_probes(shapes, dtype, quantization), keys, remeasure=remeasure)
+    chooser.install(table)
+    return table, keys
