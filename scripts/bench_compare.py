@@ -14,7 +14,9 @@ Prints output tok/s, TTFT p50 and TPOT p50 for each, ratios to (a), the targets,
 achieved fraction of a roofline measured in the same run (the faster of the bf16/fp32 and int8
 GEMMs Rill runs, FLOP/s ÷ 2 × params). Each pipeline phase also prints the CPU seconds of every
 process of the server (from /proc) and of the benchmark client, and the share of the cores all
-but the worker took: the in-process engine has its cores to itself.
+but the worker took: the in-process engine has its cores to itself. Then a profile of a decode
+step and a prompt step in-process (each kernel phase summed over layers, the LM head, sampling,
+the runner's Python), so the next bottleneck is visible, and the kernel table the worker chose.
 
     .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
                                               [--quantization none|int8]   (Rill rows only)
@@ -37,7 +39,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _inproc_engine import Engine, add_quantization_flag  # noqa: E402
+from _step_profile import format_profile, profile  # noqa: E402
 
+from rill.kernels import chooser  # noqa: E402
+from rill.kernels.cpu_tuning import ModelShapes, entry_keys  # noqa: E402
 from rill.services.supervisor import children_of  # noqa: E402
 from rill.services.worker.dtype_choice import resolve_dtype  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
@@ -290,6 +295,10 @@ def main() -> None:
     rows = {name: rows[name] for name in order}
     a, b = iter(p16), iter(i16)
     turns = " / ".join(f"{next(a if side == 'A' else b)['tpot']:.1f}" for side in sides)
+    print("(b) where a step's time goes (in-process, mean of 3 steps each):", flush=True)
+    print(format_profile(profile(runner, prompts[:32], budget)), flush=True)
+    keys = entry_keys(ModelShapes.of(runner.cfg), tdtype, args.quantization)
+    print(chooser.report(chooser.installed(), keys), flush=True)
     del runner
     from safetensors import safe_open
 
