@@ -11,7 +11,8 @@ reads it back. A changed key measures anew.
 
 Ops and their candidates (the first is the incumbent: a challenger must win by `MARGIN`):
 - `gemm`, per weight shape and row bucket: `onednn` (weight pre-packed for oneDNN; AMX where the
-  CPU has it), `small` (native AVX512-BF16 dot products, bf16 only), `aten` (plain F.linear).
+  CPU has it), `small` (native AVX512-BF16 dot products) and, for a bf16 layer, `f32` (oneDNN's
+  fp32 GEMM on an fp32 copy of the weight: faster where the bf16 units are slower than the FMAs).
 - `gemm_int8` (`--quantization int8`), per shape and row bucket: `int_mm` (oneDNN's s8 GEMM:
   VNNI / AMX-INT8) and `fp32` (the same int8 values multiplied in fp32).
 - `prefill`, per head layout and context bucket: `amx`, `dot`, `vector` (native kernels reading

@@ -159,10 +159,10 @@ class Linear:
         # oneDNN's blocking, and those rows are not measured (the LM head sees sampled rows).
         self.small_rows = 0 if not use_small else \
             min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
-        self.f32 = None
+        self.f32: torch.Tensor | None = None
+        self.f32_bias = None if bias is None else bias.float()
         if "f32" in names and self.route.uses("f32"):
-            self.f32 = _prepack(weight.float(), None if bias is None else bias.float())
-            self.f32_bias = None if bias is None else bias.float()
+            self.f32 = _prepack(weight.float(), self.f32_bias)
         self.packed = _prepack(weight, bias) if weight.device.type == "cpu" else None
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it
@@ -172,8 +172,10 @@ class Linear:
             return "onednn"
         name = self.route.pick(x.shape[0])
         if name == "small" and (self.small is None or x.shape[0] > self.small_rows):
-            return "f32" if self.f32 is not None else "onednn"
-        return "f32" if name == "f32" and self.f32 is not None else "onednn" if name == "f32" else name
+            name = "f32"  # past the small GEMM's rows (a long prompt chunk, many logits)
+        if name == "f32" and self.f32 is None:
+            name = "onednn"
+        return name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         name = self._pick(x)

@@ -45,7 +45,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only; "
-                        "faster GEMMs at some accuracy cost, see the README)")
+                        "faster GEMMs at some accuracy cost, see scripts/benchmarks.md)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--engine-id", type=int, default=0)
@@ -150,7 +150,7 @@ def run_service(ns: argparse.Namespace) -> None:
     if ns.name == "worker":
         # torch's CPU allocator then backs tensors of 2 MiB and more with transparent huge pages
         # (madvise). Decode attention jumps between scattered KV blocks of a ~1 GiB cache, one TLB
-        # miss per block with 4 KiB pages: 7 % of a bf16 decode step at batch 32 (README). Read at
+        # miss per block with 4 KiB pages: 7 % of a bf16 decode step at batch 32 (scripts/benchmarks.md). Read at
         # torch's first allocation, so set before anything imports it.
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if not ns.redis_url:

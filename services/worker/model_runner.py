@@ -130,7 +130,7 @@ class ModelRunner:
         self.quantization = self.model.quantization
         if self.quantization == "int8" and self.device == "cpu" and not cpu_has_int8_dot():
             log.warning("--quantization int8 on a CPU without VNNI/AMX int8 instructions: its int8 GEMMs "
-                        "run far slower than %s ones here (README); serve with --quantization none", self.dtype)
+                        "run far slower than %s ones here (scripts/benchmarks.md); serve with --quantization none", self.dtype)
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.num_blocks = 0
