@@ -5,6 +5,7 @@ may differ. `tune_model` measures what the cache lacks and installs the table.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,39 +46,56 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
+@functools.lru_cache(maxsize=2)
+def _gemm_weights(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
+    """A random weight, the GEMM candidates for it and each one's prepared copy: built once per
+    shape for all its row buckets (an LM head's copies take longer to make than to time)."""
+    weight = (torch.randn(n, k, generator=_gen()) * k ** -0.5).to(dtype)
+    names = torch_ops.gemm_candidates(weight, None)
+    prepared = {"onednn": torch_ops._prepack(weight, None)}
+    if "small" in names:
+        prepared["small"] = cpu_native.small_gemm_pack(weight)
+    if "f32" in names:
+        prepared["f32"] = torch_ops._prepack(weight.float(), None)
+    names = [m for m in names if prepared.get(m) is not None]
+    return weight, names, prepared
+
+
 def gemm_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
     """Float GEMM candidates of one weight at `rows` rows; None when there is nothing to choose."""
-    g = _gen()
-    weight = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
-    x = torch.randn(rows, k, generator=g).to(dtype)
-    names = torch_ops.gemm_candidates(weight, None)
-    packed = torch_ops._prepack(weight, None)
-    if len(names) < 2 or packed is None:
+    weight, names, w = _gemm_weights(n, k, dtype)
+    if len(names) < 2 or "onednn" not in names:
         return None
-    small = cpu_native.small_gemm_pack(weight) if "small" in names else None
-    f32 = torch_ops._prepack(weight.float(), None) if "f32" in names else None
+    x = torch.randn(rows, k, generator=_gen()).to(dtype)
     out_dtype = torch.float32 if logits else dtype
     impls: dict[str, Callable[[], torch.Tensor]] = {
-        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").to(out_dtype),
-        "small": lambda: cpu_native.small_gemm(x, small, n, None, out_dtype),
-        "f32": lambda: torch.ops.mkldnn._linear_pointwise(x.float(), f32, None, "none", [], "").to(out_dtype),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w["onednn"], None, "none", [], "").to(out_dtype),
+        "small": lambda: cpu_native.small_gemm(x, w["small"], n, None, out_dtype),
+        "f32": lambda: torch.ops.mkldnn._linear_pointwise(x.float(), w["f32"], None, "none", [], "").to(out_dtype),
     }
-    if f32 is None:
-        names = [m for m in names if m != "f32"]
     first = torch_ops.gemm_incumbent(names, rows, logits)
     order = [first, *(m for m in names if m != first)]
     return Probe("gemm", torch_ops.gemm_shape(weight, logits), rows, {m: impls[m] for m in order})
 
 
-def int8_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
-    """int8 GEMM candidates (oneDNN's s8 GEMM, or the int8 values in fp32) of one weight."""
-    g = _gen()
-    weight = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
-    x = torch.randn(rows, k, generator=g).to(dtype)
+@functools.lru_cache(maxsize=2)
+def _int8_layer(n: int, k: int, dtype: torch.dtype, logits: bool) -> torch_ops.Int8Linear | None:
+    """A random int8 layer with both GEMMs' weights, once per shape; None without a usable
+    `torch._int_mm` (then only the fp32 GEMM can serve: nothing to choose)."""
+    weight = (torch.randn(n, k, generator=_gen()) * k ** -0.5).to(dtype)
     lin = torch_ops.Int8Linear(weight, None, logits)
     if not torch_ops._int_mm_exact(lin.qweight):
         return None
     lin.qweight_f32 = lin.qweight.float()
+    return lin
+
+
+def int8_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
+    """int8 GEMM candidates (oneDNN's s8 GEMM, or the int8 values in fp32) of one weight."""
+    lin = _int8_layer(n, k, dtype, logits)
+    if lin is None:
+        return None
+    x = torch.randn(rows, k, generator=_gen()).to(dtype)
     forced = {name: chooser.Route((rows,), (name,)) for name in ("int_mm", "fp32")}
 
     def run(name: str) -> Callable[[], torch.Tensor]:
@@ -86,7 +104,7 @@ def int8_probe(n: int, k: int, dtype: torch.dtype, rows: int, logits: bool) -> P
             return lin(x)
         return call
 
-    return Probe("gemm_int8", torch_ops.gemm_shape(weight, logits), rows, {m: run(m) for m in forced})
+    return Probe("gemm_int8", torch_ops.gemm_key(n, k, dtype, logits), rows, {m: run(m) for m in forced})
 
 
 def _paged(seq_lens: list[int], query_lens: list[int], shapes: ModelShapes, dtype: torch.dtype):
@@ -154,14 +172,13 @@ def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "n
 
 def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") -> list[str]:
     """The table keys of model_probes, in the same order (without building any probe)."""
-    name = str(dtype).removeprefix("torch.")
     op = "gemm_int8" if quantization == "int8" else "gemm"
     keys = []
     for (n, k), logits in [*((s, False) for s in shapes.linears), (shapes.logits, True)]:
-        shape = (n, k, name, *(("logits",) if logits else ()))
+        shape = torch_ops.gemm_key(n, k, dtype, logits)
         for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             keys.append(KernelTable.key(op, shape, rows))
-    attn = (name, shapes.heads, shapes.kv_heads, shapes.head_dim)
+    attn = torch_ops.attention_key(dtype, shapes.heads, shapes.kv_heads, shapes.head_dim)
     keys += [KernelTable.key("prefill", attn, b) for b in chooser.CONTEXT_BUCKETS]
     keys.append(KernelTable.key("decode", attn, 0))
     return keys
@@ -174,6 +191,10 @@ def tune_model(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
     if not cpu_native.enabled():
         return KernelTable(), []
     keys = entry_keys(shapes, dtype, quantization)
-    table, _ = chooser.tune(model_probes(shapes, dtype, quantization), keys, remeasure=remeasure)
+    try:
+        table, _ = chooser.tune(model_probes(shapes, dtype, quantization), keys, remeasure=remeasure)
+    finally:
+        _gemm_weights.cache_clear()
+        _int8_layer.cache_clear()
     chooser.install(table)
     return table, keys

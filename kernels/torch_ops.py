@@ -205,8 +205,13 @@ class Linear:
 
 
 def gemm_shape(weight: torch.Tensor, logits: bool = False) -> tuple[object, ...]:
-    """A Linear's key in the kernel table: out x in features, dtype, and whether it makes logits."""
-    return (*weight.shape, str(weight.dtype).removeprefix("torch."), *(("logits",) if logits else ()))
+    """A Linear's key in the kernel table (see gemm_key)."""
+    return gemm_key(*weight.shape, weight.dtype, logits)
+
+
+def gemm_key(n: int, k: int, dtype: torch.dtype, logits: bool = False) -> tuple[object, ...]:
+    """out x in features, dtype, and whether the layer makes logits."""
+    return (n, k, str(dtype).removeprefix("torch."), *(("logits",) if logits else ()))
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -327,8 +332,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def attention_shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[object, ...]:
-    """Attention's key in the kernel table: dtype, query heads, KV heads, head size."""
-    return (str(q.dtype).removeprefix("torch."), q.shape[1], k_cache.shape[2], q.shape[2])
+    """Attention's key in the kernel table (see attention_key)."""
+    return attention_key(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2])
+
+
+def attention_key(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> tuple[object, ...]:
+    """dtype, query heads, KV heads, head size."""
+    return (str(dtype).removeprefix("torch."), heads, kv_heads, head_dim)
 
 
 def prefill_candidates(q: torch.Tensor, k_cache: torch.Tensor) -> list[str]:
