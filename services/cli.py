@@ -130,6 +130,12 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         raise SystemExit("rill: --tensor-parallel-size > 1 is not supported yet (one worker per engine)")
     if ns.quantization != "none" and ns.device == "cuda":
         raise SystemExit(f"rill: --quantization {ns.quantization} runs on CPU only; use --device cpu")
+    from rill.services.worker.families import UnsupportedModel, check_checkpoint
+
+    try:  # one line and a non-zero exit, before any process starts, for a model Rill would serve wrongly
+        check_checkpoint(model_dir, ns.max_model_len)
+    except UnsupportedModel as exc:
+        raise SystemExit(f"rill: {model_dir}: {exc}") from None
     cfg = ModelConfig.from_dir(model_dir)
     return EngineArgs(
         model_dir=model_dir, served_model_name=ns.served_model_name or "", engine_id=ns.engine_id,

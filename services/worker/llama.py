@@ -2,13 +2,15 @@
 
 Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
 and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
-biases, tied embeddings. Q/K/V and gate/up weights are concatenated at load time so each layer
+biases, tied embeddings, and per-head q/k norms; which families those serve, and the checks that
+refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
 runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
 into the weights first (smoothquant.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
+from rill.services.worker import families
 from rill.shared.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +70,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear  # fused [2 * intermediate, hidden]
     down: Linear
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm of each q head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,11 +89,14 @@ class LayerTensors:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
         return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
                             o=linear(self.o, self.o_bias), post_norm=self.post_norm,
-                            gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias))
+                            gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias),
+                            q_norm=self.q_norm, k_norm=self.k_norm)
 
 
 class _Checkpoint:
@@ -105,6 +113,9 @@ class _Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def names(self) -> set[str]:
+        return set(self._where)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
@@ -157,8 +168,11 @@ class LlamaModel:
         default RILL_SMOOTHQUANT_ALPHA or the measured default; 0 turns that off. An alpha given
         with quantization "none" smooths the float model (the fold is exact up to rounding)."""
         model_dir = Path(model_dir)
-        cfg = ModelConfig.from_dir(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        family = families.check_config(raw, max_positions)  # refuses what the forward would get wrong
+        cfg = ModelConfig.from_dict(raw)
         ckpt = _Checkpoint(model_dir)
+        families.check_tensors(ckpt.names(), raw, family)
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
@@ -175,7 +189,9 @@ class LlamaModel:
                 post_norm=put(ckpt.get(f"{p}post_attention_layernorm.weight")),
                 gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
                 gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
-                down=put(ckpt.get(f"{p}mlp.down_proj.weight")), down_bias=put(ckpt.maybe(f"{p}mlp.down_proj.bias")))
+                down=put(ckpt.get(f"{p}mlp.down_proj.weight")), down_bias=put(ckpt.maybe(f"{p}mlp.down_proj.bias")),
+                q_norm=put(ckpt.get(f"{p}self_attn.q_norm.weight")) if family.qk_norm else None,
+                k_norm=put(ckpt.get(f"{p}self_attn.k_norm.weight")) if family.qk_norm else None)
 
         tensors = [read_layer(i) for i in range(cfg.num_hidden_layers)]
         embed = put(ckpt.get("model.embed_tokens.weight"))
@@ -230,6 +246,9 @@ class LlamaModel:
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             v = v.view(t, c.num_key_value_heads, c.head_dim)
+            if layer.q_norm is not None:  # Qwen3: each head normed on its own, before RoPE
+                q = ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
+                k = ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
             # RoPE and the cache write in one op (one fused kernel on the Triton backend).
             q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,

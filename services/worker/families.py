@@ -1,0 +1,154 @@
+"""The model families Rill serves, keyed by `config.architectures`, and the checks that refuse
+everything else at start with one line naming the problem.
+
+Each family states, side by side, how its checkpoint differs from Llama's: extra per-layer
+tensors and config values it cannot serve yet. Loading is strict: a checkpoint must hold exactly
+the tensors `expected_tensors` lists (a tensor left unused means a feature the forward would
+silently skip), and every config value the forward does not implement is refused by name.
+`check_checkpoint` runs these checks from the config and the safetensors headers alone, so
+`rill serve` refuses a model before it starts any process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from rill.shared.config import ModelConfig
+
+ROPE_TYPES = ("default", "linear", "llama3")  # what llama.inv_frequencies implements
+ACTIVATIONS = ("silu",)
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint Rill would serve wrongly; the message is one line naming why."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    window_key: str | None = None  # config key of a sliding-window size
+    window_switch: str | None = None  # config key that turns the window on (else it is on when set)
+
+    def layer_tensors(self, i: int, cfg: dict[str, Any]) -> list[str]:
+        """Layer i's tensors (without optional biases, see bias_tensors)."""
+        p = f"model.layers.{i}."
+        names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
+                 *(f"{p}self_attn.{n}_proj.weight" for n in "qkvo"),
+                 *(f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))]
+        if self.qk_norm:
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        return names
+
+
+FAMILIES = (
+    Family("llama", ("LlamaForCausalLM",)),  # Llama 1/2/3.x, SmolLM, TinyLlama
+    Family("mistral", ("MistralForCausalLM",), window_key="sliding_window"),
+    # q/k/v biases: optional tensors, as for every family.
+    Family("qwen2", ("Qwen2ForCausalLM",), window_key="sliding_window", window_switch="use_sliding_window"),
+    Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_key="sliding_window",
+           window_switch="use_sliding_window"),
+)
+_BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
+
+
+def family_of(cfg: dict[str, Any]) -> Family:
+    """The family of a config.json's `architectures` (a config without it is taken as Llama)."""
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    for arch in archs:
+        if arch in _BY_ARCH:
+            return _BY_ARCH[arch]
+    supported = ", ".join(sorted(_BY_ARCH))
+    raise UnsupportedModel(f"architecture {archs[0]} is not supported (supported: {supported})")
+
+
+def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Family:
+    """The family, after refusing every config value its forward would get wrong."""
+    fam = family_of(cfg)
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in ACTIVATIONS:
+        raise UnsupportedModel(f"{fam.name}: activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    parsed = ModelConfig.from_dict(cfg)
+    scaling = parsed.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"{fam.name}: RoPE scaling type {kind!r} is not supported "
+                               f"(supported: {', '.join(ROPE_TYPES)})")
+    window = cfg.get(fam.window_key) if fam.window_key else None
+    uses_window = window is not None and (fam.window_switch is None or bool(cfg.get(fam.window_switch)))
+    context = max_model_len or parsed.max_position_embeddings
+    if uses_window and window < context:
+        # Every position then sees its whole context, which is what a window that long means.
+        raise UnsupportedModel(f"{fam.name}: sliding-window attention ({fam.window_key}={window}) is not supported "
+                               f"yet; serve with --max-model-len {window} or less")
+    if parsed.head_dim % 2:
+        raise UnsupportedModel(f"{fam.name}: head_dim {parsed.head_dim} is odd; RoPE needs pairs")
+    return fam
+
+
+def expected_tensors(cfg: dict[str, Any], fam: Family) -> tuple[set[str], set[str]]:
+    """(tensors the checkpoint must hold, optional ones the forward uses when present)."""
+    parsed = ModelConfig.from_dict(cfg)
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    # An absent LM head is tied to the embedding; a tied checkpoint may still store its copy.
+    optional = {"lm_head.weight"}
+    for i in range(parsed.num_hidden_layers):
+        required.update(fam.layer_tensors(i, cfg))
+        p = f"model.layers.{i}."
+        optional.update(f"{p}self_attn.{n}_proj.bias" for n in "qkvo")
+        optional.update(f"{p}mlp.{n}_proj.bias" for n in ("gate", "up", "down"))
+    return required, optional
+
+
+# Stored by transformers beside the weights but not weights (rotary tables of old checkpoints).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def check_tensors(names: set[str], cfg: dict[str, Any], fam: Family) -> None:
+    """Refuse a checkpoint missing a tensor the forward needs, or holding one it would not use."""
+    required, optional = expected_tensors(cfg, fam)
+    missing = sorted(required - names)
+    if missing:
+        raise UnsupportedModel(f"{fam.name}: the checkpoint lacks {missing[0]}"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unused = sorted(n for n in names - required - optional if not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise UnsupportedModel(f"{fam.name}: tensor {unused[0]} would be left unused"
+                               + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                               + "; this checkpoint needs a feature Rill does not implement")
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """Every tensor name in a folder's safetensors files (headers only)."""
+    names: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None) -> Family:
+    """Everything `rill serve` checks before starting: config values and tensor names."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    fam = check_config(cfg, max_model_len)
+    check_tensors(tensor_names(model_dir), cfg, fam)
+    return fam
+
+
+def supported_table() -> str:
+    """The supported families as a Markdown table (for the README)."""
+    rows = ["| family | architectures | differences over Llama |", "|---|---|---|"]
+    notes = {"llama": "RoPE default, linear, llama3; optional biases; tied or separate LM head",
+             "mistral": "as Llama; a sliding window only up to --max-model-len (window kernels not yet)",
+             "qwen2": "q/k/v biases; sliding window as Mistral",
+             "qwen3": "RMSNorm per head on q and k before RoPE"}
+    for f in FAMILIES:
+        rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
+    return "\n".join(rows)

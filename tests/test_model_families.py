@@ -1,0 +1,135 @@
+"""Model families: each served family matches transformers' own model class on a tiny random
+config; every checkpoint Rill would serve wrongly is refused at load with one line naming why,
+and `rill serve` exits non-zero on it before starting anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_model_parity import TOL, check_prefill_then_decode
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from rill.services.worker import families
+from rill.services.worker.llama import LlamaModel
+from rill.shared.broker import free_port
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+            tie_word_embeddings=False)
+
+CASES = {
+    # Qwen2: q/k/v biases (and no o bias), its RoPE base.
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(rope_theta=1e6)),
+    # Qwen3: per-head q/k RMSNorm, a head_dim that is not hidden / heads.
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, attention_bias=False)),
+    # Mistral without a window (v0.2 onwards); a window as long as the context changes nothing.
+    "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=None)),
+    "mistral-long-window": (MistralForCausalLM, MistralConfig, dict(sliding_window=256)),
+}
+
+
+def build(tmp: Path, name: str, seed: int = 0):
+    cls, cfg_cls, extra = CASES[name]
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**{**TINY, **extra})).eval()
+    model.save_pretrained(tmp)
+    return tmp, model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_family_matches_transformers(tmp_path: Path, name: str) -> None:
+    path, ref = build(tmp_path, name)
+    model = LlamaModel.load(path, torch.float32, "cpu")
+    prompt = [int(t) for t in torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(1))]
+    worst = check_prefill_then_decode(model, ref, prompt, block_size=8, steps=12)
+    assert worst < TOL, f"{name}: max |logit diff| {worst}"
+    if name == "qwen2":  # the biases are really there and used
+        assert model.layers[0].qkv.bias is not None or getattr(model.layers[0].qkv, "f32_bias", None) is not None
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path: Path, add: dict[str, torch.Tensor] | None = None, drop: str | None = None) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update(add or {})
+    if drop:
+        del tensors[drop]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+REFUSALS = [
+    ("unknown architecture", lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]),
+     "architecture GPT2LMHeadModel is not supported"),
+    ("extra tensor", lambda p: _edit_tensors(p, add={"model.layers.0.mlp.gate.weight": torch.zeros(4, 64)}),
+     "tensor model.layers.0.mlp.gate.weight would be left unused"),
+    ("missing tensor", lambda p: _edit_tensors(p, drop="model.layers.1.self_attn.k_proj.weight"),
+     "lacks model.layers.1.self_attn.k_proj.weight"),
+    ("yarn rope", lambda p: _edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 64}),
+     "RoPE scaling type 'yarn' is not supported"),
+    ("activation", lambda p: _edit_config(p, hidden_act="gelu"), "activation 'gelu' is not supported"),
+    ("short window", lambda p: _edit_config(p, architectures=["MistralForCausalLM"], sliding_window=64),
+     "sliding-window attention (sliding_window=64) is not supported yet; serve with --max-model-len 64"),
+]
+
+
+@pytest.mark.parametrize("what,edit,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refused_at_load_with_one_line(tmp_path: Path, what: str, edit, message: str) -> None:
+    path, _ = build(tmp_path, "qwen2")
+    _edit_config(path, architectures=["LlamaForCausalLM"])  # a plain Llama checkpoint (Qwen2's tensors fit)
+    edit(path)
+    for check in (lambda: families.check_checkpoint(path), lambda: LlamaModel.load(path, torch.float32, "cpu")):
+        with pytest.raises(families.UnsupportedModel) as err:
+            check()
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_short_window_is_served_within_it(tmp_path: Path) -> None:
+    """A window shorter than the model's context is fine when the served context fits in it."""
+    path, _ = build(tmp_path, "mistral")
+    _edit_config(path, sliding_window=64)
+    with pytest.raises(families.UnsupportedModel):
+        families.check_checkpoint(path)
+    assert families.check_checkpoint(path, max_model_len=64).name == "mistral"
+
+
+def test_qwen3_without_its_norms_is_not_served_as_llama(tmp_path: Path) -> None:
+    """Loaded as Llama, a Qwen3 checkpoint's q/k norms would be skipped: refused, not garbage."""
+    path, _ = build(tmp_path, "qwen3")
+    _edit_config(path, architectures=["LlamaForCausalLM"])
+    with pytest.raises(families.UnsupportedModel, match=r"self_attn\.k_norm\.weight would be left unused"):
+        families.check_checkpoint(path)
+
+
+def test_rill_serve_exits_non_zero_before_starting(tmp_path: Path) -> None:
+    path, _ = build(tmp_path, "qwen2")
+    _edit_config(path, architectures=["FancyNewForCausalLM"])
+    proc = subprocess.run([sys.executable, "-m", "rill.services.cli", "serve", str(path), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "architecture FancyNewForCausalLM is not supported" in last and last.startswith("rill: ")
+
+
+def test_supported_table_names_every_family() -> None:
+    table = families.supported_table()
+    for fam in families.FAMILIES:
+        assert f"| {fam.name} |" in table and all(a in table for a in fam.architectures)
