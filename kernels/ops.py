@@ -235,3 +235,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] holding [gate | up] -> silu(gate) * up, [T, F]."""
     return _impl_for(x).silu_and_mul(x)
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] holding [gate | up] -> GELU_tanh(gate) * up, [T, F] (GeGLU)."""
+    return _impl_for(x).gelu_and_mul(x)

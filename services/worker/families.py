@@ -21,7 +21,7 @@ from safetensors import safe_open
 from rill.shared.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3")  # what llama.inv_frequencies implements
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
 
 
 class UnsupportedModel(ValueError):
@@ -32,48 +32,68 @@ class UnsupportedModel(ValueError):
 class Family:
     name: str
     architectures: tuple[str, ...]
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    model_types: tuple[str, ...] = ()  # config.model_type, for configs without `architectures`
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     window_key: str | None = None  # config key of a sliding-window size
     window_switch: str | None = None  # config key that turns the window on (else it is on when set)
+    # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden); attention and MLP
+    # outputs are normed before their residual add (post_attention_layernorm is that norm, and
+    # pre_feedforward_layernorm the MLP's input norm).
+    gemma: bool = False
 
     def layer_tensors(self, i: int, cfg: dict[str, Any]) -> list[str]:
-        """Layer i's tensors (without optional biases, see bias_tensors)."""
+        """Layer i's tensors (without the optional biases, see expected_tensors)."""
         p = f"model.layers.{i}."
         names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
                  *(f"{p}self_attn.{n}_proj.weight" for n in "qkvo"),
                  *(f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))]
         if self.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        if self.gemma:
+            names += [f"{p}pre_feedforward_layernorm.weight", f"{p}post_feedforward_layernorm.weight"]
         return names
 
 
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM",)),  # Llama 1/2/3.x, SmolLM, TinyLlama
-    Family("mistral", ("MistralForCausalLM",), window_key="sliding_window"),
+    Family("llama", ("LlamaForCausalLM",), ("llama",)),  # Llama 1/2/3.x, SmolLM, TinyLlama
+    Family("mistral", ("MistralForCausalLM",), ("mistral",), window_key="sliding_window"),
     # q/k/v biases: optional tensors, as for every family.
-    Family("qwen2", ("Qwen2ForCausalLM",), window_key="sliding_window", window_switch="use_sliding_window"),
-    Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_key="sliding_window",
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), window_key="sliding_window",
            window_switch="use_sliding_window"),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_key="sliding_window",
+           window_switch="use_sliding_window"),
+    # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
+    Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
+           gemma=True),
 )
 _BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
 
 def family_of(cfg: dict[str, Any]) -> Family:
-    """The family of a config.json's `architectures` (a config without it is taken as Llama)."""
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    """The family of a config.json's `architectures`, else of its `model_type` (a GGUF converted
+    by transformers has only that); a config with neither is taken as Llama."""
+    archs = cfg.get("architectures") or []
     for arch in archs:
         if arch in _BY_ARCH:
             return _BY_ARCH[arch]
-    supported = ", ".join(sorted(_BY_ARCH))
-    raise UnsupportedModel(f"architecture {archs[0]} is not supported (supported: {supported})")
+    if archs:
+        supported = ", ".join(sorted(_BY_ARCH))
+        raise UnsupportedModel(f"architecture {archs[0]} is not supported (supported: {supported})")
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in _BY_TYPE:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_BY_TYPE))})")
+    return _BY_TYPE[model_type]
 
 
 def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Family:
     """The family, after refusing every config value its forward would get wrong."""
     fam = family_of(cfg)
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if act not in ACTIVATIONS:
         raise UnsupportedModel(f"{fam.name}: activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModel(f"{fam.name}: attention logit soft-capping is not supported yet")
     parsed = ModelConfig.from_dict(cfg)
     scaling = parsed.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -148,7 +168,9 @@ def supported_table() -> str:
     notes = {"llama": "RoPE default, linear, llama3; optional biases; tied or separate LM head",
              "mistral": "as Llama; a sliding window only up to --max-model-len (window kernels not yet)",
              "qwen2": "q/k/v biases; sliding window as Mistral",
-             "qwen3": "RMSNorm per head on q and k before RoPE"}
+             "qwen3": "RMSNorm per head on q and k before RoPE",
+             "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
+                       "query_pre_attn_scalar, local RoPE base; sliding layers only up to --max-model-len"}
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
     return "\n".join(rows)

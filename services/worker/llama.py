@@ -10,6 +10,7 @@ into the weights first (smoothquant.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -52,8 +53,12 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
 
 
-def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | str) -> torch.Tensor:
-    """[max_positions, head_dim] fp32: cos of each angle in the first half, sin in the second."""
+def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | str,
+                  local: bool = False) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos of each angle in the first half, sin in the second.
+    `local`: the sliding-attention layers' table (their own base, no scaling; Gemma 3)."""
+    if local:
+        cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
     freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg)[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
@@ -72,6 +77,9 @@ class LayerWeights:
     down: Linear
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm of each q head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False  # a sliding-attention layer: its own RoPE table (Gemma 3)
 
 
 @dataclass
@@ -91,12 +99,16 @@ class LayerTensors:
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False
 
     def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
         return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
                             o=linear(self.o, self.o_bias), post_norm=self.post_norm,
                             gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias),
-                            q_norm=self.q_norm, k_norm=self.k_norm)
+                            q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
+                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope)
 
 
 class _Checkpoint:
@@ -140,9 +152,10 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int, quantization: str = "none",
-                 tied: bool | None = None) -> None:
+                 tied: bool | None = None, embed_scale: float | None = None) -> None:
         """lm_head None: a headless model, final_hidden only (calibration). `tied` defaults to
-        whether lm_head is the embedding (a smoothed tied head is a scaled copy of it)."""
+        whether lm_head is the embedding (a smoothed tied head is a scaled copy of it).
+        `embed_scale`: the embedding's multiplier (Gemma: sqrt(hidden))."""
         self.cfg = cfg
         self.embed = embed
         self.layers = layers
@@ -153,8 +166,13 @@ class LlamaModel:
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.cos_sin = cos_sin_cache(cfg, max_positions, self.device)
+        self.cos_sin_local = cos_sin_cache(cfg, max_positions, self.device, local=True) \
+            if any(layer.local_rope for layer in layers) else None
+        # Rounded to the model dtype first, as transformers multiplies by it.
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=self.dtype)
+        self.act = ops.gelu_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
@@ -177,25 +195,38 @@ class LlamaModel:
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
 
+        def norm_weight(name: str) -> torch.Tensor | None:
+            # Gemma's norms scale by (1 + w): folded in once, in fp32, so the forward's norm is Llama's.
+            t = ckpt.get(name)
+            return put(t.float() + 1.0 if family.gemma else t)
+
         def read_layer(i: int) -> LayerTensors:
             p = f"model.layers.{i}."
             attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
             mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            gemma = family.gemma
             return LayerTensors(
-                input_norm=put(ckpt.get(f"{p}input_layernorm.weight")),
+                input_norm=norm_weight(f"{p}input_layernorm.weight"),
                 qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
                 qkv_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
                 o=put(ckpt.get(f"{p}self_attn.o_proj.weight")), o_bias=put(ckpt.maybe(f"{p}self_attn.o_proj.bias")),
-                post_norm=put(ckpt.get(f"{p}post_attention_layernorm.weight")),
+                # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
+                # pre_feedforward and uses post_attention for the attention output's own norm.
+                post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
+                                      else f"{p}post_attention_layernorm.weight"),
                 gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
                 gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
                 down=put(ckpt.get(f"{p}mlp.down_proj.weight")), down_bias=put(ckpt.maybe(f"{p}mlp.down_proj.bias")),
-                q_norm=put(ckpt.get(f"{p}self_attn.q_norm.weight")) if family.qk_norm else None,
-                k_norm=put(ckpt.get(f"{p}self_attn.k_norm.weight")) if family.qk_norm else None)
+                q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
+                k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
+                attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
+                local_rope=cfg.rope_theta_local is not None and i < len(cfg.layer_types)
+                and cfg.layer_types[i] == "sliding_attention")
 
         tensors = [read_layer(i) for i in range(cfg.num_hidden_layers)]
         embed = put(ckpt.get("model.embed_tokens.weight"))
-        norm = put(ckpt.get("model.norm.weight"))
+        norm = norm_weight("model.norm.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         lm_head = embed if tied else put(ckpt.get("lm_head.weight"))
         if quantization == "int8" or smoothquant_alpha:
@@ -209,7 +240,7 @@ class LlamaModel:
         layers = [tensors.pop(0).prepare(lambda w, b: ops.make_linear(w, b, quantization))
                   for _ in range(cfg.num_hidden_layers)]
         return cls(cfg, embed, layers, norm, lm_head, max_positions or cfg.max_position_embeddings, quantization,
-                   tied=tied)
+                   tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cfg
@@ -226,7 +257,9 @@ class LlamaModel:
         """fp32 logits of final hidden states (see final_hidden)."""
         if self.lm_head is None:
             raise RuntimeError("a headless model (built for calibration) has no logits")
-        return self.lm_head.float_out(hidden)
+        logits = self.lm_head.float_out(hidden)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
@@ -236,6 +269,8 @@ class LlamaModel:
         eps = c.rms_norm_eps
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -252,11 +287,16 @@ class LlamaModel:
             # RoPE and the cache write in one op (one fused kernel on the Triton backend).
             q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
-                                         self.cos_sin, k_cache, v_cache, meta.slot_mapping)
+                                         self.cos_sin_local if layer.local_rope else self.cos_sin,
+                                         k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
             h = layer.o(attn.reshape(t, self.q_size))
+            if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
+                h = ops.rms_norm(h, layer.attn_out_norm, eps)
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            h = layer.down(self.act(layer.gate_up(x)))
+            if layer.mlp_out_norm is not None:
+                h = ops.rms_norm(h, layer.mlp_out_norm, eps)
         # Only the rows that get sampled go through the final norm and the LM head.
         last = h.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
