@@ -140,6 +140,28 @@ def test_incompatible_cache_is_refused_without_retry(transport: RedisKVTransport
     assert not err.value.retryable
 
 
+def test_untrusted_manifest_is_checked_before_anything_is_allocated(transport: RedisKVTransport,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest off the broker claiming a huge payload, or naming block ids the cache does not
+    have, is refused before fetch() allocates or scatter writes anything."""
+    import msgspec
+
+    manifest = transport.export("t5", caches(seed=10), [0, 1], num_tokens=8)
+    fetched: list[str] = []
+    monkeypatch.setattr(transport, "fetch", lambda m: fetched.append(m.transfer_id))
+    huge = msgspec.structs.replace(manifest, nbytes=1 << 40, chunk_bytes=[1 << 40], checksums=[0])
+    with pytest.raises(KVTransferError, match="manifest of 1099511627776 bytes") as err:
+        transport.import_into(huge, caches(), [0, 1])
+    assert not err.value.retryable
+    dst = caches(seed=11)
+    before = [k.clone() for k, _ in dst]
+    for ids in ([0, 12], [-1, 3]):
+        with pytest.raises(KVTransferError, match="outside this cache's 0..11"):
+            transport.import_into(manifest, dst, ids)
+    assert fetched == [] and all(torch.equal(k, b) for (k, _), b in zip(dst, before, strict=True))
+    transport.discard(manifest)
+
+
 @dataclass
 class FakeCacheOwner:
     """What KVTransferExecutor needs of a ModelRunner: its KV caches."""

@@ -512,6 +512,29 @@ def test_worker_death_fails_requests_then_recovers(stack: Stack) -> None:
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
 
 
+def test_garbage_on_the_result_stream_loses_nothing(stack: Stack) -> None:
+    """Undecodable entries on the worker -> scheduler stream while requests stream: the scheduler
+    drops them, makes the worker start over and recomputes; every request completes in full."""
+    async def load() -> list[Outcome]:
+        outcomes = [Outcome() for _ in range(4)]
+        async with client_for(stack) as client:
+            async def one(i: int) -> None:
+                outcomes[i] = await stream_completion(client, PROMPTS[i], 48, ignore_eos=True,
+                                                      on_chunk=lambda o, i=i: outcomes.__setitem__(i, o))
+            tasks = [asyncio.create_task(one(i)) for i in range(len(outcomes))]
+            await started(outcomes, len(outcomes))
+            for junk in (b"\xc1 not msgpack", b"", b"\x92\x01"):
+                stack.redis.xadd(stack.streams.result(0), {b"m": junk})
+                await asyncio.sleep(0.3)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return outcomes
+
+    for o in run(load()):
+        assert o.error is None and o.finish == "length" and o.usage and o.usage["completion_tokens"] == 48, o
+    assert not stack.dead()
+    stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
+
+
 async def _one_completion(stack: Stack, max_tokens: int = 4) -> Outcome:
     async with client_for(stack, timeout=60) as client:
         return await stream_completion(client, "The capital of France is", max_tokens)

@@ -49,6 +49,7 @@ from rill.shared.schema import (
     StepPlan,
     StepResult,
     TokenizedRequest,
+    WorkerOutput,
     WorkerReady,
     encode,
     engine_input_decoder,
@@ -57,6 +58,16 @@ from rill.shared.schema import (
 
 log = logging.getLogger("rill.scheduler")
 
+
+
+def decode_worker_output(data: bytes) -> WorkerOutput | None:
+    """A result-stream entry, or None (logged) when it does not decode: the broker is not
+    trusted, and one bad entry must not take the engine down."""
+    try:
+        return worker_output_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        log.warning("dropping malformed worker output: %s", exc)
+        return None
 
 class SchedulerService:
     def __init__(self, bus: Bus, args: EngineArgs, stop: StopFlag) -> None:
@@ -87,7 +98,7 @@ class SchedulerService:
         while not self.stop:
             for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS):
                 self.result_cursor = entry_id
-                msg = worker_output_decoder.decode(data)
+                msg = decode_worker_output(data)
                 if isinstance(msg, WorkerReady):
                     return msg
         return None
@@ -239,7 +250,12 @@ class SchedulerService:
             self.inputs_fresh = until is not None
             for entry_id, data in Bus.entries(results):
                 self.result_cursor = entry_id
-                msg = worker_output_decoder.decode(data)
+                msg = decode_worker_output(data)
+                if msg is None:
+                    # Whichever step it carried is lost: make the worker start over (it answers
+                    # with WorkerReady, below) and recompute, as after a worker restart.
+                    self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+                    continue
                 if isinstance(msg, WorkerReady):
                     # The worker restarted mid-step and forgot everything: recompute.
                     log.warning("worker %s restarted; recomputing %d running requests",

@@ -55,7 +55,9 @@ class Tokenizer:
         if self.tok.eos_token_id is not None:
             eos.add(self.tok.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self.vocab_size = max(self.config.vocab_size, len(self.tok))
+        # One rule for token ids, the worker's: the model embeds and emits ids below its
+        # config's vocab_size (a tokenizer may know more, e.g. added tokens the embedding lacks).
+        self.vocab_size = self.config.vocab_size
 
     def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> list[int]:
         if not messages:
@@ -78,9 +80,9 @@ class Tokenizer:
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
-            return self.chat_ids(req.messages)
+            return self.check_ids(self.chat_ids(req.messages), "messages")
         if isinstance(req.prompt, str):
-            return list(self.tok(req.prompt, add_special_tokens=True)["input_ids"])
+            return self.check_ids(list(self.tok(req.prompt, add_special_tokens=True)["input_ids"]), "prompt")
         if isinstance(req.prompt, list):
             return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from abc import ABC, abstractmethod
@@ -110,6 +111,15 @@ def check_compatible(manifest: KVManifest, kv_caches: KVCaches, block_ids: Seque
         raise KVTransferError(f"KV geometry mismatch: payload {list(manifest.shape)} vs this cache {want} "
                               f"([layers, 2, blocks, block_size, kv_heads, head_dim]); engines must serve the "
                               f"same model with the same --block-size", retryable=False)
+    # The manifest comes off the broker: nothing in it is allocated or indexed before it is
+    # checked against what this cache can hold.
+    size = math.prod(want) * kv_caches[0][0].element_size()
+    if manifest.nbytes != size:
+        raise KVTransferError(f"KV manifest of {manifest.nbytes} bytes for a payload of {size}", retryable=False)
+    num_blocks = kv_caches[0][0].shape[0]
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise KVTransferError(f"KV block id {bad[0]} outside this cache's 0..{num_blocks - 1}", retryable=False)
 
 
 class KVTransport(ABC):
