@@ -75,6 +75,9 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=_body_size, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES >> 20}MiB; "
                         f"accepts e.g. 4MiB)")
+    p.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="drop request fields Rill does not know (each name logged once) instead of "
+                        "answering 400 as OpenAI does")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +185,7 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.auth import api_key_from_env
         run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
-            max_request_body_bytes=ns.max_request_body_bytes)
+            max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields)
 
 
 def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
@@ -203,6 +206,8 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:
             argv += [flag, str(value)]
+    if name == "gateway" and ns.ignore_unknown_fields:
+        argv.append("--ignore-unknown-fields")
     return argv
 
 

@@ -8,6 +8,7 @@ detokenizer replicas would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -55,12 +57,13 @@ def _free_port() -> int:
 
 
 class LiveServer:
-    """create_app served by uvicorn in a background thread, on a free port and its own prefix."""
+    """create_app served by uvicorn in a background thread, on a free port and its own prefix;
+    `options` go to create_app (e.g. ignore_unknown_fields=True)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, **options: Any) -> None:
         self.prefix = prefix
         self.port = _free_port()
-        self.app = create_app(REDIS_URL, prefix, MODEL, MAX_LEN)
+        self.app = create_app(REDIS_URL, prefix, MODEL, MAX_LEN, **options)
         self.gateway = self.app.state.gateway
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False, lifespan="on"))
@@ -82,10 +85,11 @@ class LiveServer:
         self.thread.join(10)
 
 
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
+@contextlib.contextmanager
+def serving(**options: Any) -> Iterator[LiveServer]:
+    """A started LiveServer on a fresh prefix, stopped and its keys deleted afterwards."""
     prefix = f"test-gw-{uuid.uuid4().hex[:10]}"
-    srv = LiveServer(prefix)
+    srv = LiveServer(prefix, **options)
     srv.start()
     try:
         yield srv
@@ -96,6 +100,12 @@ def server() -> Iterator[LiveServer]:
         if keys:
             r.delete(*keys)
         r.close()
+
+
+@pytest.fixture
+def server() -> Iterator[LiveServer]:
+    with serving() as srv:
+        yield srv
 
 
 class Downstream:
@@ -254,12 +264,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": ["hi"]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, 400, "messages[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
     ("/v1/chat/completions", {**CHAT_OK, "temperature": 2.5}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT_OK, "temperature": -0.1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT_OK, "temperature": "hot"}, 400, "temperature"),
@@ -286,8 +296,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/chat/completions", {**CHAT_OK, "stop": ["s"] * 17}, 400, "stop"),
-    ("/v1/chat/completions", {**CHAT_OK, "stop": [1]}, 400, "stop"),
-    ("/v1/chat/completions", {**CHAT_OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT_OK, "stop": [1]}, 400, "stop[0]"),
+    ("/v1/chat/completions", {**CHAT_OK, "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),
     ("/v1/chat/completions", {**CHAT_OK, "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("/v1/chat/completions", {**CHAT_OK, "seed": 2**70}, 400, "seed"),
     ("/v1/chat/completions", {**CHAT_OK, "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
@@ -299,9 +309,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [2**40]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [2**40]}, 400, "prompt[0]"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -339,7 +349,7 @@ async def test_validation_errors_are_openai_json(server: LiveServer, down: Downs
 
 
 async def test_request_translation(server: LiveServer, down: Downstream) -> None:
-    """Accepted bodies become the GenerateRequest the tokenizer expects; unknown fields are ignored."""
+    """Accepted bodies become the GenerateRequest the tokenizer expects; metadata (`user`) is ignored."""
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
         chat = asyncio.create_task(c.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [

@@ -86,6 +86,8 @@ def test_tokenize_and_detokenize_match_the_tokenizer(stack: ServiceStack, hf) ->
         assert chat["tokens"] == expected
         d = c.post("/detokenize", json={"tokens": r["tokens"]}).json()
         assert d["prompt"] == tok.decode(r["tokens"])
+        assert c.post("/v1/tokenize", json={"messages": CHAT}).json() == chat  # vLLM's newer paths
+        assert c.post("/v1/detokenize", json={"tokens": r["tokens"]}).json() == d
         bad = c.post("/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 

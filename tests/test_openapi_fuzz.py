@@ -25,8 +25,8 @@ from schemathesis.config import SchemathesisConfig
 from service_stack import ServiceStack, standard_stack
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rill.services.gateway.openai_api import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.openapi_spec import build_spec
+from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS
 from rill.shared.broker import free_port
 
 MAX_MODEL_LEN = 128
@@ -117,6 +117,16 @@ EDGE_CASES: list[tuple[str, bytes, int | None]] = [
     ("/tokenize", b'{"prompt": ""}', 200),
     ("/detokenize", b'{"tokens": [{V}]}', 400),
     ("/detokenize", b'{"tokens": []}', 200),
+    ("/v1/tokenize", b'{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": false}', 200),
+    ("/v1/detokenize", b'{"tokens": [{V}]}', 400),
+    # Hostile JSON, refused and unknown fields: 400 before anything reaches a service.
+    ("/v1/completions", b'{"prompt": "hi", "temperature": ' + b"1" * 400 + b"}", 400),
+    ("/v1/completions", b'{"prompt": "hi", "bad_words": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    ("/v1/completions", b'{"prompt": "hi", "best_of": 2}', 400),
+    ("/v1/completions", b'{"prompt": "hi", "frobnicate": 1}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none", '
+                             b'"response_format": {"type": "text"}, "max_tokens": 2}', 200),
 ]
 
 

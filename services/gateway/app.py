@@ -40,7 +40,7 @@ from rill.services.gateway.errors import (
 )
 from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
-from rill.services.gateway.openai_api import DEFAULT_MAX_LOGPROBS
+from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS, Admission
 from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
 from rill.shared.lifecycle import POLL_MS
@@ -284,6 +284,7 @@ class Gateway:
     # whose downstream services are played by a test harness does not).
     watch_engine: bool = False
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop (and log) them instead of a 400
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
@@ -300,6 +301,11 @@ class Gateway:
         self._engine_gone = Absence()
         self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
         self._broker_gone = Absence(BROKER_GRACE_S)
+
+    @property
+    def admission(self) -> Admission:
+        """The settings request validation depends on (requests.py)."""
+        return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields)
 
     @property
     def reply_stream(self) -> str:
@@ -586,10 +592,11 @@ class GatewayHeader:
 def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
                gateway_id: str | None = None, watch_engine: bool = False,
                max_logprobs: int = DEFAULT_MAX_LOGPROBS, api_key: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ignore_unknown_fields: bool = False) -> Starlette:
     """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
-                      max_logprobs=max_logprobs, **({"gateway_id": gateway_id} if gateway_id else {}))
+                      max_logprobs=max_logprobs, ignore_unknown_fields=ignore_unknown_fields,
+                      **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -616,7 +623,8 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
 
 def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int,
         replica: str | None = None, reuse_port: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-        api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        ignore_unknown_fields: bool = False) -> None:
     """Serve until SIGTERM/SIGINT. `reuse_port`: bind with SO_REUSEPORT, so several gateway
     replicas listen on the same port and the kernel spreads connections across them (Linux)."""
     import uvicorn
@@ -628,7 +636,8 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
     # of the one that died are aborted by the engines once its heartbeat expires.
     gateway_id = f"{replica}-{uuid.uuid4().hex[:8]}" if replica else uuid.uuid4().hex
     app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True,
-                     max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes)
+                     max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes,
+                     ignore_unknown_fields=ignore_unknown_fields)
     # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
     # shutdown timeout stops a stream whose engine died from holding the process open.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,

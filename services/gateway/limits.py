@@ -19,7 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rill.services.gateway.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # 16 MiB: far above any prompt that fits a context window
-JSON_POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+JSON_POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                             "/v1/tokenize", "/v1/detokenize"})
 
 
 def too_large(limit: int) -> APIError:

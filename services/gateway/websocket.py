@@ -3,6 +3,8 @@
 Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
                 {"type": "completion", "id": .., "prompt": .., ...sampling}
                 {"type": "cancel", "id": ..}
+(chat and completion frames are the HTTP bodies plus `type` and `id`, checked by the same
+schema, requests.py; `echo` and `return_tokens_as_token_ids` are refused here)
 Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..]}
                 {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..}}
 
@@ -28,8 +30,9 @@ import msgspec
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from rill.services.gateway import requests
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.openai_api import parse_generate
+from rill.services.gateway.requests import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
 from rill.shared.schema import ErrorReply, TextLogprob
 
@@ -38,8 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rill.gateway.ws")
 
-KINDS = frozenset({"chat", "completion"})
-MAX_ID_LEN = 128
+FRAMES: dict[str, type[ChatFrame | CompletionFrame]] = {"chat": ChatFrame, "completion": CompletionFrame}
 MAX_INFLIGHT = 1024  # per socket; one client should not be able to flood the engine unchecked
 _json = msgspec.json.Encoder()
 
@@ -51,6 +53,11 @@ class _Entry:
     stream: RequestStream
     output: Output = field(default_factory=Output)
     task: asyncio.Task[None] | None = None
+
+
+def _id_error() -> APIError:
+    return APIError(f"Every frame needs an `id`: a string of 1 to {MAX_WS_ID_LEN} characters or an integer.",
+                    param="id")
 
 
 def _error_frame(client_id: Any, err: APIError) -> dict[str, Any]:
@@ -121,32 +128,25 @@ class Connection:
             await self.handle_frame(data)
 
     async def handle_frame(self, data: str | bytes) -> None:
-        try:
-            frame = msgspec.json.decode(data)
-        except msgspec.DecodeError as exc:
-            await self._send(_error_frame(None, APIError(f"Frame is not valid JSON: {exc}")))
+        try:  # the id first, so that every later error frame names the request
+            head = requests.decode(data, FrameHead)
+        except APIError as err:
+            await self._send(_error_frame(None, _id_error() if err.param == "id" else err))
             return
-        if not isinstance(frame, dict):
-            await self._send(_error_frame(None, APIError("A frame must be a JSON object.")))
+        if head.id is None:
+            await self._send(_error_frame(None, _id_error()))
             return
-        cid = frame.get("id")
-        if isinstance(cid, bool) or not isinstance(cid, (str, int)) or not 0 < len(str(cid)) <= MAX_ID_LEN:
-            await self._send(_error_frame(None, APIError(
-                f"Every frame needs an `id`: a string of 1 to {MAX_ID_LEN} characters or an integer.",
-                param="id")))
-            return
-        kind = frame.get("type")
-        if kind == "cancel":
-            await self.cancel(cid)
-        elif kind in KINDS:
-            await self.start(cid, kind, frame)
+        if head.type == "cancel":
+            await self.cancel(head.id)
+        elif head.type in FRAMES:
+            await self.start(head.id, FRAMES[head.type], data)
         else:
-            await self._send(_error_frame(cid, APIError(
-                f"Unknown frame type {kind!r}; expected 'chat', 'completion' or 'cancel'.", param="type")))
+            await self._send(_error_frame(head.id, APIError(
+                f"Unknown frame type {head.type!r}; expected 'chat', 'completion' or 'cancel'.", param="type")))
 
     # -- requests --------------------------------------------------------------------------
 
-    async def start(self, cid: str | int, kind: str, frame: dict[str, Any]) -> None:
+    async def start(self, cid: str | int, cls: type[ChatFrame | CompletionFrame], data: str | bytes) -> None:
         if cid in self.inflight:
             await self._send(_error_frame(cid, APIError(f"Request id {cid!r} is already in flight.",
                                                         param="id")))
@@ -160,8 +160,8 @@ class Connection:
         self.started += 1
         request_id = f"ws-{self.conn_id}-{self.started}-{cid}"
         try:
-            req = parse_generate(frame, kind, self.gw.model_name, request_id, self.gw.reply_stream,
-                                 self.gw.max_logprobs)
+            body = requests.parse(data, cls, self.gw.admission)
+            req = requests.generate_request(body, request_id, self.gw.reply_stream)
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n))
