@@ -75,6 +75,10 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=_body_size, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES >> 20}MiB; "
                         f"accepts e.g. 4MiB)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins (e.g. https://app.example) whose web pages may open the "
+                        "WebSocket; '*' for any. Without it only the gateway's own page and non-browser "
+                        "clients may")
     p.add_argument("--ignore-unknown-fields", action="store_true",
                    help="drop request fields Rill does not know (each name logged once) instead of "
                         "answering 400 as OpenAI does")
@@ -86,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the broker (unless --redis-url) and every service")
     _engine_flags(serve)
-    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--tokenizer-replicas", type=int, default=1)
     serve.add_argument("--detokenizer-replicas", type=int, default=1)
@@ -112,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     one = sub.add_parser("service", help="run one service alone (compose, scaled deployments)")
     one.add_argument("name", choices=SERVICES)
     _engine_flags(one)
-    one.add_argument("--host", default="0.0.0.0")
+    one.add_argument("--host", default="127.0.0.1",
+                     help="gateway: address to listen on (default loopback only; 0.0.0.0 for every interface)")
     one.add_argument("--port", type=int, default=8000)
     one.add_argument("--replica-name", default=None, help="consumer name (default: host-pid)")
     _gateway_flags(one)
@@ -185,7 +191,8 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.auth import api_key_from_env
         run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
-            max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields)
+            max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
+            allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()))
 
 
 def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
@@ -208,6 +215,8 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
             argv += [flag, str(value)]
     if name == "gateway" and ns.ignore_unknown_fields:
         argv.append("--ignore-unknown-fields")
+    if name == "gateway" and ns.allowed_origins:
+        argv += ["--allowed-origins", ns.allowed_origins]
     return argv
 
 

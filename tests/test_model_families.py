@@ -137,10 +137,12 @@ def test_rill_serve_exits_non_zero_before_starting(tmp_path: Path) -> None:
     assert "architecture FancyNewForCausalLM is not supported" in last and last.startswith("rill: ")
 
 
-def test_supported_table_names_every_family() -> None:
+def test_supported_table_names_every_family_and_is_the_readmes() -> None:
     table = families.supported_table()
     for fam in families.FAMILIES:
         assert f"| {fam.name} |" in table and all(a in table for a in fam.architectures)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert table in readme, "README's family table is stale: paste families.supported_table()"
 
 
 def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:

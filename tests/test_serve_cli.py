@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rill.services.supervisor import children_of
@@ -28,7 +29,8 @@ def post(url: str, body: dict, timeout: float = 60) -> dict:
 def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--port", str(port), "--host", "127.0.0.1",
+        # No --host: the default must be loopback (checked on the gateway's listening socket below).
+        [sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--port", str(port),
          "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--log-level", "INFO"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     stderr_lines: list[str] = []
@@ -40,6 +42,10 @@ def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
         names = [c.split(" service ")[1].split()[0] for c in kids.values() if " service " in c]
         assert sorted(names) == ["detokenizer", "gateway", "scheduler", "tokenizer", "worker"]
         assert any("valkey-server" in c for c in kids.values()), "embedded broker not started"
+        gateway = next(p for p, c in kids.items() if " service gateway " in c)
+        listening = [c.laddr for c in psutil.Process(gateway).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
         # The KV sizing line uses the formula from the design: layers x tokens x 2 x kv_heads x head_dim x bytes.
         assert any("30 layers x" in line and "kv_heads" in line for line in stderr_lines)
 

@@ -40,6 +40,7 @@ from rill.services.gateway.errors import (
 )
 from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
+from rill.services.gateway.origin import OriginGuard
 from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS, Admission
 from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
@@ -592,8 +593,10 @@ class GatewayHeader:
 def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
                gateway_id: str | None = None, watch_engine: bool = False,
                max_logprobs: int = DEFAULT_MAX_LOGPROBS, api_key: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ignore_unknown_fields: bool = False) -> Starlette:
-    """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open."""
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ignore_unknown_fields: bool = False,
+               bind_host: str = "0.0.0.0", allowed_origins: frozenset[str] = frozenset()) -> Starlette:
+    """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open.
+    `bind_host` / `allowed_origins`: who may talk to it from a browser (origin.py)."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
                       max_logprobs=max_logprobs, ignore_unknown_fields=ignore_unknown_fields,
                       **({"gateway_id": gateway_id} if gateway_id else {}))
@@ -612,8 +615,10 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_exception_handler, APIError: api_error_handler,
                             Exception: internal_error_handler},
-        # Outermost first: the key is checked before any body is read, then the body limits.
+        # Outermost first: Host and Origin, then the key, both before any body is read, then the
+        # body limits.
         middleware=[Middleware(GatewayHeader, gateway_id=gateway.gateway_id),
+                    Middleware(OriginGuard, bind_host=bind_host, allowed_origins=allowed_origins),
                     *([Middleware(BearerAuth, api_key=api_key)] if api_key else []),
                     Middleware(RequestLimits, max_body_bytes=max_request_body_bytes)],
     )
@@ -624,7 +629,7 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
 def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int,
         replica: str | None = None, reuse_port: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        ignore_unknown_fields: bool = False) -> None:
+        ignore_unknown_fields: bool = False, allowed_origins: frozenset[str] = frozenset()) -> None:
     """Serve until SIGTERM/SIGINT. `reuse_port`: bind with SO_REUSEPORT, so several gateway
     replicas listen on the same port and the kernel spreads connections across them (Linux)."""
     import uvicorn
@@ -637,7 +642,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
     gateway_id = f"{replica}-{uuid.uuid4().hex[:8]}" if replica else uuid.uuid4().hex
     app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True,
                      max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes,
-                     ignore_unknown_fields=ignore_unknown_fields)
+                     ignore_unknown_fields=ignore_unknown_fields, bind_host=host, allowed_origins=allowed_origins)
     # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
     # shutdown timeout stops a stream whose engine died from holding the process open.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
