@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import sys
 import time
 import urllib.request
@@ -15,6 +16,7 @@ from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, QUANTIZATIONS, Engine
 from rill.shared.logs import setup_logging
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+REDIS_URL_ENV = "RILL_REDIS_URL"  # how rill serve hands its children the broker (see _child_argv)
 log = logging.getLogger("rill.cli")
 
 
@@ -168,8 +170,10 @@ def run_service(ns: argparse.Namespace) -> None:
         # miss per block with 4 KiB pages: 7 % of a bf16 decode step at batch 32 (scripts/benchmarks.md). Read at
         # torch's first allocation, so set before anything imports it.
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    ns.redis_url = ns.redis_url or os.environ.get(REDIS_URL_ENV)
     if not ns.redis_url:
-        raise SystemExit("rill service: --redis-url is required (rill serve starts a broker for you)")
+        raise SystemExit(f"rill service: --redis-url (or ${REDIS_URL_ENV}) is required "
+                         "(rill serve starts a broker for you)")
     model_dir = str(resolve_model(ns.model))
     args = engine_args(ns, model_dir)
     consumer = ns.replica_name or f"{ns.name}-{os.uname().nodename}-{os.getpid()}"
@@ -195,8 +199,10 @@ def run_service(ns: argparse.Namespace) -> None:
             allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()))
 
 
-def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: str, replica: str) -> list[str]:
-    argv = [sys.executable, "-m", "rill.services.cli", "service", name, model_dir, "--redis-url", redis_url,
+def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str) -> list[str]:
+    # No --redis-url: the children take it from $RILL_REDIS_URL (serve sets it), since a URL may
+    # hold the broker's password and every process listing shows command lines.
+    argv = [sys.executable, "-m", "rill.services.cli", "service", name, model_dir,
             "--prefix", ns.prefix, "--replica-name", replica, "--max-num-seqs", str(ns.max_num_seqs),
             "--block-size", str(ns.block_size),
             "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
@@ -220,7 +226,7 @@ def _child_argv(ns: argparse.Namespace, name: str, redis_url: str, model_dir: st
     return argv
 
 
-def build_children(ns: argparse.Namespace, redis_url: str, model_dir: str) -> list[Child]:
+def build_children(ns: argparse.Namespace, model_dir: str) -> list[Child]:
     """Every service process of one server. Gateway replicas share --port through SO_REUSEPORT:
     one address for clients, the kernel spreads connections, and each replica keeps its own
     reply stream (a connection, hence a stream or socket, stays on the replica that accepted it)."""
@@ -228,14 +234,14 @@ def build_children(ns: argparse.Namespace, redis_url: str, model_dir: str) -> li
         if getattr(ns, flag) < 1:
             raise SystemExit(f"rill: --{flag.replace('_', '-')} must be at least 1")
     tag = uuid.uuid4().hex[:6]
-    children = engine_children(ns, redis_url, model_dir, tag)
+    children = engine_children(ns, model_dir, tag)
     for kind, count in (("tokenizer", ns.tokenizer_replicas), ("detokenizer", ns.detokenizer_replicas)):
         for i in range(count):
-            children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{i}")))
+            children.append(Child(f"{kind}-{i}", kind, _child_argv(ns, kind, model_dir, f"{kind}-{tag}-{i}")))
     shared = ["--reuse-port"] if ns.gateway_replicas > 1 else []
     for i in range(ns.gateway_replicas):
         name = "gateway" if ns.gateway_replicas == 1 else f"gateway-{i}"
-        children.append(Child(name, "gateway", _child_argv(ns, "gateway", redis_url, model_dir, f"gateway-{tag}-{i}")
+        children.append(Child(name, "gateway", _child_argv(ns, "gateway", model_dir, f"gateway-{tag}-{i}")
                               + shared))
     return children
 
@@ -252,17 +258,17 @@ def engine_roles(ns: argparse.Namespace) -> list[tuple[int, str]]:
     return [(e, "prefill") for e in range(n)] + [(n + e, "decode") for e in range(m)]
 
 
-def engine_children(ns: argparse.Namespace, redis_url: str, model_dir: str, tag: str) -> list[Child]:
+def engine_children(ns: argparse.Namespace, model_dir: str, tag: str) -> list[Child]:
     """A worker and a scheduler per engine; a disaggregated engine's pair gets its id and role."""
     roles = engine_roles(ns)
     if len(roles) == 1 and roles[0][1] == "both":
-        return [Child("worker", "worker", _child_argv(ns, "worker", redis_url, model_dir, f"worker-{tag}")),
+        return [Child("worker", "worker", _child_argv(ns, "worker", model_dir, f"worker-{tag}")),
                 Child("scheduler", "scheduler",
-                      _child_argv(ns, "scheduler", redis_url, model_dir, f"scheduler-{tag}"))]
+                      _child_argv(ns, "scheduler", model_dir, f"scheduler-{tag}"))]
     children: list[Child] = []
     for e, role in roles:
         for kind in ("worker", "scheduler"):
-            argv = _child_argv(ns, kind, redis_url, model_dir, f"{kind}-{tag}-{e}") + [
+            argv = _child_argv(ns, kind, model_dir, f"{kind}-{tag}-{e}") + [
                 "--engine-id", str(e), "--role", role]  # argparse: the last --engine-id wins
             children.append(Child(f"{kind}-{e}-{role}", kind, argv))
     return children
@@ -306,15 +312,17 @@ def serve(ns: argparse.Namespace) -> int:
     broker = None
     redis_url = ns.redis_url
     if not redis_url:
-        broker = EmbeddedBroker().start()
+        # Its own password, so that no other local user can read prompts or inject messages.
+        broker = EmbeddedBroker(password=secrets.token_urlsafe(24)).start()
         redis_url = broker.url
+    os.environ[REDIS_URL_ENV] = redis_url  # the children's, off their command lines
     if ns.api_key is not None:
         # The gateways inherit the key through the environment: on their command lines it would
         # show in every process listing.
         from rill.services.gateway.auth import ENV_VAR
 
         os.environ[ENV_VAR] = ns.api_key
-    sup = Supervisor(build_children(ns, redis_url, model_dir))
+    sup = Supervisor(build_children(ns, model_dir))
     sup.start()
     try:
         _announce_when_ready(ns, sup, redis_url)

@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -44,16 +45,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedBroker:
     """A child valkey-server on a free loopback port; stopped with the context manager."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+        """`password`: required of every client (AUTH); it goes in the URL and in a config file
+        in a private folder, never on a command line (any local user can list those)."""
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{quote(password, safe='')}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.workdir = tempfile.mkdtemp(prefix="rill-valkey-")
+        self.workdir = tempfile.mkdtemp(prefix="rill-valkey-")  # mode 0700
 
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         binary = valkey_binary()
+        conf = Path(self.workdir, "valkey.conf")
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        conf.chmod(0o600)
         self.proc = subprocess.Popen(
-            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [str(binary), str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning",
              "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

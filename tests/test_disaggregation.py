@@ -299,7 +299,7 @@ def test_serve_flags_start_prefill_and_decode_engines() -> None:
 
     ns = build_parser().parse_args(["serve", "--prefill-engines", "1", "--decode-engines", "2"])
     assert engine_roles(ns) == [(0, "prefill"), (1, "decode"), (2, "decode")]
-    kids = engine_children(ns, "redis://x", "/model", "t")
+    kids = engine_children(ns, "/model", "t")
     assert [k.name for k in kids] == ["worker-0-prefill", "scheduler-0-prefill", "worker-1-decode",
                                       "scheduler-1-decode", "worker-2-decode", "scheduler-2-decode"]
     for kid in kids:
@@ -307,7 +307,7 @@ def test_serve_flags_start_prefill_and_decode_engines() -> None:
         assert parsed.command == "service" and parsed.name == kid.kind
         assert (parsed.engine_id, parsed.role) == (int(kid.name.split("-")[1]), kid.name.split("-")[2])
     colocated = build_parser().parse_args(["serve"])
-    assert engine_roles(colocated) == [(0, "both")] and len(engine_children(colocated, "r", "m", "t")) == 2
+    assert engine_roles(colocated) == [(0, "both")] and len(engine_children(colocated, "m", "t")) == 2
     with pytest.raises(SystemExit):
         engine_roles(build_parser().parse_args(["serve", "--prefill-engines", "1"]))
 

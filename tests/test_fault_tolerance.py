@@ -99,17 +99,17 @@ def test_read_group_recreates_a_lost_group(redis_url: str, prefix: str) -> None:
 def test_serve_builds_gateway_replicas_on_one_port() -> None:
     ns = build_parser().parse_args(["serve", "--redis-url", "redis://x", "--gateway-replicas", "3",
                                     "--tokenizer-replicas", "2", "--port", "8123"])
-    kids = build_children(ns, "redis://x", "/m")
+    kids = build_children(ns, "/m")
     gateways = [c for c in kids if c.kind == "gateway"]
     assert [c.name for c in gateways] == ["gateway-0", "gateway-1", "gateway-2"]
     for c in gateways:
         assert "--reuse-port" in c.argv and c.argv[c.argv.index("--port") + 1] == "8123"
     assert sum(c.kind == "tokenizer" for c in kids) == 2
-    one = build_children(build_parser().parse_args(["serve", "--redis-url", "redis://x"]), "redis://x", "/m")
+    one = build_children(build_parser().parse_args(["serve", "--redis-url", "redis://x"]), "/m")
     assert [c.name for c in one if c.kind == "gateway"] == ["gateway"]
     assert not any("--reuse-port" in c.argv for c in one)
     with pytest.raises(SystemExit):
-        build_children(argparse.Namespace(**{**vars(ns), "gateway_replicas": 0}), "redis://x", "/m")
+        build_children(argparse.Namespace(**{**vars(ns), "gateway_replicas": 0}), "/m")
 
 
 # ---------------------------------------------------------------------------------------------

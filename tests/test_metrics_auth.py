@@ -386,7 +386,7 @@ def test_cli_flags_reach_the_gateway_but_the_key_stays_off_command_lines(smollm2
 
     ns = build_parser().parse_args(["serve", smollm2_dir, "--api-key", KEY, "--max-request-body-bytes", "4MiB"])
     assert (ns.api_key, ns.max_request_body_bytes) == (KEY, 4 << 20)
-    gateway = next(c for c in build_children(ns, "redis://x", smollm2_dir) if c.kind == "gateway")
+    gateway = next(c for c in build_children(ns, smollm2_dir) if c.kind == "gateway")
     assert gateway.argv[gateway.argv.index("--max-request-body-bytes") + 1] == str(4 << 20)
     assert not any(KEY in a for a in gateway.argv)  # passed through the environment instead
     one = build_parser().parse_args(["service", "gateway", "--api-key", KEY])

@@ -302,7 +302,7 @@ def test_int8_chunked_prefill_and_decode_track_a_one_step_prefill(smollm2_dir: s
 def test_cli_passes_quantization_to_the_worker(smollm2_dir: str) -> None:
     ns = build_parser().parse_args(["serve", smollm2_dir, "--quantization", "int8"])
     assert engine_args(ns, smollm2_dir).quantization == "int8"
-    worker = next(c for c in build_children(ns, "redis://127.0.0.1:1", smollm2_dir) if c.kind == "worker")
+    worker = next(c for c in build_children(ns, smollm2_dir) if c.kind == "worker")
     child = build_parser().parse_args(worker.argv[worker.argv.index("service"):])
     assert child.name == "worker" and engine_args(child, smollm2_dir).quantization == "int8"
     assert build_parser().parse_args(["serve", smollm2_dir]).quantization == "none"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
+import redis
 
 from rill.services.supervisor import children_of
 from rill.shared.broker import free_port
@@ -42,6 +45,18 @@ def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
         names = [c.split(" service ")[1].split()[0] for c in kids.values() if " service " in c]
         assert sorted(names) == ["detokenizer", "gateway", "scheduler", "tokenizer", "worker"]
         assert any("valkey-server" in c for c in kids.values()), "embedded broker not started"
+        # The embedded broker wants a password, handed to the children in their environment and
+        # on no command line (every local user can list those).
+        title = next(c for c in kids.values() if "valkey-server" in c)  # retitled "valkey-server HOST:PORT"
+        broker_port = int(re.search(r"127\.0\.0\.1:(\d+)", title).group(1))
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=broker_port).ping()
+        service = next(p for p, c in kids.items() if " service " in c)
+        environ = Path(f"/proc/{service}/environ").read_text().split("\0")
+        env = dict(kv.split("=", 1) for kv in environ if "=" in kv)
+        password = urlsplit(env["RILL_REDIS_URL"]).password
+        assert password and len(password) >= 16 and redis.Redis(port=broker_port, password=password).ping()
+        assert not any(password in c for c in kids.values())
         gateway = next(p for p, c in kids.items() if " service gateway " in c)
         listening = [c.laddr for c in psutil.Process(gateway).net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
