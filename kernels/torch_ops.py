@@ -132,12 +132,17 @@ def gemm_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list[str
     return names
 
 
+def small_gemm_limit(logits: bool) -> int:
+    """The most rows a Linear sends to the small GEMM: its own limit; for logits at most
+    LOGITS_SMALL_ROWS, where oneDNN's blocking over a vocabulary-wide output won on the CPUs it was
+    first tuned on (those rows are not measured: the LM head sees sampled rows only)."""
+    return min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
+
+
 def gemm_incumbent(names: list[str], bucket: int, logits: bool) -> str:
     """What a Linear runs at `bucket` rows without a measured choice: the small GEMM wherever it
-    can (up to its row limit; logits up to LOGITS_SMALL_ROWS, where oneDNN's blocking over a
-    vocabulary-wide output won on the CPUs it was first tuned on), else oneDNN."""
-    limit = min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
-    return "small" if "small" in names and bucket <= limit else names[0]
+    can (small_gemm_limit), else oneDNN."""
+    return "small" if "small" in names and bucket <= small_gemm_limit(logits) else names[0]
 
 
 class Linear:
@@ -161,10 +166,7 @@ class Linear:
             [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
         use_small = "small" in names and self.route.uses("small")
         self.small = cpu_native.small_gemm_pack(weight) if use_small else None
-        # Logits take it up to LOGITS_SMALL_ROWS only: beyond, a vocabulary-wide output favours
-        # oneDNN's blocking, and those rows are not measured (the LM head sees sampled rows).
-        self.small_rows = 0 if not use_small else \
-            min(cpu_native.small_gemm_rows(), LOGITS_SMALL_ROWS) if logits else cpu_native.small_gemm_rows()
+        self.small_rows = small_gemm_limit(logits) if use_small else 0
         self.f32: torch.Tensor | None = None
         self.f32_bias = None if bias is None else bias.float()
         if "f32" in names and self.route.uses("f32"):
