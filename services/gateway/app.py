@@ -25,13 +25,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
+from redis.exceptions import OutOfMemoryError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, websocket
+from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
 from rill.services.gateway.auth import BearerAuth
+from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S, stalled, timed_out
+from rill.services.gateway.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DRAINING, DrainHealth, drain
 from rill.services.gateway.errors import (
     APIError,
     api_error_handler,
@@ -42,6 +46,8 @@ from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
 from rill.services.gateway.origin import OriginGuard
 from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS, Admission
+from rill.services.gateway.server import DrainingServer, ServerLimits, server_config
+from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
 from rill.shared.lifecycle import POLL_MS
@@ -129,6 +135,8 @@ class RequestStream:
         self.terminal = False  # every sample finished, or an error was queued
         self.closed = False  # cancelled locally: stop without a terminal event
         self._done = False  # the terminal event was handed out
+        self.started = False  # a token was released (no longer counts as waiting, admission.py)
+        self.last_progress = time.monotonic()  # registration or the last released delta (deadline.py)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -146,6 +154,9 @@ class RequestStream:
     def feed(self, delta: TextDelta) -> None:
         index = self.index(delta)
         out = self.sequencers[index].push(delta)
+        if out:
+            self.started = True
+            self.last_progress = time.monotonic()  # only released text: a gap that never fills is no progress
         if out and self.metrics is not None:
             self.metrics.deltas(index, out)
         if out and out[-1].finish_reason is not None and all(s.finished for s in self.sequencers):
@@ -195,6 +206,7 @@ class RequestTracker:
         self.metrics = metrics
         self._streams: dict[str, RequestStream] = {}  # client request id -> stream
         self._routes: dict[str, RequestStream] = {}  # engine id of every sample -> stream
+        self.waiting: set[str] = set()  # registered, no token yet: what the admission cap counts
         # One-shot calls to a tokenizer replica (/tokenize, /detokenize): id -> its answer.
         self.calls: dict[str, asyncio.Future[TokenizeReply | ErrorReply]] = {}
 
@@ -203,12 +215,14 @@ class RequestTracker:
             raise KeyError(f"request {request_id} is already in flight")
         stream = RequestStream(request_id, n, self.metrics.request(n) if self.metrics is not None else None)
         self._streams[request_id] = stream
+        self.waiting.add(request_id)
         for sid in stream.sample_ids:
             self._routes[sid] = stream
         return stream
 
     def _drop(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
+        self.waiting.discard(stream.request_id)
         for sid in stream.sample_ids:
             self._routes.pop(sid, None)
 
@@ -230,6 +244,8 @@ class RequestTracker:
                 stream.feed(delta)
                 if stream.terminal:
                     self._drop(stream)
+                elif stream.started:
+                    self.waiting.discard(stream.request_id)
         elif isinstance(msg, ErrorReply):
             stream = self._streams.get(msg.request_id) or self._routes.get(msg.request_id)
             if stream is not None:
@@ -251,6 +267,9 @@ class RequestTracker:
     def ids(self) -> list[str]:
         return list(self._streams)
 
+    def streams(self) -> list[RequestStream]:
+        return list(self._streams.values())
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
@@ -269,6 +288,7 @@ ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no
                "request was in flight; the request was not completed")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
+BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
 REPLICA_ROLES = ("tokenizer", "detokenizer")  # /health needs a live replica of each
 CALL_TIMEOUT_S = 30.0  # a /tokenize or /detokenize answer; tokenizer replicas answer in milliseconds
 
@@ -286,6 +306,9 @@ class Gateway:
     watch_engine: bool = False
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop (and log) them instead of a 400
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # admission.py; 0: no cap
+    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # deadline.py; 0: none
+    ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S  # websocket.py; 0: none
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
@@ -302,6 +325,7 @@ class Gateway:
         self._engine_gone = Absence()
         self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
         self._broker_gone = Absence(BROKER_GRACE_S)
+        self.draining = False  # SIGTERM: /health 503, no new requests (drain.py)
 
     @property
     def admission(self) -> Admission:
@@ -386,6 +410,7 @@ class Gateway:
             await asyncio.sleep(WATCH_S)
             try:
                 await self._watch_once()
+                self._expire_stalled()
                 if self.broker_ok and time.monotonic() >= next_trim:
                     next_trim = time.monotonic() + TRIM_EVERY_S
                     await self._trim_reply_stream()
@@ -440,6 +465,15 @@ class Gateway:
         if self._engine_gone.observe(live, now):
             self.fail_in_flight(ENGINE_LOST)
 
+    def _expire_stalled(self) -> None:
+        ids = stalled(self.tracker.streams(), time.monotonic(), self.progress_timeout_s)
+        if not ids:
+            return
+        log.warning("%d requests made no progress for %g s: ending them", len(ids), self.progress_timeout_s)
+        for rid in ids:
+            self.tracker.dispatch(timed_out(rid, self.progress_timeout_s))
+        self.abort_soon(ids)  # frees their engine blocks
+
     @property
     def missing_roles(self) -> list[str]:
         """Stateless roles with no live replica for a while (their requests wait in the stream)."""
@@ -480,8 +514,11 @@ class Gateway:
     async def send_request(self, req: GenerateRequest) -> None:
         """Queue a registered request for the tokenizers."""
         assert self.bus is not None
+        if self.draining:
+            raise APIError(DRAINING, 503, type="server_error")
         if self.watch_engine and not self.engine_live:
             raise APIError(ENGINE_UNAVAILABLE, 503, type="server_error")
+        admit(len(self.tracker.waiting), self.max_waiting_requests)
         try:
             # Counted in /metrics from now on (set before the send: its replies may come first).
             self._mark_accepted(req.request_id, True)
@@ -489,6 +526,8 @@ class Gateway:
         except Exception as exc:
             self._mark_accepted(req.request_id, False)  # answered with an error at once: not counted
             log.warning("could not submit %s: %r", req.request_id, exc)
+            if isinstance(exc, OutOfMemoryError):  # at its maxmemory (noeviction): refuse, kill nothing
+                raise APIError(BROKER_FULL, 503, type="server_error") from exc
             raise APIError("The server could not queue the request; try again.", 503) from exc
 
     async def call(self, msg: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
@@ -594,11 +633,16 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
                gateway_id: str | None = None, watch_engine: bool = False,
                max_logprobs: int = DEFAULT_MAX_LOGPROBS, api_key: str | None = None,
                max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ignore_unknown_fields: bool = False,
-               bind_host: str = "0.0.0.0", allowed_origins: frozenset[str] = frozenset()) -> Starlette:
+               bind_host: str = "0.0.0.0", allowed_origins: frozenset[str] = frozenset(),
+               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+               progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
+               ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S) -> Starlette:
     """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open.
     `bind_host` / `allowed_origins`: who may talk to it from a browser (origin.py)."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
                       max_logprobs=max_logprobs, ignore_unknown_fields=ignore_unknown_fields,
+                      max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
+                      ws_idle_timeout_s=ws_idle_timeout_s,
                       **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
@@ -618,6 +662,7 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
         # Outermost first: Host and Origin, then the key, both before any body is read, then the
         # body limits.
         middleware=[Middleware(GatewayHeader, gateway_id=gateway.gateway_id),
+                    Middleware(DrainHealth, gateway=gateway),
                     Middleware(OriginGuard, bind_host=bind_host, allowed_origins=allowed_origins),
                     *([Middleware(BearerAuth, api_key=api_key)] if api_key else []),
                     Middleware(RequestLimits, max_body_bytes=max_request_body_bytes)],
@@ -629,11 +674,12 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
 def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: str, port: int,
         replica: str | None = None, reuse_port: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        ignore_unknown_fields: bool = False, allowed_origins: frozenset[str] = frozenset()) -> None:
-    """Serve until SIGTERM/SIGINT. `reuse_port`: bind with SO_REUSEPORT, so several gateway
-    replicas listen on the same port and the kernel spreads connections across them (Linux)."""
-    import uvicorn
-
+        ignore_unknown_fields: bool = False, allowed_origins: frozenset[str] = frozenset(),
+        server_limits: ServerLimits | None = None, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S, ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S,
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (drain.py). `reuse_port`: bind with SO_REUSEPORT, so
+    several gateway replicas listen on the same port and the kernel spreads connections across them."""
     from rill.shared.logs import setup_logging
 
     setup_logging("gateway")
@@ -642,12 +688,11 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
     gateway_id = f"{replica}-{uuid.uuid4().hex[:8]}" if replica else uuid.uuid4().hex
     app = create_app(redis_url, prefix, model_name, max_model_len, gateway_id=gateway_id, watch_engine=True,
                      max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes,
-                     ignore_unknown_fields=ignore_unknown_fields, bind_host=host, allowed_origins=allowed_origins)
-    # log_config=None keeps Rill's log format; uvicorn's own loggers stay at WARNING. The graceful
-    # shutdown timeout stops a stream whose engine died from holding the process open.
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                     ignore_unknown_fields=ignore_unknown_fields, bind_host=host, allowed_origins=allowed_origins,
+                     max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
+                     ws_idle_timeout_s=ws_idle_timeout_s)
+    config = server_config(app, host, port, server_limits or ServerLimits(), ws_max_size=max_request_body_bytes)
+    server = DrainingServer(config, lambda: drain(app.state.gateway, shutdown_timeout_s))
     if not reuse_port:
         server.run()
         return

@@ -13,7 +13,8 @@ _json = msgspec.json.Encoder()
 
 # OpenAI error `type` per HTTP status, for errors that do not name their own.
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable",
+          504: "timeout"}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -25,19 +26,22 @@ class APIError(Exception):
     """A request-level failure shown to the client; never crashes the gateway."""
 
     def __init__(self, message: str, status: int = 400, type: str | None = None,
-                 param: str | None = None, code: Any = None) -> None:
+                 param: str | None = None, code: Any = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> Response:
-        return json_response(self.body(), self.status)
+        resp = json_response(self.body(), self.status)
+        resp.headers.update(self.headers)
+        return resp
 
 
 def json_response(content: Any, status: int = 200) -> Response:

@@ -43,6 +43,7 @@ log = logging.getLogger("rill.gateway.ws")
 
 FRAMES: dict[str, type[ChatFrame | CompletionFrame]] = {"chat": ChatFrame, "completion": CompletionFrame}
 MAX_INFLIGHT = 1024  # per socket; one client should not be able to flood the engine unchecked
+DEFAULT_WS_IDLE_TIMEOUT_S = 300.0  # a socket with no frame and no request in flight this long is closed
 _json = msgspec.json.Encoder()
 
 
@@ -119,13 +120,32 @@ class Connection:
 
     async def serve(self) -> None:
         while True:
-            msg = await self.ws.receive()
+            msg = await self._receive_or_idle()
+            if msg is None:  # idle too long: an open socket costs a connection slot
+                with contextlib.suppress(Exception):
+                    await self.ws.close(1000, "idle timeout")
+                return
             if msg["type"] == "websocket.disconnect":
                 return
             data = msg.get("text")
             if data is None:
                 data = msg.get("bytes") or b""
             await self.handle_frame(data)
+
+    async def _receive_or_idle(self) -> dict[str, Any] | None:
+        """The next message; None once the socket was idle (no frame, nothing in flight) for
+        the gateway's ws_idle_timeout_s. The receive is never cancelled, so no frame is lost."""
+        idle_s = self.gw.ws_idle_timeout_s
+        receive = asyncio.ensure_future(self.ws.receive())
+        busy = False  # a request was in flight at the last look: give the socket a full period more
+        while True:
+            done, _ = await asyncio.wait({receive}, timeout=idle_s if idle_s > 0 else None)
+            if done:
+                return receive.result()
+            if not self.inflight and not busy:
+                receive.cancel()
+                return None
+            busy = bool(self.inflight)
 
     async def handle_frame(self, data: str | bytes) -> None:
         try:  # the id first, so that every later error frame names the request
