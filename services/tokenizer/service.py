@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import msgspec
 from msgspec import Struct
 
+from rill.services.tokenizer.chat_template import (
+    TemplateError,
+    load_templates,
+    template_kwargs,
+    template_messages,
+)
 from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Bus, Entry, serve_group
 from rill.shared.config import ModelConfig
 from rill.shared.heartbeat import replica_heartbeat
@@ -31,6 +38,7 @@ from rill.shared.schema import (
     stats_decoder,
     tokenizer_input_decoder,
 )
+from rill.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("rill.tokenizer")
 
@@ -43,34 +51,42 @@ class RequestError(Exception):
 
 
 class Tokenizer:
-    """Turns a GenerateRequest into a TokenizedRequest, or raises RequestError."""
+    """Turns a GenerateRequest into a TokenizedRequest, or raises RequestError. Uses the
+    `tokenizers` library and jinja2 only (shared/tokenizer_files.py, chat_template.py): a replica
+    imports neither transformers nor torch, so it starts in about a second in ~100 MB."""
 
-    def __init__(self, model_dir: str, max_model_len: int) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+    def __init__(self, model_dir: str, max_model_len: int, chat_template: str | None = None) -> None:
+        self.tok = load_tokenizer(model_dir)
+        self.templates = load_templates(model_dir, chat_template, self.tok.config)
         self.config = ModelConfig.from_dir(model_dir)
         self.max_model_len = max_model_len
-        eos = set(self.config.eos_token_ids)
-        if self.tok.eos_token_id is not None:
-            eos.add(self.tok.eos_token_id)
-        self.eos_token_ids = sorted(eos)
+        self.eos_token_ids = self.tok.eos_token_ids
         # One rule for token ids, the worker's: the model embeds and emits ids below its
         # config's vocab_size (a tokenizer may know more, e.g. added tokens the embedding lacks).
         self.vocab_size = self.config.vocab_size
 
-    def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text the chat template makes of these messages (and tools)."""
         if not messages:
             raise RequestError("messages must be a non-empty list", "messages")
-        if self.tok.chat_template is None:
+        if not self.templates:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         try:
-            out = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                               add_generation_prompt=add_generation_prompt, tokenize=True)
-        except Exception as exc:  # a template can reject roles or orderings
+            template = self.templates.pick(tools is not None)
+            extra = template_kwargs(template, kwargs or {})
+        except TemplateError as exc:
+            raise RequestError(str(exc), "chat_template_kwargs") from exc
+        try:
+            return template.render(template_messages(messages), tools, add_generation_prompt,
+                                   self.tok.special_tokens, extra)
+        except TemplateError as exc:  # a template can reject roles or orderings
             raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:
+        # The template writes its own special tokens, so none are added (as apply_chat_template does).
+        return self.tok.encode(self.render(messages, add_generation_prompt, tools, kwargs), add_special_tokens=False)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -80,9 +96,9 @@ class Tokenizer:
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
-            return self.check_ids(self.chat_ids(req.messages), "messages")
+            return self.check_ids(self.chat_ids(req.messages, True, req.tools, req.chat_template_kwargs), "messages")
         if isinstance(req.prompt, str):
-            return self.check_ids(list(self.tok(req.prompt, add_special_tokens=True)["input_ids"]), "prompt")
+            return self.check_ids(self.tok.encode(req.prompt, add_special_tokens=True), "prompt")
         if isinstance(req.prompt, list):
             return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")
@@ -90,9 +106,9 @@ class Tokenizer:
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         """/tokenize: the ids a generate request with this prompt or these messages would run."""
         if req.messages is not None:
-            ids = self.chat_ids(req.messages, req.add_generation_prompt)
+            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs)
         elif req.prompt is not None:
-            ids = list(self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise RequestError("either prompt or messages is required", "prompt")
         return TokenizeReply(request_id=req.request_id, token_ids=ids, max_model_len=self.max_model_len)
@@ -174,13 +190,15 @@ class Router:
 
 
 def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
-        stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS) -> None:
+        stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS,
+        chat_template: str | None = None) -> None:
     """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
-    replicas' requests unacked that long (None: never). Broker errors never end the loop: it
-    backs off, reconnects and first redoes its own unacked requests."""
+    replicas' requests unacked that long (None: never); `chat_template`: a template file used
+    instead of the model's. Broker errors never end the loop: it backs off, reconnects and
+    first redoes its own unacked requests."""
     stop = stop if stop is not None else StopFlag()
     bus = Bus(redis_url, prefix, name=consumer)
-    tokenizer = Tokenizer(model_dir, max_model_len)
+    tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
     router = Router(bus)
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer)
     log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
