@@ -301,3 +301,22 @@ def test_bench_replicas_reports_lean_replicas(redis_url: str, tmp_path: Path) ->
     for kind in ("tokenizer", "detokenizer", "gateway"):
         assert not rows[kind]["torch"], kind
         assert rows[kind]["peak_mib"] < 200 and rows[kind]["ready_s"] < 6, (kind, rows[kind])
+
+
+def test_chat_template_flag_reaches_the_tokenizers_only(tmp_path: Path) -> None:
+    from rill.services.cli import _child_argv, build_parser
+
+    template = TEMPLATES / "qwen_tools.jinja"
+    for argv in (["serve", "--chat-template", str(template)],
+                 ["service", "tokenizer", "--chat-template", str(template)]):
+        assert build_parser().parse_args(argv).chat_template == str(template.resolve())
+    ns = build_parser().parse_args(["serve", "--chat-template", str(template)])
+    child = _child_argv(ns, "tokenizer", "/m", "t")
+    assert child[child.index("--chat-template") + 1] == str(template.resolve())
+    assert "--chat-template" not in _child_argv(ns, "worker", "/m", "w")
+    assert "--chat-template" not in _child_argv(build_parser().parse_args(["serve"]), "tokenizer", "/m", "t")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if messages %}")
+    for path in (bad, tmp_path / "missing.jinja"):  # refused before any process starts
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--chat-template", str(path)])

@@ -155,8 +155,8 @@ class ChatTemplate:
                    "add_generation_prompt": add_generation_prompt, **(kwargs or {})}
         try:
             return self._template.render(context)
-        except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or a bad construct
-            raise TemplateError(str(exc)) from exc
+        except Exception as exc:  # raise_exception(...), or messages the template cannot handle (TypeError...)
+            raise TemplateError(str(exc) or type(exc).__name__) from exc
 
 
 class ChatTemplates:
