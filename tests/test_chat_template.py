@@ -110,6 +110,27 @@ def test_text_prompts_eos_and_decode_equal_transformers(hf, tokenizers: dict[str
     assert hf.eos_token_id in tok.eos_token_ids
 
 
+def test_gemma3_sentencepiece_tokenizer_equals_transformers(gemma3_dir: str) -> None:
+    """A second tokenizer kind (Gemma 3: SentencePiece-style, BOS added by the post-processor,
+    not byte-level, so the detokenizer decodes text windows)."""
+    from transformers import AutoTokenizer
+
+    from rill.services.detokenizer.incremental import Detokenizer
+    from rill.shared.tokenizer_files import load_tokenizer
+
+    hf, tok = AutoTokenizer.from_pretrained(gemma3_dir), load_tokenizer(gemma3_dir)
+    assert tok.special_tokens == hf.special_tokens_map and hf.eos_token_id in tok.eos_token_ids
+    detok = Detokenizer(tok.tokenizer)  # what load_detokenizer builds
+    assert not detok.byte_level
+    for text in ("Hello world", "  leading <start_of_turn> x", "日本語 😀 café\n\tx"):
+        for special in (True, False):
+            assert tok.encode(text, special) == hf(text, add_special_tokens=special)["input_ids"]
+        ids = tok.encode(text, False)
+        assert tok.decode(ids) == hf.decode(ids)
+        rows = [detok.detokenize_row(ids[:i], ids[i:i + 1], i, final=i == len(ids) - 1) for i in range(len(ids))]
+        assert "".join(r.text for r in rows) == hf.decode(ids, skip_special_tokens=True)
+
+
 def test_lean_detokenizer_decodes_as_with_transformers(hf, smollm2_dir: str) -> None:
     """The detokenizer replica's tables (tokenizers alone) equal those built from transformers'
     tokenizer, which tests/test_detokenizer.py checks byte for byte against its decode."""
