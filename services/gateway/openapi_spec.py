@@ -65,7 +65,9 @@ def _value_schema(prop: dict[str, Any]) -> dict[str, Any]:
 
 def _mark_not_yet(name: str, schema: dict[str, Any]) -> None:
     """Fields and content parts Rill refuses: the values it accepts, and why the others fail."""
-    cls = getattr(requests, name)
+    cls = getattr(requests, name, None)
+    if cls is None:  # a Struct from a module of its own (chat_tools.py, ...): NotYet marks live in requests.py
+        return
     if getattr(cls, "why", None):
         schema["description"] = f"Not supported yet ({cls.why}): refused with 400."
     for field, mark in not_yet_fields(cls):
