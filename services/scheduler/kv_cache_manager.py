@@ -8,6 +8,17 @@ across processes and restarts, unlike Python's `hash`). When a request's block b
 registered under that hash; later requests whose tokens hash the same reuse the block by
 reference count. A block whose count drops to zero stays cached in the free queue, ordered least
 recently used first, and is evicted (its hash dropped) only when the block is handed out again.
+
+Sliding windows (`sliding_window`, set only when every layer of the model slides, Mistral-style):
+a query at position p reads keys p - window + 1 .. p only, so once a request's next query is far
+enough on, the blocks wholly behind its window are released (`release_behind_window`, as vLLM's
+SlidingWindowManager does). Their table entries become RELEASED, which the worker is sent as
+block 0 (`block_ids`): the kernels never read a table entry before the window, so any valid id
+will do. A released block keeps its prefix-cache hash, like any freed block, until it is handed
+out again: its content is intact until then, so a later prefix hit on it is still right.
+A model with any full-attention layer (Gemma 3: one global layer in six) keeps every block: the
+global layers read the whole context, and one table serves all layers. Sizing a second pool per
+layer type (vLLM's hybrid allocator) would release the sliding layers' share; not done.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from array import array
 from collections import OrderedDict
 
 NONE_HASH = b"\x00" * 16
+RELEASED = -1  # a table entry whose block was released behind a sliding window
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -38,12 +50,16 @@ def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | Non
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -51,6 +67,8 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}  # how many leading blocks of a table are registered
+        self.num_released: dict[str, int] = {}  # leading table entries released behind the window
+        self.released_total = 0  # blocks released behind a window, ever (stats)
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of those, tokens found
 
@@ -70,7 +88,19 @@ class KVCacheManager:
         return 1.0 - len(self.free_queue) / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return self.tables.get(request_id, [])
+        """The request's block table as the worker is sent it: released entries read as block 0
+        (never read: they are behind every query's window)."""
+        table = self.tables.get(request_id, [])
+        if not self.num_released.get(request_id):
+            return table
+        return [0 if b == RELEASED else b for b in table]
+
+    def shareable_prefix(self, request_id: str, num_blocks: int) -> list[int]:
+        """The request's first `num_blocks` blocks for another sample of its prompt to start from,
+        or none when some were released (that sample then computes its prompt itself)."""
+        if self.num_released.get(request_id):
+            return []
+        return self.tables.get(request_id, [])[:num_blocks]
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) <= self.num_blocks
@@ -106,6 +136,8 @@ class KVCacheManager:
         end = min(num_computed_tokens // self.block_size, len(hashes), len(table))
         for i in range(start, end):
             block, h = table[i], hashes[i]
+            if block == RELEASED:  # released behind the window before its result came back
+                continue
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
@@ -167,17 +199,42 @@ class KVCacheManager:
         """Drop the request's references; returns how many blocks it held. Safe to call twice."""
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
+        released = self.num_released.pop(request_id, 0)
         if not table:
             return 0
         # Last block first: the tail of a sequence is the least likely to be shared again, so it
-        # is evicted before the head. Anonymous blocks go to the very front: nothing can reuse them.
-        for block in reversed(table):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
-        return len(table)
+        # is evicted before the head.
+        for block in reversed(table[released:]):
+            self._unref(block)
+        return len(table) - released
+
+    def _unref(self, block: int) -> None:
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free_queue[block] = None
+            if self.block_hash[block] is None:  # anonymous: nothing can reuse it, evict it first
+                self.free_queue.move_to_end(block, last=False)
+
+    def release_behind_window(self, request_id: str, next_position: int) -> int:
+        """Release the request's blocks that no query from `next_position` on can read: those
+        wholly before position next_position - window + 1. Only with a sliding window; the worker
+        runs steps in order, so a step already in flight still finds those blocks as they were.
+        Returns how many blocks were released."""
+        if self.sliding_window is None:
+            return 0
+        table = self.tables.get(request_id)
+        if not table:
+            return 0
+        start = self.num_released.get(request_id, 0)
+        end = min(max(0, next_position - self.sliding_window + 1) // self.block_size, len(table))
+        for i in range(start, end):
+            self._unref(table[i])
+            table[i] = RELEASED
+        if end <= start:
+            return 0
+        self.num_released[request_id] = end
+        self.released_total += end - start
+        return end - start
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-but-unowned block (e.g. after the worker lost its KV)."""
@@ -193,8 +250,11 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """For tests: every structure agrees with every other."""
         refs = [0] * self.num_blocks
-        for table in self.tables.values():
-            for b in table:
+        for rid, table in self.tables.items():
+            released = self.num_released.get(rid, 0)
+            assert all(b == RELEASED for b in table[:released]), "a released entry still names a block"
+            for b in table[released:]:
+                assert b != RELEASED, "a released entry after the window's first block"
                 refs[b] += 1
         assert refs == self.ref_cnt, "reference counts differ from block-table references"
         for b in range(self.num_blocks):
