@@ -12,6 +12,7 @@ import urllib.request
 import uuid
 
 from rill.services.supervisor import Child
+from rill.shared.broker import DEFAULT_MAXMEMORY
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, QUANTIZATIONS, EngineArgs, ModelConfig, parse_size
 from rill.shared.logs import setup_logging
 
@@ -67,6 +68,10 @@ def _body_size(text: str) -> int:
     return size
 
 
+def _memory_size(text: str) -> int:
+    return 0 if text.strip() == "0" else _body_size(text)
+
+
 def _gateway_flags(p: argparse.ArgumentParser) -> None:
     from rill.services.gateway.auth import ENV_VAR
     from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES
@@ -84,6 +89,9 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-unknown-fields", action="store_true",
                    help="drop request fields Rill does not know (each name logged once) instead of "
                         "answering 400 as OpenAI does")
+    from rill.services.gateway.limit_flags import add_limit_flags
+
+    add_limit_flags(p)  # slow and many clients, admission, progress deadline, drain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--broker-maxmemory", type=_memory_size, default=DEFAULT_MAXMEMORY,
+                       help=f"the embedded broker's memory for data; at the limit new requests get 503 "
+                            f"(default {DEFAULT_MAXMEMORY >> 30}GiB; 0: no limit)")
     serve.add_argument("--tokenizer-replicas", type=int, default=1)
     serve.add_argument("--detokenizer-replicas", type=int, default=1)
     _gateway_flags(serve)
@@ -193,10 +204,12 @@ def run_service(ns: argparse.Namespace) -> None:
     elif ns.name == "gateway":
         from rill.services.gateway.app import run
         from rill.services.gateway.auth import api_key_from_env
+        from rill.services.gateway.limit_flags import limit_kwargs
         run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
             max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
-            allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()))
+            allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()),
+            **limit_kwargs(ns))
 
 
 def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str) -> list[str]:
@@ -223,6 +236,10 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
         argv.append("--ignore-unknown-fields")
     if name == "gateway" and ns.allowed_origins:
         argv += ["--allowed-origins", ns.allowed_origins]
+    if name == "gateway":
+        from rill.services.gateway.limit_flags import limit_argv
+
+        argv += limit_argv(ns)
     return argv
 
 
@@ -313,7 +330,7 @@ def serve(ns: argparse.Namespace) -> int:
     redis_url = ns.redis_url
     if not redis_url:
         # Its own password, so that no other local user can read prompts or inject messages.
-        broker = EmbeddedBroker(password=secrets.token_urlsafe(24)).start()
+        broker = EmbeddedBroker(password=secrets.token_urlsafe(24), maxmemory=ns.broker_maxmemory).start()
         redis_url = broker.url
     os.environ[REDIS_URL_ENV] = redis_url  # the children's, off their command lines
     if ns.api_key is not None:
@@ -322,7 +339,7 @@ def serve(ns: argparse.Namespace) -> int:
         from rill.services.gateway.auth import ENV_VAR
 
         os.environ[ENV_VAR] = ns.api_key
-    sup = Supervisor(build_children(ns, model_dir))
+    sup = Supervisor(build_children(ns, model_dir), drain_s=ns.shutdown_timeout)
     sup.start()
     try:
         _announce_when_ready(ns, sup, redis_url)

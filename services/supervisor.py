@@ -6,6 +6,11 @@ is re-fed by its scheduler. The scheduler owns the engine's request state, so it
 reported and ends the whole server with a non-zero status rather than limping on. So does a
 child that keeps dying: more than `max_restarts` restarts within RESTART_WINDOW_S (a child
 killed now and then, as chaos testing does, is restarted for ever).
+
+Stopping goes front to back (STOP_ORDER), each stage waited for: the gateways first, given
+`drain_s` to let their requests in flight finish (they drain on SIGTERM, gateway/drain.py) while
+every other service still runs; then the tokenizers, the engine, the detokenizers, each finishing
+(and acknowledging) what it read, so nothing is left in the broker's pending lists.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 log = logging.getLogger("rill.supervisor")
 
 RESTARTABLE = {"gateway", "tokenizer", "detokenizer", "worker"}
+STOP_ORDER = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 RESTART_WINDOW_S = 60.0
 
 
@@ -42,9 +48,10 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], max_restarts: int = 5) -> None:
+    def __init__(self, children: list[Child], max_restarts: int = 5, drain_s: float = 0.0) -> None:
         self.children = children
         self.max_restarts = max_restarts
+        self.drain_s = drain_s  # the gateways' --shutdown-timeout
         self.stopping = False
         self.exit_code = 0
 
@@ -89,16 +96,21 @@ class Supervisor:
         return self.exit_code
 
     def stop(self, timeout: float = 10.0) -> None:
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for proc in live:
-            proc.terminate()
-        deadline = time.monotonic() + timeout
-        for proc in live:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop every child, stage by stage (see the module docstring); `timeout` per stage,
+        beyond the gateways' drain."""
+        order = {kind: i for i, kind in enumerate(STOP_ORDER)}
+        for stage in sorted({order.get(c.kind, len(order)) for c in self.children}):
+            live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None
+                    and order.get(c.kind, len(order)) == stage]
+            for proc in live:
+                proc.terminate()
+            deadline = time.monotonic() + timeout + (self.drain_s if stage == order["gateway"] else 0.0)
+            for proc in live:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def children_of(pid: int) -> dict[int, str]:

