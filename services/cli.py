@@ -27,6 +27,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of an embedded broker")
     p.add_argument("--prefix", default="rill", help="key prefix of every stream (several servers, one Redis)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
+                   help="tokenizer: a Jinja chat template file used instead of the model's")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -56,6 +58,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top logprobs a request may ask for per token (logprobs / top_logprobs)")
     p.add_argument("--log-level", default=None, help="Rill's log level (default INFO: start-up facts only)")
+
+
+def _chat_template_file(path: str) -> str:
+    """--chat-template: a file that compiles as a chat template, as an absolute path (children
+    may start in another folder), so a bad template stops `rill serve` before any process starts."""
+    from rill.services.tokenizer.chat_template import TemplateError, load_templates
+
+    try:
+        load_templates("", path)
+    except (OSError, UnicodeDecodeError, TemplateError) as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    return os.path.abspath(path)
 
 
 def _body_size(text: str) -> int:
@@ -197,7 +211,7 @@ def run_service(ns: argparse.Namespace) -> None:
         run(ns.redis_url, ns.prefix, args)
     elif ns.name == "tokenizer":
         from rill.services.tokenizer.service import run
-        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer)
+        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer, chat_template=ns.chat_template)
     elif ns.name == "detokenizer":
         from rill.services.detokenizer.service import run
         run(ns.redis_url, ns.prefix, model_dir, consumer)
@@ -232,6 +246,8 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:
             argv += [flag, str(value)]
+    if name == "tokenizer" and ns.chat_template:
+        argv += ["--chat-template", ns.chat_template]
     if name == "gateway" and ns.ignore_unknown_fields:
         argv.append("--ignore-unknown-fields")
     if name == "gateway" and ns.allowed_origins:
