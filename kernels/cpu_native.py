@@ -173,6 +173,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.small_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i64, i64]
     lib.argmax_rows_f32.restype = None
     lib.argmax_rows_f32.argtypes = [ptr, i64, i64, ptr]
+    lib.apply_token_bitmask_f32.restype = None
+    lib.apply_token_bitmask_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, i64, i64, ptr]
     return lib
@@ -456,3 +458,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _loaded().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def apply_token_bitmask(x: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """In place: row rows[i] of x keeps the tokens whose bit is set in mask[i] (int32 words, 32
+    tokens each, llguidance's layout); the others become -inf. The caller checks
+    `argmax_supported(x)` (the same layout) first; rows are int64, mask int32, both on the CPU."""
+    assert rows.dtype == torch.int64 and mask.dtype == torch.int32 and mask.shape[0] == rows.shape[0]
+    rows, mask = rows.contiguous(), mask.contiguous()
+    _loaded().apply_token_bitmask_f32(x.data_ptr(), x.shape[1], rows.data_ptr(), rows.shape[0],
+                                      mask.data_ptr(), mask.shape[1])

@@ -1,4 +1,4 @@
-// Greedy sampling's argmax over rows of fp32 logits (sampler.py calls it for greedy rows).
+// Sampling helpers over rows of fp32 logits: greedy argmax, and the structured-output token mask.
 //
 // torch's argmax(dim=-1) over a batch-32 x 49152 SmolLM2 logits matrix took ~1 ms of a ~50 ms
 // decode step on a 2-core AMD EPYC VM, one thread and scalar; this is one vector pass per row,
@@ -60,4 +60,30 @@ static int64_t argmax_row(const float* x, int64_t n) {
 void argmax_rows_f32(const float* x, int64_t m, int64_t n, int64_t* out) {
 #pragma omp parallel for schedule(static) if (m * n > 65536)
   for (int64_t i = 0; i < m; ++i) out[i] = argmax_row(x + i * n, n);
+}
+
+// Structured outputs: row rows[i] of x keeps the tokens whose bit is set in mask row i (32 tokens
+// per int32 word, token t at bit t % 32 of word t / 32, as llguidance writes it); the rest become
+// -inf, as does every column past the mask. A grammar's mask is mostly all-ones or all-zeros words
+// (a free string, a fixed key), so whole words are settled without looking at bits.
+void apply_token_bitmask_f32(float* x, int64_t n, const int64_t* rows, int64_t m, const int32_t* mask,
+                             int64_t words) {
+  const float ninf = -INFINITY;
+#pragma omp parallel for schedule(static) if (m > 4)
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = x + rows[i] * n;
+    const uint32_t* w = (const uint32_t*)(mask + i * words);
+    for (int64_t k = 0; k < words && 32 * k < n; ++k) {
+      uint32_t bits = w[k];
+      if (bits == 0xFFFFFFFFu) continue;
+      int64_t lo = 32 * k, hi = lo + 32 < n ? lo + 32 : n;
+      if (bits == 0) {
+        for (int64_t t = lo; t < hi; ++t) row[t] = ninf;
+        continue;
+      }
+      for (int64_t t = lo; t < hi; ++t)
+        if (!((bits >> (t - lo)) & 1u)) row[t] = ninf;
+    }
+    for (int64_t t = 32 * words; t < n; ++t) row[t] = ninf;
+  }
 }

@@ -35,6 +35,9 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
     prompt_logprobs: int | None = None  # per prompt token likewise (completions echo + logprobs)
+    # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks
+    # it); the worker masks every sampled token with it, EOS included.
+    grammar: str | None = None
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -271,6 +274,9 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     # With the first output token of a request that asked for prompt_logprobs: one entry per
     # prompt token (the first has no logprobs), aligned with request_ids; empty when none did.
     prompt_logprobs: list[list[TokenLogprobs]] = []
+    # Requests that failed on their own this step (not in request_ids): id -> why. The rest of
+    # the step stands.
+    errors: dict[str, str] = {}
 
 
 WorkerOutput = WorkerReady | StepResult

@@ -33,6 +33,10 @@ import msgspec
 from msgspec import Meta, Struct
 
 from rill.services.gateway.errors import APIError
+from rill.services.gateway.fields import Body as _Body
+from rill.services.gateway.fields import NotYet
+from rill.services.gateway.structured import ResponseFormat, StructuredOutputs, grammar_of
+from rill.services.gateway.structured import check as check_structured
 from rill.shared.schema import ChatMessage, GenerateRequest, SamplingParams
 
 log = logging.getLogger("rill.gateway.requests")
@@ -64,44 +68,9 @@ Priority = Annotated[Int64, Meta(description="Lower runs first under --schedulin
 WsId = Annotated[str, Meta(min_length=1, max_length=MAX_WS_ID_LEN)] | Int64
 
 
-def _kind(value: Any) -> type:
-    return float if type(value) is int else type(value)
-
-
-class NotYet:
-    """Marks a field Rill recognises but does not honour yet (`Annotated[Any, NotYet(...)]`).
-
-    null and the `no_ops` (values that ask for what Rill does anyway) are accepted; anything
-    else is a 400 that names the field and says why."""
-
-    def __init__(self, why: str, *no_ops: Any) -> None:
-        self.why = why
-        self.no_ops = no_ops
-
-    def accepts(self, value: Any) -> bool:
-        # JSON kinds, not Python equality: 0 must not pass for false (numbers compare as numbers).
-        return value is None or any(_kind(value) is _kind(ok) and value == ok for ok in self.no_ops)
-
-    def allowed(self) -> str:
-        values = ["null", *(msgspec.json.encode(v).decode() for v in self.no_ops)]
-        return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
-
-    def describe(self) -> str:
-        return f"Not supported yet ({self.why}): any value but {self.allowed()} is refused with 400."
-
-    def refusal(self, param: str) -> APIError:
-        return APIError(f"{param} is not supported yet ({self.why}); leave it out or send {self.allowed()}.",
-                        400, param=param)
-
-
-STRUCTURED = "structured outputs are planned"
 TOOLS = "tool calling is planned"
 TEMPLATES = "chat template options are planned"
 BEAM = "Rill has no beam search"
-
-
-class _Body(Struct, forbid_unknown_fields=True):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +175,17 @@ class _Sampling(_Body):
     priority: Priority | None = None
     user: str | None = None  # metadata (module docstring)
 
-    response_format: Annotated[Any, NotYet(STRUCTURED, {"type": "text"})] = None
-    structured_outputs: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_json: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_regex: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_choice: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_grammar: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_decoding_backend: Annotated[Any, NotYet(STRUCTURED)] = None
-    guided_whitespace_pattern: Annotated[Any, NotYet(STRUCTURED)] = None
-    structural_tag: Annotated[Any, NotYet(STRUCTURED)] = None
+    # Structured outputs (structured.py): at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Annotated[str | dict[str, Any], Meta(description="vLLM's older name for "
+                                                                  "structured_outputs.json.")] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Text], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Annotated[Any, NotYet("one backend, llguidance", "auto", "guidance")] = None
+    guided_whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
+    structural_tag: Annotated[Any, NotYet("no structural tags")] = None
     bad_words: Annotated[Any, NotYet("no banned-word filter", [])] = None
     allowed_token_ids: Annotated[Any, NotYet("no allowed-token filter")] = None
     logits_processors: Annotated[Any, NotYet("no custom logits processors")] = None
@@ -524,6 +495,7 @@ def check(req: Struct, gate: Admission) -> None:
             _check_messages(req.messages)
     if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
         _check_sampling(req, gate.max_logprobs)
+        check_structured(req)
     if isinstance(req, (ChatFrame, CompletionFrame)):
         _check_frame(req)
 
@@ -570,6 +542,7 @@ def sampling_params(req: GenerateBody) -> SamplingParams:
     kw["stop"] = [s for s in stop if s]  # an empty stop string would end every request at once
     kw["stop_token_ids"] = req.stop_token_ids or []
     kw["logit_bias"] = req.logit_bias or {}
+    kw["grammar"] = grammar_of(req)
     if isinstance(req, CompletionRequest) and req.echo and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]  # echo scores the prompt's tokens too
     return SamplingParams(**kw)

@@ -207,6 +207,7 @@ class StepOutcome:
     detok: DetokBatch | None
     finished: list[Request]
     parked: list[Request] = field(default_factory=list)  # prefill role: prompts done this step
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # failed alone on the worker, why
 
 
 class Scheduler:
@@ -527,11 +528,17 @@ class Scheduler:
         rows = _DetokRows()
         finished: list[Request] = []
         parked: list[Request] = []
+        failed: list[tuple[Request, str]] = []
         for req, n, sampling in step.current_rows(self.requests):
             rid = req.request_id
             req.num_computed_tokens += n
             req.num_inflight_tokens -= n
             req.num_inflight_samples -= sampling
+            if rid in result.errors:
+                self.running.remove(req)
+                self._finish(req)
+                failed.append((req, result.errors[rid]))
+                continue
             # Publish newly full blocks first: a request that ends now still leaves them cached.
             if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
@@ -553,7 +560,7 @@ class Scheduler:
                     self._park(req)
                     parked.append(req)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
-        return StepOutcome(detok=detok, finished=finished, parked=parked)
+        return StepOutcome(detok=detok, finished=finished, parked=parked, failed=failed)
 
     def fail_in_flight(self, step_id: int) -> list[Request]:
         """The step failed on the worker: its requests end with an error."""

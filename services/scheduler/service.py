@@ -292,6 +292,8 @@ class SchedulerService:
             self.disagg.after_step(result, [])
             return
         outcome = sched.update(result)
+        for req, why in outcome.failed:
+            self.send_error(req, why, 400)
         if outcome.detok is not None:
             self.outbox.append(Bus.xadd(self.bus.streams.detok, outcome.detok, MAXLEN["detok"]))
         self.disagg.after_step(result, outcome.parked)

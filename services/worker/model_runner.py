@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
-from rill.services.worker.sampler import Sampler, SampleRow, check_params
+from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, check_params
+from rill.services.worker.structured import GrammarError, Grammars
 from rill.shared.config import ModelConfig, kv_cache_blocks
 from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -103,6 +105,8 @@ class RequestState:
     # output token; None when not asked for or not computable here (a prompt whose KV came
     # from elsewhere: a shared prefix, another sample, a resume).
     prompt_lps: list[TokenLogprobs] | None = None
+    matcher: Any = None  # structured outputs: its llguidance matcher (structured.py)
+    error: str | None = None  # why it cannot go on (a grammar that broke); reported when sampled
 
 
 # What a step returns: the sampled request ids, their tokens, and their logprobs (see StepResult).
@@ -138,10 +142,12 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA + Triton only)
         self.sampler = Sampler(self.device, self.cfg.eos_token_ids, seed, vocab_size=self.cfg.vocab_size)
+        self.grammars = Grammars(model_dir, self.cfg.vocab_size)
         self.resize_kv_cache(num_blocks)
         # Logits of the rows sampled by the last step, in result order (for tests and debugging).
         self.last_logits: torch.Tensor | None = None
         self._prompt_out: dict[str, list[TokenLogprobs]] = {}  # this step's finished prompt logprobs
+        self._errors: dict[str, str] = {}  # this step's requests that failed on their own
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the cache, as at start-up; every request is forgotten with its KV."""
@@ -177,6 +183,7 @@ class ModelRunner:
             log.warning("step %d refused: %s", plan.step_id, exc)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], error=str(exc))
         self._prompt_out.clear()
+        self._errors = {}
         try:
             self._apply_diffs(plan)
             ids, tokens, logprobs = self._run(plan)
@@ -187,7 +194,7 @@ class ModelRunner:
         prompt = [self._prompt_out.get(rid, []) for rid in ids] if self._prompt_out else []
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens,
                           forward_ms=(time.perf_counter() - start) * 1e3, logprobs=logprobs,
-                          prompt_logprobs=prompt)
+                          prompt_logprobs=prompt, errors=self._errors)
 
     def _check(self, plan: StepPlan) -> None:
         """Validate the whole plan against the state it would produce, before changing anything."""
@@ -247,7 +254,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self._forget(new.request_id)  # sent again without being finished: start over
             num_prompt = len(new.token_ids) - new.num_output_tokens
-            self.requests[new.request_id] = RequestState(
+            self.requests[new.request_id] = state = RequestState(
                 request_id=new.request_id, token_ids=list(new.token_ids), block_ids=list(new.block_ids),
                 num_computed=new.num_computed_tokens, params=new.params, num_prompt=num_prompt,
                 generator=self.sampler.make_generator(new.params),
@@ -257,6 +264,11 @@ class ModelRunner:
                 prompt_lps=[TokenLogprobs([new.token_ids[0]], [])]
                 if new.params.prompt_logprobs is not None and new.num_output_tokens == 0
                 and new.num_computed_tokens == 0 else None)
+            if new.params.grammar is not None:
+                try:  # a resumed or handed-over request replays its outputs so far
+                    state.matcher = self.grammars.matcher(new.params.grammar, new.token_ids[num_prompt:])
+                except GrammarError as exc:
+                    state.error = f"structured output: {exc}"
         for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
             self.requests[rid].block_ids.extend(blocks)
 
@@ -332,14 +344,34 @@ class ModelRunner:
         """Sample one token for each row of `logits` (the states at `sampled`) and append it."""
         rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
                           states[i].generator, states[i].history_slot) for i in sampled]
-        out = self.sampler.sample_batch(logits, rows)
+        out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled]))
         self.last_logits = logits  # raw: the sampler never writes into them
         for i, tok in zip(sampled, out.token_ids, strict=True):
             s = states[i]
             if s.prompt_lps is not None and len(s.token_ids) == s.num_prompt:  # its first output token
                 self._prompt_out[s.request_id], s.prompt_lps = s.prompt_lps, None
+            if s.matcher is not None and s.error is None:
+                why = Grammars.advance(s.matcher, tok)
+                if why is not None:
+                    s.error = f"structured output: {why}"
             s.token_ids.append(tok)
-        return [states[i].request_id for i in sampled], out.token_ids, out.logprobs
+        ids = [states[i].request_id for i in sampled]
+        failed = [j for j, i in enumerate(sampled) if states[i].error is not None]
+        if not failed:
+            return ids, out.token_ids, out.logprobs
+        # A request whose grammar broke fails alone; the rest of the batch goes on.
+        for j in failed:
+            self._errors[ids[j]] = states[sampled[j]].error or ""
+        keep = [j for j in range(len(ids)) if ids[j] not in self._errors]
+        return ([ids[j] for j in keep], [out.token_ids[j] for j in keep],
+                [out.logprobs[j] for j in keep] if out.logprobs else [])
+
+    def _token_mask(self, states: list[RequestState]) -> TokenMask | None:
+        """The grammar masks of the constrained rows among `states` (sampling rows, in order)."""
+        rows = [j for j, s in enumerate(states) if s.matcher is not None and s.error is None]
+        if not rows:
+            return None
+        return TokenMask(rows, self.grammars.bitmask([states[j].matcher for j in rows]))
 
     # ------------------------------------------------------------------------------ warm-up
 

@@ -1,7 +1,7 @@
 """Token sampling on the worker: greedy, temperature, top-k, top-p, min_p, penalties, logit_bias,
-per-request seeds and logprobs.
+per-request seeds, logprobs and grammar masks.
 
-The order is vLLM's: min_tokens bans and logit_bias, then the repetition, frequency and presence
+The order is vLLM's: the structured-output mask, min_tokens bans and logit_bias, then the repetition, frequency and presence
 penalties (greedy rows take their argmax here, so bias and penalties steer them too), then
 temperature, min_p, top-k and top-p, then the draw. Logprobs are log_softmax of the raw logits,
 before any of this (vLLM's default "raw_logprobs"). Every step is batched over rows; per-row
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rill.kernels import cpu_native
+from rill.services.worker.structured import apply_bitmask
 from rill.shared.schema import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -45,6 +46,14 @@ class SampleRow:
     output_index: int  # how many tokens this request has already generated
     generator: torch.Generator | None = None  # set for seeded requests
     history_slot: int | None = None  # its row in the sampler's TokenHistory (requests with penalties)
+
+
+@dataclass
+class TokenMask:
+    """Structured outputs: rows[i] may only sample the tokens whose bit is set in bits[i]."""
+
+    rows: list[int]
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the CPU
 
 
 @dataclass
@@ -173,20 +182,26 @@ class Sampler:
         """One token per row of fp32 logits [B, vocab]."""
         return self.sample_batch(logits, rows).token_ids
 
-    def sample_batch(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledBatch:
+    def sample_batch(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                     mask: TokenMask | None = None) -> SampledBatch:
         """One token per row of fp32 logits [B, vocab], with logprobs for the rows that ask.
         Tracked rows get their token counted in their history."""
-        picks = self._pick(self.process(logits, rows), rows)
+        picks = self._pick(self.process(logits, rows, mask), rows)
         tracked = [(i, r.history_slot) for i, r in enumerate(rows) if r.history_slot is not None]
         if tracked and self.history is not None:  # a slot comes from track(), so history exists
             self.history.record([slot for _, slot in tracked], _take(picks, [i for i, _ in tracked]))
         logprobs = _logprobs(logits, picks, rows)
         return SampledBatch(picks.tolist(), logprobs)
 
-    def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """The logits after min_tokens bans, logit_bias and penalties: what greedy rows take the
-        argmax of and the others divide by their temperature. `logits` itself stays untouched."""
-        return self._penalize(self._bias_and_bans(logits, rows), rows, logits)
+    def process(self, logits: torch.Tensor, rows: Sequence[SampleRow], mask: TokenMask | None = None) -> torch.Tensor:
+        """The logits after the grammar's mask, min_tokens bans, logit_bias and penalties: what
+        greedy rows take the argmax of and the others divide by their temperature (a masked
+        token stays -inf through all of them). `logits` itself stays untouched."""
+        x = logits
+        if mask is not None and mask.rows:
+            x = logits.clone()
+            apply_bitmask(x, mask.rows, mask.bits)
+        return self._penalize(self._bias_and_bans(x, rows), rows, logits)
 
     def probabilities(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """What rows with temperature > 0 sample from before top-k/top-p, given processed logits:

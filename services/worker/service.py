@@ -71,6 +71,7 @@ def build_runner(args: EngineArgs) -> ModelRunner:
         raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens")
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
+    runner.grammars.prepare_in_background()
     tokens = num_blocks * args.block_size
     log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
              "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)",

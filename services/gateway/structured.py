@@ -1,0 +1,179 @@
+"""Structured outputs at admission: the request's constraint as one llguidance grammar, checked.
+
+OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs` (json, regex,
+choice, grammar as Lark or GBNF, json_object) and vLLM's older `guided_*` fields all become one
+llguidance grammar string in SamplingParams.grammar, validated here so that a bad schema or
+grammar is a 400 naming its field before anything runs (services/worker/structured.py applies it).
+JSON is generated compact (no free whitespace between tokens): a small model at temperature 1
+otherwise can fill max_tokens with blank lines inside an object.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from rill.services.gateway.errors import APIError
+from rill.services.gateway.fields import Body, NotYet
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # a request's grammar crosses the broker once per sample (n)
+JSON_OPTIONS = {"whitespace_flexible": False}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class JsonSchemaFormat(Body):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # the schema is always enforced
+
+
+class TextFormat(Body, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(Body, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaResponseFormat(Body, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
+Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: Annotated[str, Meta(description="Lark, or GBNF (rules written with ::=).")] | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None  # one backend, no fallback either way
+    disable_any_whitespace: Annotated[Any, NotYet("Rill's JSON is always compact", True)] = None
+    disable_additional_properties: Annotated[Any, NotYet("the schema is enforced as written")] = None
+    whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
+    structural_tag: Annotated[Any, NotYet("no structural tags")] = None
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def _from_json(schema: str | dict[str, Any], param: str) -> str:
+    from llguidance import LLMatcher
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise _bad(f"{param} is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, dict):
+            raise _bad(f"{param} must be a JSON schema object.", param)
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise _bad(f"{param} is not a valid JSON schema: {exc}", param) from None
+
+
+def _from_choice(choices: list[str]) -> str:
+    from llguidance import LLMatcher
+
+    # Lark string literals take JSON's escapes.
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+
+
+def _from_grammar(text: str) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    return LLMatcher.grammar_from_lark(any_to_lark(text))
+
+
+def _from_regex(regex: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_regex(regex)
+
+
+def _requested(req: Any) -> list[tuple[str, str]]:
+    """(field, grammar) for every constraint the request sets (valid requests set at most one)."""
+    out: list[tuple[str, str]] = []
+    rf = getattr(req, "response_format", None)
+    if isinstance(rf, JsonObjectFormat):
+        out.append(("response_format", _from_json(ANY_OBJECT, "response_format")))
+    elif isinstance(rf, JsonSchemaResponseFormat):
+        schema = rf.json_schema.schema
+        out.append(("response_format", _from_json(ANY_OBJECT if schema is None else schema,
+                                                  "response_format.json_schema.schema")))
+    so: StructuredOutputs | None = getattr(req, "structured_outputs", None)
+    if so is not None:
+        kinds = [(name, value) for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice),
+                                                   ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if value is not None]
+        if len(kinds) != 1:
+            raise _bad("structured_outputs takes exactly one of json, regex, choice, grammar and json_object.",
+                       "structured_outputs")
+        out.append(_one(f"structured_outputs.{kinds[0][0]}", kinds[0][0], kinds[0][1]))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name, None)
+        if value is not None:
+            out.append(_one(name, name.removeprefix("guided_"), value))
+    return out
+
+
+def _one(param: str, kind: str, value: Any) -> tuple[str, str]:
+    try:
+        return param, _grammar(param, kind, value)
+    except APIError:
+        raise
+    except Exception as exc:  # llguidance's converters raise bare Exceptions on bad input
+        raise _bad(f"Invalid {param}: {exc}", param) from None
+
+
+def _grammar(param: str, kind: str, value: Any) -> str:
+    if kind == "json":
+        return _from_json(value, param)
+    if kind == "json_object":
+        return _from_json(ANY_OBJECT, param)
+    if kind == "regex":
+        return _from_regex(value)
+    if kind == "choice":
+        return _from_choice(value)
+    return _from_grammar(value)
+
+
+def grammar_of(req: Any) -> str | None:
+    """The request's constraint as an llguidance grammar (`check` has validated it), or None."""
+    found = _requested(req)
+    return found[0][1] if found else None
+
+
+def check(req: Any) -> None:
+    """A 400 naming the field for a constraint that cannot run, or that conflicts."""
+    from llguidance import LLMatcher
+
+    found = _requested(req)
+    if not found:
+        return
+    if len(found) > 1:
+        raise _bad(f"Give one structured output constraint, not {found[0][0]} and {found[1][0]}.", found[1][0])
+    param, grammar = found[0]
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise _bad(f"{param} is too large: {len(grammar)} bytes as a grammar, at most {MAX_GRAMMAR_BYTES}.", param)
+    why = LLMatcher.validate_grammar(grammar)
+    if why:
+        raise _bad(f"Invalid {param}: {why.strip()}", param)
+    # The grammar decides where the output ends.
+    if getattr(req, "min_tokens", None):
+        raise _bad("min_tokens cannot be combined with structured outputs (the grammar decides where the "
+                   "output ends).", "min_tokens")
+    if getattr(req, "ignore_eos", None):
+        raise _bad("ignore_eos cannot be combined with structured outputs (the grammar decides where the "
+                   "output ends).", "ignore_eos")
+

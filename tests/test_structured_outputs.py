@@ -1,0 +1,294 @@
+"""Structured outputs end to end: response_format, structured_outputs and guided_* through the
+official openai client, streaming and the WebSocket against the real stack (SmolLM2), every
+output checked with jsonschema / the regex / the choices; and the worker's matcher state across
+resume and per-request failure, driven by hand-built plans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+import torch
+import websockets
+from service_stack import ServiceStack, standard_stack
+
+from rill.kernels import cpu_native
+from rill.services.gateway.structured import _from_json
+from rill.services.worker.model_runner import ModelRunner
+from rill.services.worker.structured import apply_bitmask
+from rill.shared.broker import free_port
+from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["items", "total", "shipping"],
+         "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+                                  "items": {"type": "object", "required": ["sku", "qty"],
+                                            "additionalProperties": False,
+                                            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+                        "total": {"type": "number", "minimum": 0, "maximum": 1000},
+                        "shipping": {"type": "object", "required": ["city", "express"],
+                                     "additionalProperties": False,
+                                     "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "express": {"type": "boolean"}}}}}
+FLAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "score"],
+         "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+                        "score": {"type": "number", "minimum": -1, "maximum": 1},
+                        "note": {"type": ["string", "null"], "maxLength": 16}}}
+SCHEMAS = {"person": PERSON, "order": ORDER, "flags": FLAGS}
+ASK = {"person": "Describe a user of a web shop as JSON.", "order": "Write an example order as JSON.",
+       "flags": "Give tags and a score as JSON."}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
+    prefix = f"rillso-{os.getpid()}-{time.time_ns() % 10**8}"
+    with standard_stack(redis_url, smollm2_dir, prefix, free_port()) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mid(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def json_schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+def test_fifty_json_schema_requests_validate(stack: ServiceStack, mid: str) -> None:
+    """Greedy and temperature-1 rows under three schemas and unconstrained rows, all in flight
+    together (so batches mix constrained and free rows): every constrained output validates."""
+    jobs = [(name, 0.0 if i % 2 else 1.0) for i, name in enumerate(list(SCHEMAS) * 17)][:50]
+
+    async def run() -> tuple[list[tuple[str, str, str]], list[str]]:
+        ac = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            async def one(name: str, temp: float) -> tuple[str, str, str]:
+                r = await ac.chat.completions.create(
+                    model=mid, messages=[{"role": "user", "content": ASK[name]}], temperature=temp, max_tokens=300,
+                    response_format=json_schema_format(name), seed=len(name))
+                return name, r.choices[0].message.content or "", r.choices[0].finish_reason
+
+            async def free() -> str:
+                r = await ac.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Say hi."}],
+                                                     temperature=0, max_tokens=20)
+                return r.choices[0].message.content or ""
+
+            free_jobs = [free() for _ in range(4)]
+            got = await asyncio.gather(*(one(n, t) for n, t in jobs), *free_jobs)
+            return got[:len(jobs)], got[len(jobs):]
+        finally:
+            await ac.close()
+
+    constrained, free = asyncio.run(run())
+    for name, text, finish in constrained:
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    assert all(free) and not any(_is_json(t) for t in free)  # the free rows stayed free
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    species: str = pydantic.Field(max_length=20)
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+def test_openai_parse_with_pydantic_model(client: openai.OpenAI, mid: str) -> None:
+    r = client.chat.completions.parse(model=mid, messages=[{"role": "user", "content": "Describe a pet."}],
+                                      response_format=Pet, temperature=0, max_tokens=200)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and pet.name and 0 <= pet.legs <= 8
+
+
+def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, mid: str) -> None:
+    ask = "Reply with a JSON object with the name and age of a cat."
+    r = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": ask}],
+                                       response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    regex = r"[0-9]{3}-[A-Z]{2}(-[a-z]{1,6})?"
+    for temp in (0.0, 1.0):
+        c = client.completions.create(model=mid, prompt="A product code:", max_tokens=30, temperature=temp, seed=5,
+                                      extra_body={"structured_outputs": {"regex": regex}})
+        assert re.fullmatch(regex, c.choices[0].text) and c.choices[0].finish_reason == "stop"
+    choices = ["Paris", "London", "Rome", "Madrid (Spain)"]
+    r = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Capital of Italy?"}],
+                                       temperature=1.0, max_tokens=20, n=3, seed=1,
+                                       extra_body={"guided_choice": choices})
+    assert len(r.choices) == 3 and all(c.message.content in choices for c in r.choices)
+    gbnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    c = client.completions.create(model=mid, prompt="Will it rain?", max_tokens=10, temperature=1.0, seed=2,
+                                  extra_body={"structured_outputs": {"grammar": gbnf}})
+    assert re.fullmatch(r"yes|no|maybe [0-9]", c.choices[0].text)
+
+
+def test_streaming_and_n3_validate(client: openai.OpenAI, mid: str) -> None:
+    stream = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": ASK["order"]}],
+                                            response_format=json_schema_format("order"), temperature=1.0, seed=9,
+                                            max_tokens=300, n=3, stream=True)
+    texts = ["", "", ""]
+    finishes: dict[int, str] = {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+    for t in texts:
+        jsonschema.validate(json.loads(t), ORDER)
+
+
+def test_websocket_frames_validate(stack: ServiceStack) -> None:
+    async def run() -> dict[str, list[dict]]:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat", "id": "j", "temperature": 1.0, "seed": 4, "max_tokens": 300,
+                                      "messages": [{"role": "user", "content": ASK["person"]}],
+                                      "response_format": json_schema_format("person")}))
+            await ws.send(json.dumps({"type": "completion", "id": "bad", "prompt": "x",
+                                      "structured_outputs": {"regex": "[a-"}}))
+            await ws.send(json.dumps({"type": "completion", "id": "c", "prompt": "Pick one:", "max_tokens": 10,
+                                      "structured_outputs": {"choice": ["alpha", "beta"]}}))
+            frames: dict[str, list[dict]] = {"j": [], "bad": [], "c": []}
+            while not all(f and f[-1]["type"] in ("done", "error") for f in frames.values()):
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 300))
+                frames[msg["id"]].append(msg)
+            return frames
+
+    frames = asyncio.run(run())
+    assert frames["bad"][-1]["type"] == "error"
+    assert frames["bad"][-1]["error"]["param"] == "structured_outputs.regex"
+    text = "".join(f["text"] for f in frames["j"] if f["type"] == "delta")
+    assert frames["j"][-1]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    assert "".join(f["text"] for f in frames["c"] if f["type"] == "delta") in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+])
+def test_bad_constraints_are_400_naming_the_field(client: openai.OpenAI, mid: str, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       extra_body=body)
+    assert err.value.body["param"] == param, err.value.body  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- worker, by hand
+
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir: str) -> ModelRunner:
+    return ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=64, block_size=BLOCK)
+
+
+def _decode(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingParams, steps: int,
+            outputs: list[int] | None = None, blocks: range = range(0, 16)) -> tuple[list[int], dict[str, str]]:
+    """Run `rid` (resuming after `outputs`) for up to `steps` sampled tokens; (tokens, errors)."""
+    outputs = list(outputs or [])
+    tokens = prompt + outputs
+    new = NewRequestData(request_id=rid, token_ids=tokens, params=params, block_ids=list(blocks),
+                         num_output_tokens=len(outputs))
+    plan = StepPlan(step_id=0, new_requests=[new], cached_request_ids=[], cached_new_block_ids=[],
+                    scheduled_request_ids=[rid], num_scheduled_tokens=[len(tokens)])
+    got: list[int] = []
+    for step in range(steps):
+        res = runner.execute(plan)
+        assert res.error is None
+        if res.errors:
+            runner.execute(StepPlan(step_id=-2, new_requests=[], cached_request_ids=[], cached_new_block_ids=[],
+                                    scheduled_request_ids=[], num_scheduled_tokens=[], finished_request_ids=[rid]))
+            return got, res.errors
+        got += res.token_ids
+        if res.token_ids[-1] in runner.cfg.eos_token_ids:
+            break
+        plan = StepPlan(step_id=step + 1, new_requests=[], cached_request_ids=[], cached_new_block_ids=[],
+                        scheduled_request_ids=[rid], num_scheduled_tokens=[1])
+    runner.execute(StepPlan(step_id=-2, new_requests=[], cached_request_ids=[], cached_new_block_ids=[],
+                            scheduled_request_ids=[], num_scheduled_tokens=[], finished_request_ids=[rid]))
+    return got, {}
+
+
+def test_resumed_request_replays_its_grammar(runner: ModelRunner, smollm2_dir: str) -> None:
+    """Preemption and hand-off re-send a request with its outputs: the worker's fresh matcher
+    replays them, and the continuation equals the uninterrupted run (greedy) and validates."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tok("Here is a user record in JSON:")["input_ids"]
+    params = SamplingParams(temperature=0.0, grammar=_from_json(PERSON, "x"), max_tokens=100)
+    whole, errors = _decode(runner, "a", prompt, params, 100)
+    assert not errors and whole[-1] in runner.cfg.eos_token_ids
+    cut = len(whole) // 2
+    rest, errors = _decode(runner, "b", prompt, params, 100, outputs=whole[:cut], blocks=range(16, 32))
+    assert not errors and whole[:cut] + rest == whole
+    jsonschema.validate(json.loads(tok.decode(whole, skip_special_tokens=True)), PERSON)
+
+
+def test_broken_grammar_fails_only_its_request(runner: ModelRunner) -> None:
+    """A grammar the worker cannot run, or outputs that do not match it, fail that request alone
+    with a message (StepResult.errors), not the step."""
+    bad = SamplingParams(temperature=0.0, grammar="start: undefined_rule")
+    _, errors = _decode(runner, "bad", [1, 2, 3], bad, 3)
+    assert "structured output" in errors["bad"]
+    regex = SamplingParams(temperature=0.0, grammar=__import__("llguidance").LLMatcher.grammar_from_regex("[0-9]+"))
+    _, errors = _decode(runner, "mismatch", [1, 2, 3], regex, 3, outputs=[runner.cfg.eos_token_ids[0], 5])
+    assert "does not match" in errors["mismatch"]
+    good, errors = _decode(runner, "ok", [1, 2, 3], SamplingParams(temperature=0.0), 3)
+    assert not errors and len(good) == 3
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler for the native kernels")
+def test_native_bitmask_equals_the_torch_path() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the tail word is partial
+    logits = torch.randn(6, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    mask[0, :5] = 0
+    mask[1, :] = -1
+    rows = [4, 0, 2]
+    native = logits.clone()
+    apply_bitmask(native, rows, mask)
+    generic = logits.double()  # not what the native kernel takes: the torch path
+    apply_bitmask(generic, rows, mask)
+    bits = torch.tensor([[(int(mask[i, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for i in range(3)]).bool()
+    expect = logits.clone()
+    for i, r in enumerate(rows):
+        expect[r][~bits[i]] = float("-inf")
+    assert torch.equal(native, expect) and torch.equal(generic.float(), expect)
