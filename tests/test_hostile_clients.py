@@ -259,6 +259,18 @@ def test_request_without_progress_gets_504_and_is_aborted() -> None:
                     await asyncio.sleep(0.5)
                 resp = await task
                 assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "aaaaa"
+            # On the WebSocket: an error frame for the stalled request, the other one completes.
+            async with websockets.connect(srv.ws) as ws:
+                for cid in ("stalled", "fine"):
+                    await ws.send(json.dumps({"type": "completion", "id": cid, "prompt": "p", "max_tokens": 9}))
+                stalled_req, fine_req = [await down.next_request() for _ in range(2)]
+                for d in make_deltas(fine_req.request_id, ["b"] * 3):
+                    await down.reply(fine_req.reply_to, [d])
+                    await asyncio.sleep(0.5)
+                frames = [json.loads(await asyncio.wait_for(ws.recv(), 5)) for _ in range(5)]
+                ends = {f["id"]: f for f in frames if f["type"] in ("done", "error")}
+                assert ends["stalled"]["type"] == "error" and ends["stalled"]["error"]["code"] == 504, frames
+                assert ends["fine"]["type"] == "done", frames
             await down.close()
 
         asyncio.run(stall())
