@@ -13,7 +13,6 @@ at temperature 1. Prints the CPU it ran on beside the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,14 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+# The schemas of tests/test_structured_outputs.py, and one whose strings run long.
+from test_structured_outputs import SCHEMAS  # noqa: E402
+
 from rill.kernels.chooser import cpu_model  # noqa: E402
 from rill.services.gateway.structured import _from_json  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 from rill.shared.schema import NewRequestData, SamplingParams, StepPlan  # noqa: E402
-
-# The schemas of tests/test_structured_outputs.py, and one whose strings run long.
-from test_structured_outputs import SCHEMAS  # noqa: E402
 
 LONG = {"type": "object", "required": ["lines"], "additionalProperties": False,
         "properties": {"lines": {"type": "array", "minItems": 40, "items": {"type": "string"}}}}
