@@ -46,12 +46,13 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
 
     class GuardedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _phase: str | None = None  # what the deadline waits for: "headers" or "body"
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if 0 < limits.max_connections < len(self.connections):
                 # Refused before reading a byte: under a flood, the cheapest answer is the best one.
-                transport.write(_busy_response())
+                transport.write(BUSY_RESPONSE)
                 transport.close()
                 return
             self._arm(limits.header_timeout_s)
@@ -75,7 +76,7 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
                 if self._deadline is None:
                     self._arm(limits.header_timeout_s)
             elif self.conn.their_state is h11.SEND_BODY:
-                if getattr(self, "_phase", None) != "body":
+                if self._phase != "body":
                     self._arm(limits.body_timeout_s, "body")
             else:  # the whole request is in: the answer may take as long as it takes
                 self._disarm()
@@ -99,6 +100,9 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
                 self.transport.close()  # a handler waiting on the body sees http.disconnect
 
     return GuardedH11
+
+
+BUSY_RESPONSE = _busy_response()
 
 
 def server_config(app: Any, host: str, port: int, limits: ServerLimits, ws_max_size: int,
