@@ -142,10 +142,10 @@ def _load(path: Path) -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32, i64]
     for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32, lib.paged_prefill_bf16_amx, lib.paged_prefill_bf16_dot):
         fn.restype = i32
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32]
     lib.amx_enable.restype = i32
     lib.amx_enable.argtypes = []
     lib.prefill_dot_available.restype = i32
@@ -193,9 +193,10 @@ def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, max_len: int,
-                 scale: float, generic_only: bool = False) -> None:
+                 scale: float, generic_only: bool = False, window: int | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] (one token at position seq_lens[i] - 1) over
-    sequence i's first seq_lens[i] cached tokens, for each i. block_tables [n, W] int32
+    sequence i's first seq_lens[i] cached tokens (its last `window` with a sliding window; the
+    table entries of blocks wholly before it are not read), for each i. block_tables [n, W] int32
     contiguous, seq_lens [n] int32, rows [n] int64; out contiguous like q. The caller checks
     `decode_supported` first. On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
     path that keeps every vector in registers; `generic_only` turns it off (to compare)."""
@@ -207,7 +208,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rc = getattr(lib, _DECODE[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, max_len, scale, int(generic_only))
+        num_heads, num_kv_heads, head_dim, block_size, max_len, scale, int(generic_only), window or 0)
     if rc != 0:
         raise RuntimeError(f"native paged decode failed with code {rc}")
 
@@ -241,10 +242,12 @@ PREFILL_KERNELS = ("auto", "amx", "dot", "vector")
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, out: torch.Tensor,
-                  scale: float, kernel: str | None = None) -> None:
+                  scale: float, kernel: str | None = None, window: int | None = None) -> None:
     """Causal attention for multi-token rows: sequence i's query rows q_starts[i] ..
     q_starts[i] + q_lens[i] sit at positions ctx_lens[i] .. and see every cached key up to their
-    own position (the step's K/V must be in the cache already). block_tables [n, W], q_starts,
+    own position (the step's K/V must be in the cache already); with a sliding `window`, only the
+    last `window` keys up to it (the AMX kernel has no window: such steps take the next one).
+    block_tables [n, W], q_starts,
     q_lens, ctx_lens [n]: int32 contiguous; out contiguous like q. The caller checks
     `prefill_supported` first.
 
@@ -265,12 +268,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, num_kv_heads, _ = k_cache.shape
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
-            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale)
+            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
     rc = -1
     if q.dtype == torch.bfloat16:
         if kernel in ("auto", "amx") and head_dim % 32 == 0 and amx_prefill_available():
             rc = lib.paged_prefill_bf16_amx(*args)
-        if rc in (-1, 1, 3) and kernel in ("auto", "dot") and _prefill_dot:
+        # A windowed step the AMX kernel turned down still takes the next fastest, the dot kernel.
+        if rc in (-1, 1, 3) and (kernel in ("auto", "dot") or (kernel == "amx" and window)) and _prefill_dot:
             rc = lib.paged_prefill_bf16_dot(*args)
     if rc in (-1, 1, 3):  # not taken, or a shape or build it does not handle
         rc = getattr(lib, _PREFILL[q.dtype])(*args)

@@ -24,18 +24,31 @@
 #include "cpu_vec_math.h"
 
 // Scores -> unnormalised probabilities in place (exp of score - row max) and their sums, for
-// each of the `group` query heads' rows of `len` scores.
-static inline void softmax_scores(float* scores, int64_t len, int group, const float* mx, float* total) {
+// each of the `group` query heads' rows of `len` scores; the first `skip` (outside a sliding
+// window) are left out, and the V pass starts after them too.
+static inline void softmax_scores(float* scores, int64_t len, int64_t skip, int group, const float* mx,
+                                  float* total) {
   for (int g = 0; g < group; ++g) {
     float* sg = scores + g * len;
     const float m = mx[g];
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = skip; t < len; ++t) {
       sg[t] = exp_neg(sg[t] - m);
       sum += sg[t];
     }
     total[g] = sum;
+  }
+}
+
+// Each head's maximum over scores skip..len-1: the K pass's maximum also took the positions
+// before a sliding window's start (those share the window's first block), which must not count.
+static inline void window_max(const float* scores, int64_t len, int64_t skip, int group, float* mx) {
+  for (int g = 0; g < group; ++g) {
+    const float* sg = scores + g * len;
+    float m = -INFINITY;
+    for (int64_t t = skip; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+    mx[g] = m;
   }
 }
 
@@ -214,15 +227,16 @@ DEFINE_KPASS_WIDE(kpass64_bf16_widened, uint16_t, row64_bf16)
   static inline __attribute__((always_inline)) void NAME(                                        \
       const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
       int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
-      float scale, float* scores, T* out) {                                                      \
+      float scale, int64_t skip, float* scores, T* out) {                                        \
     const int head_dim = 64; /* read by the prefetch macros */                                 \
     __m512 acc[4][4];                                                                            \
     float mx[4], total[4];                                                                       \
     KPASS(G, q, k_cache, v_cache, table, len, num_kv_heads, h, block_size, pow2, shift, mask, scale, scores, mx); \
+    if (skip) window_max(scores, len, skip, G, mx);                                              \
     for (int g = 0; g < G; ++g)                                                                  \
       for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();                               \
-    softmax_scores(scores, len, G, mx, total);                                                   \
-    for (int64_t t = 0; t < len; ++t) {                                                          \
+    softmax_scores(scores, len, skip, G, mx, total);                                             \
+    for (int64_t t = skip; t < len; ++t) {                                                       \
       V_PASS_PREFETCH(t, 64);                                                                    \
       __m512 v[4];                                                                               \
       ROW(v_cache + (ROW_OF(t) * num_kv_heads + h) * 64, v);                                     \
@@ -259,14 +273,17 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
 #endif
 
 // One function per cache dtype: T is the element type, LOAD / STORE convert to and from float.
-// `generic_only` skips the register path (benchmarks and tests compare the two).
+// `generic_only` skips the register path (benchmarks and tests compare the two). `window` > 0:
+// sliding-window attention, the query at position p sees keys p - window + 1 .. p only; the
+// table is entered at the window's first block, and the positions of that block before the
+// window (`skip`) are scored but left out of the softmax and the V pass.
 // Per (sequence, kv head) pair: scores of the group's query heads against every position (one
 // pass over K), softmax, then one pass over V. `work` holds group * max_len scores per thread.
 #define DEFINE_DECODE(NAME, T, LOAD, STORE, PAIR64)                                      \
   int NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,          \
            int64_t table_stride, const int32_t* seq_lens, const int64_t* rows, T* out,            \
            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
-           int64_t max_len, float scale, int generic_only) {                                     \
+           int64_t max_len, float scale, int generic_only, int64_t window) {                     \
     if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||          \
         num_heads / num_kv_heads > MAX_GROUP || max_len < 1)                                     \
       return 1;                                                                                  \
@@ -282,12 +299,18 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
     for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; ++pair) {                    \
       const int64_t s = pair / num_kv_heads;                                                     \
       const int h = (int)(pair % num_kv_heads);                                                  \
-      const int64_t len = seq_lens[s];                                                           \
+      int64_t len = seq_lens[s], skip = 0;                                                       \
       const int32_t* table = block_tables + s * table_stride;                                    \
+      if (window > 0 && len > window) {                                                          \
+        const int64_t first_block = (len - window) / block_size;                                 \
+        table += first_block;                                                                    \
+        len -= first_block * block_size;                                                         \
+        skip = len - window;                                                                     \
+      }                                                                                          \
       const int64_t row = rows[s];                                                               \
       float* scores = scratch + (size_t)omp_get_thread_num() * group * max_len;                  \
       if (!generic_only && FAST64(PAIR64, q + row * q_row_stride + (int64_t)h * group * head_dim, k_cache, v_cache, table, len, \
-                 num_kv_heads, h, block_size, pow2, shift, mask, scale, scores,                   \
+                 num_kv_heads, h, block_size, pow2, shift, mask, scale, skip, scores,             \
                  out + (row * num_heads + (int64_t)h * group) * head_dim))                        \
         continue;                                                                                \
       float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM];         \
@@ -309,8 +332,9 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
           mx[g] = score > mx[g] ? score : mx[g];                                                 \
         }                                                                                        \
       }                                                                                          \
-      softmax_scores(scores, len, group, mx, total);                                             \
-      for (int64_t t = 0; t < len; ++t) {                                                        \
+      if (skip) window_max(scores, len, skip, group, mx);                                        \
+      softmax_scores(scores, len, skip, group, mx, total);                                       \
+      for (int64_t t = skip; t < len; ++t) {                                                     \
         const T* vp = v_cache + (ROW_OF(t) * num_kv_heads + h) * head_dim;                       \
         V_PASS_PREFETCH(t, head_dim);                                                            \
         _Pragma("omp simd")                                                                      \

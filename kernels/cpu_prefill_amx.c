@@ -214,9 +214,10 @@ static void item(const uint16_t* q, int64_t q_row, const uint32_t* packed, int64
 int paged_prefill_bf16_amx(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
   const int group = num_heads / num_kv_heads;
   if (d > MAX_DIM || d % 32 || num_heads % num_kv_heads || group > MAX_TILES * TROWS) return 1;
+  if (window > 0) return 3;  // no sliding-window mask here: the caller takes the dot or vector kernel
   // Packed chunks: sequence i's keys 0 .. ctx + q_len - 1, per KV head.
   int64_t total_chunks = 0;
   for (int i = 0; i < num_seqs; ++i) total_chunks += (ctx_lens[i] + q_lens[i] + CHUNK - 1) / CHUNK;
@@ -302,10 +303,10 @@ int amx_enable(void) { return 1; }
 int paged_prefill_bf16_amx(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
   (void)q, (void)q_row, (void)k_cache, (void)v_cache, (void)block_tables, (void)bt_stride, (void)q_starts;
   (void)q_lens, (void)ctx_lens, (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)d;
-  (void)block_size, (void)scale;
+  (void)block_size, (void)scale, (void)window;
   return 3;
 }
 

@@ -15,7 +15,8 @@
 // Layout as in cpu_paged_attention.c: q [T, Hq, D] with row stride q_row, out [T, Hq, D]
 // contiguous, caches [num_blocks, block_size, Hkv, D], block_tables [seqs, bt_stride] int32.
 // Sequence i owns query rows q_starts[i] .. q_starts[i] + q_lens[i], at positions
-// ctx_lens[i] .. ctx_lens[i] + q_lens[i] - 1; a query at position p sees keys 0..p.
+// ctx_lens[i] .. ctx_lens[i] + q_lens[i] - 1; a query at position p sees keys 0..p, or with a
+// sliding window (`window` > 0) keys p - window + 1 .. p.
 
 #include <math.h>
 #include <stdint.h>
@@ -80,10 +81,10 @@ static inline __attribute__((always_inline)) void pv(Scratch* w, int k0, int nk,
 }
 
 // The online-softmax update for one chunk of nk keys starting at position k0: mask keys past
-// each row's position, fold the chunk's max into m (rescaling l and acc), turn scores into
+// each row's position or `win` or more behind it, fold the chunk's max into m (rescaling l and acc), turn scores into
 // probabilities and add them to l.
 static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int64_t k0, int nk, int d,
-                                                                 int masked, const int RV) {
+                                                                 int masked, float win, const int RV) {
   for (int rv = 0; rv < RV; ++rv) {
     float* mx = (float*)&w->m[rv];
     float* l = (float*)&w->l[rv];
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int6
       if (masked) {
         const float kp = (float)(k0 + j);
 #pragma omp simd
-        for (int i = 0; i < LANES; ++i) s[i] = (j >= nk || kp > pos[i]) ? -INFINITY : s[i];
+        for (int i = 0; i < LANES; ++i) s[i] = (j >= nk || kp > pos[i] || kp <= pos[i] - win) ? -INFINITY : s[i];
       }
 #pragma omp simd
       for (int i = 0; i < LANES; ++i) m_new[i] = s[i] > m_new[i] ? s[i] : m_new[i];
@@ -126,9 +127,9 @@ static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int6
 }
 
 static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, int nk, int d, int masked,
-                                                         const int RV) {
+                                                         float win, const int RV) {
   for (int j = 0; j < KEYS; j += 4) scores(w, j, d, RV);
-  softmax_chunk(w, k0, nk, d, masked, RV);
+  softmax_chunk(w, k0, nk, d, masked, win, RV);
   for (int k = 0; k < d; k += 4) pv(w, k, nk, RV);
 }
 
@@ -136,7 +137,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
   static void NAME##_item(const T* q, int64_t q_row, const T* k_cache, const T* v_cache,        \
                           const int32_t* table, int64_t row0, int64_t pos0, int npos,           \
                           T* out, int num_heads, int num_kv_heads, int h, int d,                \
-                          int block_size, float scale, Scratch* w) {                            \
+                          int block_size, float scale, int window, Scratch* w) {                \
     const int group = num_heads / num_kv_heads;                                                 \
     const int rows = npos * group, nrv = (rows + LANES - 1) / LANES;                            \
     for (int r = 0; r < nrv * LANES; ++r) {                                                     \
@@ -152,8 +153,11 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
       w->l[rv] = (v16){0};                                                                      \
       for (int k = 0; k < d; ++k) w->acc[k][rv] = (v16){0};                                     \
     }                                                                                           \
-    const int64_t end = pos0 + npos; /* keys 0 .. end-1 */                                      \
-    for (int64_t k0 = 0; k0 < end; k0 += KEYS) {                                                \
+    /* keys 0 .. end-1; with a window, from the first row's first visible key */               \
+    const int64_t end = pos0 + npos;                                                            \
+    const int64_t start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;              \
+    const float win = window > 0 ? (float)window : INFINITY;                                    \
+    for (int64_t k0 = start; k0 < end; k0 += KEYS) {                                            \
       const int nk = end - k0 < KEYS ? (int)(end - k0) : KEYS;                                  \
       for (int j = 0; j < KEYS; ++j) {                                                          \
         if (j < nk) {                                                                           \
@@ -169,13 +173,13 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
           memset(w->k[j], 0, sizeof(float) * d);                                                \
         }                                                                                       \
       }                                                                                         \
-      /* keys past the first row's position need the causal mask */                           \
-      const int masked = k0 + KEYS > pos0 + 1;                                                  \
+      /* keys past the first row's position need the causal mask; windows always mask */      \
+      const int masked = window > 0 || k0 + KEYS > pos0 + 1;                                    \
       switch (nrv) {                                                                            \
-        case 1: chunk(w, k0, nk, d, masked, 1); break;                                          \
-        case 2: chunk(w, k0, nk, d, masked, 2); break;                                          \
-        case 3: chunk(w, k0, nk, d, masked, 3); break;                                          \
-        default: chunk(w, k0, nk, d, masked, 4); break;                                         \
+        case 1: chunk(w, k0, nk, d, masked, win, 1); break;                                     \
+        case 2: chunk(w, k0, nk, d, masked, win, 2); break;                                     \
+        case 3: chunk(w, k0, nk, d, masked, win, 3); break;                                     \
+        default: chunk(w, k0, nk, d, masked, win, 4); break;                                    \
       }                                                                                         \
     }                                                                                           \
     for (int r = 0; r < rows; ++r) {                                                            \
@@ -187,7 +191,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
   int NAME(const T* q, int64_t q_row, const T* k_cache, const T* v_cache,                       \
            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,             \
            const int32_t* q_lens, const int32_t* ctx_lens, T* out, int num_seqs, int num_heads, \
-           int num_kv_heads, int d, int block_size, float scale) {                              \
+           int num_kv_heads, int d, int block_size, float scale, int window) {                  \
     const int group = num_heads / num_kv_heads;                                                 \
     if (d > MAX_DIM || d % 4 || group > MAX_GROUP || num_heads % num_kv_heads) return 1;        \
     const int most = MAX_RV * LANES / group; /* query positions a work item can hold */        \
@@ -222,7 +226,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
         const int npos = q_lens[i] - first < tile ? q_lens[i] - first : tile;                   \
         NAME##_item(q, q_row, k_cache, v_cache, block_tables + (int64_t)i * bt_stride,          \
                     (int64_t)q_starts[i] + first, (int64_t)ctx_lens[i] + first, npos, out,      \
-                    num_heads, num_kv_heads, h, d, block_size, scale, w);                       \
+                    num_heads, num_kv_heads, h, d, block_size, scale, window, w);               \
       }                                                                                         \
     }                                                                                           \
     return failed ? 2 : 0;                                                                      \

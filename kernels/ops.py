@@ -179,13 +179,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over each sequence's paged KV -> [T, heads, head_dim].
 
     The step's own K/V must already be in the cache (`write_kv` first). `k_new`/`v_new` (this
     step's K/V rows, aligned with q) are an optional hint: an implementation may read a fresh
-    prompt's keys from them instead of gathering them back from the cache.
+    prompt's keys from them instead of gathering them back from the cache. `window` (a
+    sliding-window layer): a query at position p sees keys p - window + 1 .. p only (transformers'
+    `kv_idx > q_idx - sliding_window`), and no implementation reads the table entries of blocks
+    wholly before its window, which the scheduler may have released.
     """
+    if window:
+        return _impl_for(q).paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, window=window)
     return _impl_for(q).paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new)
 
 

@@ -331,11 +331,13 @@ def _int_mm_exact(qweight: torch.Tensor) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
-    plan = meta.aux.get("torch_plan")
-    if plan is None:  # built on the first layer, reused by the others
-        plan = meta.aux["torch_plan"] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1],
-                                                       q.device, *attention_kernels(meta, q, k_cache))
+                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    # One plan per window size (Gemma 3 alternates two); full attention's keeps the plain key.
+    key = ("torch_plan", window) if window else "torch_plan"
+    plan = meta.aux.get(key)
+    if plan is None:  # built on the first layer of its window, reused by the others
+        plan = meta.aux[key] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.device,
+                                              *attention_kernels(meta, q, k_cache), window=window)
     return attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
 
 
@@ -396,20 +398,23 @@ def attend(plan: _AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if plan.native is not None:
         n = plan.native
         cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale,
-                                generic_only=plan.decode_kernel == "generic")
+                                generic_only=plan.decode_kernel == "generic", window=plan.window)
     if plan.native_prefill is not None:
         p = plan.native_prefill
         cpu_native.paged_prefill(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens, out, scale,
-                                 kernel=plan.prefill_kernel)
+                                 kernel=plan.prefill_kernel, window=plan.window)
     for group in plan.decode_groups:
         out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
-    for start, end, ctx_len, seq_len, blocks in plan.prefills:
+    for start, end, ctx_len, key_start, blocks in plan.prefills:
         if ctx_len == 0 and k_new is not None and v_new is not None:
             k, v = k_new[start:end], v_new[start:end]
         else:
-            k = _gather(k_cache, blocks)[:seq_len]
-            v = _gather(v_cache, blocks)[:seq_len]
-        out[start:end] = _prefill(q[start:end], k, v, ctx_len, scale)
+            # The gathered blocks start at key_start (a window's first block); the sequence ends
+            # ctx_len + (end - start) - key_start keys in.
+            keys = ctx_len + end - start - key_start
+            k = _gather(k_cache, blocks)[:keys]
+            v = _gather(v_cache, blocks)[:keys]
+        out[start:end] = _prefill(q[start:end], k, v, ctx_len, scale, key_start, plan.window)
     return out
 
 
@@ -444,19 +449,32 @@ def split_by_length(nblocks: list[int], overhead: int = _GROUP_OVERHEAD_BLOCKS) 
     return groups[::-1]
 
 
+def first_window_block(first_query: int, window: int | None, block_size: int) -> int:
+    """The first block a query at `first_query` (or later) reads: its window's, else block 0."""
+    return max(0, first_query - window + 1) // block_size if window else 0
+
+
 class _DecodeGroup:
     """Single-token rows of similar lengths: their KV gathered and padded together, with the mask
-    that drops positions past each row's end and (query head, kv head) pairs of other groups."""
+    that drops positions past each row's end (or before its sliding window) and (query head, kv
+    head) pairs of other groups. With a window each row's blocks start at its window's first one,
+    so table entries before it (blocks already released) are never read."""
 
     def __init__(self, meta: AttentionMetadata, seqs: list[int], num_heads: int, num_kv_heads: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, window: int | None = None) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
         idx = torch.tensor(seqs, dtype=torch.int64)
         lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int64)
-        nblocks = -(-int(lens.max()) // block_size)
+        first = torch.tensor([first_window_block(seq_lens[i] - 1, window, block_size) for i in seqs])
+        count = -(-lens // block_size) - first
+        nblocks = int(count.max())
         self.rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.int64, device=device)
-        self.blocks = meta.block_tables.index_select(0, idx.to(meta.block_tables.device))[:, :nblocks] \
-            .to(torch.int64).flatten()
+        tables = meta.block_tables.index_select(0, idx.to(meta.block_tables.device)).to(torch.int64)
+        # Row i reads blocks first[i] .. first[i] + count[i] - 1, then pads with block 0 (masked).
+        cols = first[:, None] + torch.arange(nblocks)[None, :]
+        used = (torch.arange(nblocks)[None, :] < count[:, None]).to(tables.device)
+        picked = tables.gather(1, cols.clamp(max=tables.shape[1] - 1).to(tables.device))
+        self.blocks = torch.where(used, picked, 0).flatten().to(device)
         self.num = len(seqs)
         padded = nblocks * block_size
         # Scores are taken against every (position, kv head) pair of a sequence in one bmm over a
@@ -465,7 +483,10 @@ class _DecodeGroup:
         # is not the query head's group. That trades kv_heads x more (cheap) FLOPs for one fewer
         # pass over memory, which wins for the few-kv-head models a CPU serves.
         group = num_heads // num_kv_heads
-        past_end = torch.arange(padded)[None, :] >= lens[:, None]  # [n, padded]
+        pos = first[:, None] * block_size + torch.arange(padded)[None, :]  # [n, padded]
+        past_end = pos >= lens[:, None]
+        if window:
+            past_end |= pos < lens[:, None] - window
         other_head = (torch.arange(num_heads)[:, None] // group) != torch.arange(num_kv_heads)[None, :]
         masked = past_end[:, None, :, None] | other_head[None, :, None, :]  # [n, H, padded, Hkv]
         self.mask = torch.zeros(masked.shape, dtype=torch.float32) \
@@ -505,9 +526,11 @@ class _AttentionPlan:
     generic or torch; `prefill_kernel`: amx, dot, vector (native) or sdpa (see attention_kernels)."""
 
     def __init__(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, block_size: int,
-                 device: torch.device, decode_kernel: str = "torch", prefill_kernel: str = "sdpa") -> None:
+                 device: torch.device, decode_kernel: str = "torch", prefill_kernel: str = "sdpa",
+                 window: int | None = None) -> None:
         qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
         self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
+        self.window = window or None  # sliding-window size of the layers this plan serves
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         prefills = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
         # Multi-token rows: one call of the native kernel, which reads the paged KV in place;
@@ -518,15 +541,19 @@ class _AttentionPlan:
         if self.native_prefill is None:
             for i in prefills:
                 start, end = qsl[i], qsl[i + 1]
-                blocks = meta.block_tables[i, :-(-seq_lens[i] // block_size)].to(torch.int64)
-                self.prefills.append((start, end, seq_lens[i] - (end - start), seq_lens[i], blocks))
+                ctx_len = seq_lens[i] - (end - start)
+                first = first_window_block(ctx_len, self.window, block_size)
+                blocks = meta.block_tables[i, first:-(-seq_lens[i] // block_size)].to(torch.int64)
+                self.prefills.append((start, end, ctx_len, first * block_size, blocks))
         # Single-token rows: one call of the native kernel, else length groups in plain torch.
         self.native = _NativeDecode(meta, decodes) if decode_kernel != "torch" and decodes else None
         if self.native is not None:
             decodes = []
-        groups = split_by_length([-(-seq_lens[i] // block_size) for i in decodes]) if decodes else []
+        groups = split_by_length([-(-seq_lens[i] // block_size)
+                                  - first_window_block(seq_lens[i] - 1, self.window, block_size)
+                                  for i in decodes]) if decodes else []
         self.decode_groups = [_DecodeGroup(meta, [decodes[j] for j in g], num_heads, num_kv_heads, block_size,
-                                           device) for g in groups]
+                                           device, self.window) for g in groups]
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
@@ -539,15 +566,20 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     return torch.bmm(probs, v)  # [n, H, D]
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float) -> torch.Tensor:
-    """q [n, H, D] at positions ctx_len..ctx_len+n-1 over k, v [ctx_len+n, Hkv, D]."""
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float,
+             key_start: int = 0, window: int | None = None) -> torch.Tensor:
+    """q [n, H, D] at positions ctx_len..ctx_len+n-1 over k, v [ctx_len+n-key_start, Hkv, D]
+    (the keys from position key_start on); `window`: a query at p sees keys p - window + 1 .. p."""
     n = q.shape[0]
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if ctx_len == 0:
+    if ctx_len == 0 and key_start == 0 and not window:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        # Query i sits at absolute position ctx_len + i and sees keys 0..ctx_len + i.
-        keys = torch.arange(ctx_len + n, device=q.device)
-        mask = keys[None, :] <= (ctx_len + torch.arange(n, device=q.device))[:, None]
+        # Query i sits at absolute position ctx_len + i and sees keys up to ctx_len + i.
+        keys = key_start + torch.arange(k.shape[0], device=q.device)
+        query_pos = (ctx_len + torch.arange(n, device=q.device))[:, None]
+        mask = keys[None, :] <= query_pos
+        if window:
+            mask &= keys[None, :] > query_pos - window
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -16,6 +16,11 @@ Two paths, both reading every key and value (the step's own included) through th
   cached prefix and then its own tokens with the causal mask, and stops at the last key its
   rows can see.
 
+Sliding-window layers pass `window` (a runtime argument, so one compiled kernel serves both
+layer kinds of Gemma 3): a query at position p sees keys p - window + 1 .. p, and the key loops
+start at the window of the first row, never touching table entries of released blocks before it.
+No window is passed as NO_WINDOW, far past any context.
+
 Addresses are formed in int64 (block ids and token rows are widened before any multiply), so
 caches past 2^31 elements are safe. The launch grids depend only on tensor shapes and on
 `max_seq_len` (for the split count), which keeps a captured CUDA graph valid across replays.
@@ -64,6 +69,7 @@ if TYPE_CHECKING:
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+NO_WINDOW = 1 << 30  # the window of a full-attention layer: longer than any context
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # Launch settings. Chosen from sm_90 compiles of the Llama-3-8B shapes (bf16, head_dim 128, G=4;
@@ -89,7 +95,7 @@ def extend_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -104,9 +110,11 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each split covers a whole number of tiles; trailing splits of a short sequence are empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    start = split * per_split
+    # The splits cover the keys the query sees: its window's (from first_key), else all of them.
+    # Each covers a whole number of tiles; trailing splits of a short sequence are empty.
+    first_key = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), TILE_N) * TILE_N
+    start = first_key + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -191,7 +199,7 @@ def _reduce_kernel(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -243,7 +251,8 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = tables_ptr + seq64 * stride_table
     kv_end = tl.minimum(seq_len, ctx_len + q_off + BLOCK_Q)  # one past the last key any row sees
-    for tile in range(0, kv_end, TILE_N):
+    kv_start = tl.maximum(ctx_len + q_off - window + 1, 0)  # the first key any row sees
+    for tile in range(kv_start, kv_end, TILE_N):
         pos = tile + tl.arange(0, TILE_N)
         valid = pos < kv_end
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -260,7 +269,8 @@ def _extend_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        seen = (pos[None, :] <= q_pos[:, None]) & valid[None, :] & row_valid[:, None]
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) \
+            & valid[None, :] & row_valid[:, None]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Padding rows see nothing: keep their max at 0 so exp2 gives 0 instead of NaN.
@@ -321,8 +331,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int, num_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D] (row i belongs to sequence i) -> [B, Hq, D].
+                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] (row i belongs to sequence i) -> [B, Hq, D];
+    `window`: a sliding window's size (the query sees its last `window` keys).
 
     A sequence with seq_len 0 (a padding lane) gets zeros."""
     _check(q, k_cache, v_cache)
@@ -335,7 +346,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     tile_n = DECODE_CONFIG["tile_n"] if INTERPRET or head_dim <= 128 else min(32, DECODE_CONFIG["tile_n"])
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), tile_n)
+        seen = min(max_seq_len, window) if window else max_seq_len
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, seen, _num_sms(q.device), tile_n)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
@@ -346,7 +358,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, window or NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -367,8 +379,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention for any mix of prefill chunks and decodes: q [T, Hq, D] -> [T, Hq, D]."""
+                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention for any mix of prefill chunks and decodes: q [T, Hq, D] -> [T, Hq, D];
+    `window`: a sliding window's size (a query at p sees keys p - window + 1 .. p)."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -390,7 +403,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, window or NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -405,16 +418,17 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """The `ops.paged_attention` entry: pure-decode steps take the split-K decode kernel, all
-    others the extend kernel. Only tensor shapes and the two host ints max_query_len and
-    max_seq_len are consulted, so the launch is the same on every CUDA-graph replay."""
+    others the extend kernel. Only tensor shapes, the two host ints max_query_len and
+    max_seq_len and the layer's window are consulted, so the launch is the same on every
+    CUDA-graph replay."""
     del k_new, v_new  # the cache already holds this step's K/V
     if meta.max_query_len <= 1 and q.shape[0] == meta.seq_lens.shape[0]:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-                                num_splits=meta.aux.get("num_splits"))
+                                num_splits=meta.aux.get("num_splits"), window=window)
     return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                            meta.max_query_len)
+                            meta.max_query_len, window=window)
 
 
 def attention_bytes(num_seqs: int, ctx: int, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -63,22 +63,35 @@ class PagedCase:
         self.qsl = torch.tensor(qsl, dtype=torch.int32, device=device)
         self.q = (torch.randn((qsl[-1], self.heads, head_dim), generator=g) * 1.5).to(dtype).to(device)
 
-    def reference(self) -> torch.Tensor:
-        """float64 attention from explicitly gathered pages, GQA by head repetition."""
+    def release_before_window(self, window: int) -> None:
+        """Point every table entry of a block wholly before each sequence's sliding window (as
+        seen by its first query row) at the all-NaN block, as if the scheduler had released it:
+        a kernel that reads one shows NaN."""
+        for i, (n, qn) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
+            first = max(0, n - qn - window + 1) // self.bs
+            self.tables[i, :first] = self.poison_block
+
+    def reference(self, window: int | None = None) -> torch.Tensor:
+        """float64 attention from explicitly gathered pages, GQA by head repetition; `window`: a
+        query at p sees keys p - window + 1 .. p (transformers' sliding window)."""
         q = self.q.double().cpu()
         kc, vc, tables = self.k_cache.double().cpu(), self.v_cache.double().cpu(), self.tables.cpu()
         group = self.heads // kc.shape[2]
         out = torch.empty_like(q)
         start = 0
         for i, (n, qn) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
-            pos = torch.arange(n)
+            q_pos = n - qn + torch.arange(qn)
+            lo = max(0, n - qn - window + 1) if window else 0
+            pos = torch.arange(lo, n)
             blocks = tables[i, pos // self.bs].long()
             k = kc[blocks, pos % self.bs].repeat_interleave(group, dim=1)  # [n, H, D]
             v = vc[blocks, pos % self.bs].repeat_interleave(group, dim=1)
             qi = q[start:start + qn]
             s = torch.einsum("thd,khd->htk", qi, k) * self.scale
-            q_pos = n - qn + torch.arange(qn)
-            s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            hidden = pos[None, None, :] > q_pos[None, :, None]
+            if window:
+                hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+            s = s.masked_fill(hidden, float("-inf"))
             out[start:start + qn] = torch.einsum("htk,khd->thd", s.softmax(-1), v)
             start += qn
         return out
