@@ -384,6 +384,10 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            # Blocks behind a sliding window are read by no query from here on: give them back
+            # first. Counted from the computed tokens, not the planned ones, so a block is
+            # released only after its prefix-cache hash is published.
+            self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
@@ -456,7 +460,7 @@ class Scheduler:
                         or first.num_computed_tokens < len(first.prompt_token_ids)):
                     return None
                 full = (len(req.prompt_token_ids) - 1) // self.kv.block_size
-                return self.kv.block_ids(first.request_id)[:full]
+                return self.kv.shareable_prefix(first.request_id, full)
             req.share_prompt_with = None  # sample 0 is gone: fall back to the prefix cache
         # Prompt logprobs need every prompt position computed here: no cached prefix (as vLLM).
         use_cache = self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
