@@ -29,7 +29,9 @@ from rill.shared.broker import EmbeddedBroker, free_port
 from rill.shared.bus import Streams
 from rill.shared.schema import EngineStats
 
-PROGRESS_TIMEOUT_S = 8.0  # well above a step's worst time on a busy 2-core machine
+# Only a second gateway, started for the deadline test, has it: on a busy 2-core machine, 16
+# concurrent first tokens (the drain test) can take longer than a short deadline.
+PROGRESS_TIMEOUT_S = 6.0
 SHUTDOWN_TIMEOUT_S = 10.0
 SHORT, LONG = 3, 800  # tokens: a short stream ends within the shutdown timeout, a long one cannot
 
@@ -41,6 +43,7 @@ class Served:
     prefix: str
     port: int
     log: list[str]
+    model_dir: str
 
     @property
     def url(self) -> str:
@@ -74,7 +77,7 @@ def served(smollm2_dir: str) -> Iterator[Served]:
         [sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--redis-url", broker.url,
          "--prefix", prefix, "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB",
          "--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-         "--no-enable-prefix-caching", "--progress-timeout", str(PROGRESS_TIMEOUT_S),
+         "--no-enable-prefix-caching",
          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # Torch ops only: no native kernel build (minutes when the sources changed) in the way.
@@ -94,7 +97,7 @@ def served(smollm2_dir: str) -> Iterator[Served]:
         # Warm the worker up (its first steps are the slowest).
         for _ in range(2):
             httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=long_request(4), timeout=120)
-        yield Served(proc, broker, prefix, port, log)
+        yield Served(proc, broker, prefix, port, log, smollm2_dir)
     finally:
         if proc.poll() is None:
             for pid in children_of(proc.pid):
@@ -119,14 +122,42 @@ def long_request(max_tokens: int) -> dict:
             "ignore_eos": True}
 
 
-def test_trimmed_replies_end_in_504_and_free_the_blocks(served: Served) -> None:
+@pytest.fixture
+def deadline_gateway(served: Served) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A second gateway on the stack with a short --progress-timeout: (process, its URL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rill.services.cli", "service", "gateway", served.model_dir, "--redis-url",
+         served.broker.url, "--prefix", served.prefix, "--port", str(port), "--max-model-len", "1024",
+         "--replica-name", "gateway-deadline", "--progress-timeout", str(PROGRESS_TIMEOUT_S)],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the second gateway did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_trimmed_replies_end_in_504_and_free_the_blocks(
+        served: Served, deadline_gateway: tuple[subprocess.Popen[bytes], str]) -> None:
+    gateway, url = deadline_gateway[0].pid, deadline_gateway[1]
     start = served.wait_stats(lambda s: s.num_running == 0, 30, "engine not idle")
-    reply = next(m.decode() for m in served.redis.smembers(Streams(served.prefix).gateways_key()))
-    gateway = served.child("gateway")
+    reply = next(m.decode() for m in served.redis.smembers(Streams(served.prefix).gateways_key())
+                 if b"gateway-deadline" in m)
     result: dict[str, object] = {}
 
     def call() -> None:
-        resp = httpx.post(f"{served.url}/v1/completions", json=long_request(800), timeout=60)
+        resp = httpx.post(f"{url}/v1/completions", json=long_request(800), timeout=60)
         result.update(status=resp.status_code, body=resp.json(), at=time.monotonic())
 
     caller = threading.Thread(target=call)
