@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Structured outputs' cost: decode step time (TPOT) at N streams with every row under a JSON
 schema against the same rows unconstrained, measured in the same run on the worker's model
-runner, plus each test schema's compile time.
+runner, plus each test schema's compile time and the per-step mask cost of llguidance (what Rill
+runs) against xgrammar (when installed).
 
 Both runs decode the same number of steps for every row (a row whose grammar completed keeps
 sampling EOS, as the scheduler's plan-ahead can make it), so the batches match; the rows sample
@@ -13,6 +14,7 @@ at temperature 1. Prints the CPU it ran on beside the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -61,6 +63,57 @@ def compile_times(runner: ModelRunner) -> None:
               f"worker cached {1e3 * (t3 - t2):6.2f}")
 
 
+def compare_engines(runner: ModelRunner, rows: int, steps: int) -> None:
+    """Per-step cost of the masks alone for `rows` rows under the test schemas: llguidance (what
+    Rill runs: its fill, then Rill's native apply) against xgrammar (its fill and CPU apply), the
+    rows walked by random allowed tokens. Needs `pip install xgrammar` for the second line."""
+    from rill.services.worker.structured import apply_bitmask
+
+    schemas = list(SCHEMAS.values())
+    vocab = runner.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def walk(fill, apply, accept) -> float:  # noqa: ANN001 - the two engines' own calls
+        logits = torch.randn(rows, vocab, generator=gen)
+        spent = 0.0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mask = fill()
+            x = logits.clone()
+            apply(x, mask)
+            spent += time.perf_counter() - t0
+            accept((x + torch.rand(rows, vocab, generator=gen)).argmax(-1).tolist())
+        return spent / steps
+
+    g = runner.grammars
+    ms = [g.matcher(_from_json(schemas[i % len(schemas)], "s")) for i in range(rows)]
+    llg = walk(lambda: g.bitmask(ms), lambda x, m: apply_bitmask(x, list(range(rows)), m),
+               lambda toks: [m.consume_token(t) if not m.is_stopped() else m.reset() for m, t in zip(ms, toks, strict=True)])
+    line = f"mask fill + apply, {rows} rows, mean of {steps} steps: llguidance {1e3 * llg:.2f} ms"
+    try:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+    except ImportError:
+        print(line + " (xgrammar not installed: no comparison)")
+        return
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(runner.grammars.model_dir), vocab_size=vocab))
+    compiled = [compiler.compile_json_schema(json.dumps(s), any_whitespace=False) for s in schemas]
+    xms = [xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(rows)]
+    bits = xgr.allocate_token_bitmask(rows, vocab)
+
+    def xfill() -> torch.Tensor:
+        for i, m in enumerate(xms):
+            if m.is_terminated():  # finished: only EOS, as llguidance's stopped matchers give
+                m.reset()
+            m.fill_next_token_bitmask(bits, i)
+        return bits
+
+    xg = walk(xfill, lambda x, m: xgr.apply_token_bitmask_inplace(x, m),
+              lambda toks: [m.accept_token(t) for m, t in zip(xms, toks, strict=True) if not m.is_terminated()])
+    print(f"{line}, xgrammar {1e3 * xg:.2f} ms ({xg / llg:.1f}x llguidance's)")
+
+
 def decode(runner: ModelRunner, streams: int, steps: int, grammar: str | None, prompt: list[int]) -> list[float]:
     """Per-step seconds of `steps` decode steps over `streams` rows (after their prefill)."""
     per_req = -(-(len(prompt) + steps + 1) // runner.block_size)
@@ -98,6 +151,7 @@ def main() -> None:
     runner = ModelRunner(model, dtype="auto", device="cpu", num_blocks=per_req * args.streams, block_size=16)
     print(f"model: {Path(model).name} dtype {runner.dtype}; {args.streams} streams x {args.steps} decode steps")
     compile_times(runner)
+    compare_engines(runner, args.streams, 30)
     prompt = list(range(100, 132))
     grammar = _from_json(LONG, "long")
     decode(runner, args.streams, 4, None, prompt)  # warm both paths

@@ -8,10 +8,9 @@ matcher, so matcher state needs no transfer. Grammars come checked by the gatewa
 (services/gateway/structured.py) as llguidance grammar strings; each is compiled once into a
 template matcher (LRU cache) that requests deep-copy (n > 1 samples share it).
 
-llguidance over xgrammar, by measurement on this project's machine (Intel Xeon, 2 cores,
-avx512f avx512_bf16 avx512_vnni, no AMX; scripts/benchmarks.md): mask fill for 32 rows about
-1 ms a step against xgrammar's 7 ms, compile 1.5-2 ms for either, and it needs no torch, so the
-gateway validates grammars with it too.
+llguidance over xgrammar, chosen by measurement (scripts/benchmarks.md, "Structured outputs"):
+its mask fill and apply cost less per step on CPU, and it needs no torch, so the gateway
+validates grammars with it too.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ class Grammars:
             start = time.perf_counter()
             hf = AutoTokenizer.from_pretrained(self.model_dir)
             self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
-            # The first mask ever computed builds the tokenizer's token trie (~2 s at a 49k
-            # vocabulary on this project's 2-core Xeon): pay it here, not in a step.
+            # The first mask computed sets up the tokenizer's tables: here, not in a step.
             first = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_regex("a"), log_level=0)
             first.compute_bitmask()
             log.info("structured outputs ready (llguidance, %d tokens) in %.2f s", self.vocab_size,
@@ -109,13 +107,14 @@ class Grammars:
     def bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
         """[len(matchers), words] int32: bit t of a row is set when its matcher allows token t
         next (only EOS once the grammar is complete)."""
-        import llguidance.torch as lgt
-
         mask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
         # In this thread, one row after another: llguidance's thread pool (LLExecutor) measured
         # ~100x slower per step here, its threads contending with torch's spinning OpenMP ones.
+        # (Not llguidance.torch's helpers: importing them sets up torch.compile, seconds.)
+        row_bytes = self.words * 4
+        base = mask.data_ptr()
         for i, m in enumerate(matchers):
-            lgt.fill_next_token_bitmask(m, mask, i)
+            m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         return mask
 
     @staticmethod
