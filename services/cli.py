@@ -29,6 +29,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
                    help="tokenizer: a Jinja chat template file used instead of the model's")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="gateway: the model's tool-call format (auto: read from its chat template)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -219,10 +221,12 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.app import run
         from rill.services.gateway.auth import api_key_from_env
         from rill.services.gateway.limit_flags import limit_kwargs
+        from rill.services.gateway.tool_calls import pick_parser, template_sources
         run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
             max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
             allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()),
+            tool_call_parser=pick_parser(ns.tool_call_parser, template_sources(model_dir, ns.chat_template)).name,
             **limit_kwargs(ns))
 
 
@@ -246,8 +250,10 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
                         ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
         if value is not None:
             argv += [flag, str(value)]
-    if name == "tokenizer" and ns.chat_template:
+    if name in ("tokenizer", "gateway") and ns.chat_template:  # the gateway reads its tool-call format
         argv += ["--chat-template", ns.chat_template]
+    if name == "gateway":
+        argv += ["--tool-call-parser", ns.tool_call_parser]
     if name == "gateway" and ns.ignore_unknown_fields:
         argv.append("--ignore-unknown-fields")
     if name == "gateway" and ns.allowed_origins:

@@ -7,6 +7,8 @@ Messages sharing a stream are members of a tagged union so a reader decodes them
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from msgspec import Struct
 
@@ -45,9 +47,21 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}:{index}"
 
 
+class ChatToolCall(Struct, omit_defaults=True):
+    """A function call of an earlier assistant turn, as the client sends it back in the history."""
+
+    id: str
+    name: str
+    arguments: str = ""  # JSON text, as OpenAI sends it (the tokenizer parses it for the template)
+    type: str = "function"
+
+
 class ChatMessage(Struct, omit_defaults=True):
     role: str
     content: str
+    name: str | None = None
+    tool_calls: list[ChatToolCall] = []  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True):
@@ -61,6 +75,8 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=True):
@@ -93,6 +109,8 @@ class TokenizeRequest(Struct, tag_field="_t", tag="tokenize", omit_defaults=True
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class DetokenizeRequest(Struct, tag_field="_t", tag="detokenize", omit_defaults=True):

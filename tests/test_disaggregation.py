@@ -715,6 +715,36 @@ def test_disaggregated_greedy_equals_colocated_smollm2(disagg_stack: DisaggStack
     assert not list(ds.stack.redis.scan_iter(match=f"{ds.stack.prefix}:kv:*"))
 
 
+def test_structured_outputs_survive_the_handoff(disagg_stack: DisaggStack) -> None:
+    """The decode engine's worker replays the prefill engine's first token into a fresh grammar
+    matcher: constrained outputs decoded there still validate."""
+    import jsonschema
+
+    ds = disagg_stack
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    sent_before = engine_stats(ds, 0).kv_transfers_sent
+
+    async def run_all() -> list[dict]:
+        async with httpx.AsyncClient(base_url=ds.stack.base_url, timeout=300) as client:
+            async def one(i: int) -> dict:
+                resp = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": f"Describe person number {i} as JSON."}],
+                    "max_tokens": 60, "temperature": 1.0, "seed": i,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+                assert resp.status_code == 200, resp.text
+                return resp.json()
+            return await asyncio.gather(*[one(i) for i in range(6)])
+
+    for resp in asyncio.run(run_all()):
+        choice = resp["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    wait_for(lambda: engine_idle(ds, 0) and engine_idle(ds, 1), "both engines to be idle", 30)
+    assert engine_stats(ds, 0).kv_transfers_sent >= sent_before + 6  # every one decoded on engine 1
+
+
 def test_killing_the_decode_engine_mid_transfer_fails_requests_and_frees_blocks(disagg_stack: DisaggStack) -> None:
     ds = disagg_stack
     stack = ds.stack

@@ -124,7 +124,9 @@ EDGE_CASES: list[tuple[str, bytes, int | None]] = [
     ("/v1/completions", b'{"prompt": "hi", "bad_words": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
     ("/v1/completions", b'{"prompt": "hi", "best_of": 2}', 400),
     ("/v1/completions", b'{"prompt": "hi", "frobnicate": 1}', 400),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "custom"}]}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                             b'"tools": [{"type": "function", "function": {"name": "f"}}]}', 200),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none", '
                              b'"response_format": {"type": "text"}, "max_tokens": 2}', 200),
 ]

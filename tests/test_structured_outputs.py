@@ -292,3 +292,89 @@ def test_native_bitmask_equals_the_torch_path() -> None:
     for i, r in enumerate(rows):
         expect[r][~bits[i]] = float("-inf")
     assert torch.equal(native, expect) and torch.equal(generic.float(), expect)
+
+
+# --------------------------------------------------------------------------- tool calls, forced
+
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                  "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                           "parameters": {"type": "object", "additionalProperties": False,
+                                                          "required": ["city"],
+                                                          "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call: object, name: str | None = None) -> None:
+    fn = call.function  # type: ignore[attr-defined]
+    assert call.type == "function" and call.id.startswith("call_")  # type: ignore[attr-defined]
+    tool = next(t for t in TOOLS if t["function"]["name"] == fn.name)
+    assert name is None or fn.name == name
+    jsonschema.validate(json.loads(fn.arguments), tool["function"]["parameters"])
+
+
+def test_forced_tool_calls_round_trip(client: openai.OpenAI, mid: str) -> None:
+    """tool_choice required and named give calls whose arguments validate; the call and a tool
+    result go back in the history and the model answers in text."""
+    for choice, temp in (("required", 0.0), ("required", 1.0),
+                         ({"type": "function", "function": {"name": "get_weather"}}, 1.0)):
+        r = client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS, tool_choice=choice,
+                                           temperature=temp, seed=7, max_tokens=120)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls, r
+        for call in msg.tool_calls:
+            _check_call(call, None if choice == "required" else "get_weather")
+    history = [*ASK_WEATHER, msg.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    final = client.chat.completions.create(model=mid, messages=history, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=40)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_forced_tool_calls_stream_as_deltas(client: openai.OpenAI, mid: str) -> None:
+    stream = client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=120,
+                                            stream=True)
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            assert not ch.delta.content  # a forced call streams no text
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                c["id"] += d.id or ""
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: one call
+    call = calls[0]
+    tool = next(t for t in TOOLS if t["function"]["name"] == call["name"])
+    jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+    history = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees, clear"}]
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=mid, messages=history, tools=TOOLS, temperature=0, max_tokens=30, stream=True) if c.choices)
+    assert text
+
+
+def test_websocket_tool_call_in_done_frame(stack: ServiceStack) -> None:
+    async def run() -> list[dict]:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat", "id": 1, "messages": ASK_WEATHER, "tools": TOOLS,
+                                      "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                                      "max_tokens": 60, "temperature": 0}))
+            frames = []
+            while not frames or frames[-1]["type"] not in ("done", "error"):
+                frames.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+            return frames
+
+    frames = asyncio.run(run())
+    done = frames[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "tool_calls", done
+    assert not "".join(f.get("text", "") for f in frames if f["type"] == "delta")
+    (call,) = done["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[1]["function"]["parameters"])

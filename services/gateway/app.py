@@ -309,6 +309,7 @@ class Gateway:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # admission.py; 0: no cap
     progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # deadline.py; 0: none
     ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S  # websocket.py; 0: none
+    tool_call_parser: str = "hermes"  # the model's tool-call format (tool_calls.py)
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
@@ -636,13 +637,13 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
                bind_host: str = "0.0.0.0", allowed_origins: frozenset[str] = frozenset(),
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
-               ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S) -> Starlette:
+               ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S, tool_call_parser: str = "hermes") -> Starlette:
     """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open.
     `bind_host` / `allowed_origins`: who may talk to it from a browser (origin.py)."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
                       max_logprobs=max_logprobs, ignore_unknown_fields=ignore_unknown_fields,
                       max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
-                      ws_idle_timeout_s=ws_idle_timeout_s,
+                      ws_idle_timeout_s=ws_idle_timeout_s, tool_call_parser=tool_call_parser,
                       **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
@@ -677,7 +678,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
         ignore_unknown_fields: bool = False, allowed_origins: frozenset[str] = frozenset(),
         server_limits: ServerLimits | None = None, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S, ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S,
-        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, tool_call_parser: str = "hermes") -> None:
     """Serve until SIGTERM/SIGINT, then drain (drain.py). `reuse_port`: bind with SO_REUSEPORT, so
     several gateway replicas listen on the same port and the kernel spreads connections across them."""
     from rill.shared.logs import setup_logging
@@ -690,7 +691,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
                      max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes,
                      ignore_unknown_fields=ignore_unknown_fields, bind_host=host, allowed_origins=allowed_origins,
                      max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
-                     ws_idle_timeout_s=ws_idle_timeout_s)
+                     ws_idle_timeout_s=ws_idle_timeout_s, tool_call_parser=tool_call_parser)
     config = server_config(app, host, port, server_limits or ServerLimits(), ws_max_size=max_request_body_bytes)
     server = DrainingServer(config, lambda: drain(app.state.gateway, shutdown_timeout_s))
     if not reuse_port:

@@ -5,7 +5,7 @@ tokenizer gets of them. Both reach the chat template (services/tokenizer/chat_te
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -47,3 +47,23 @@ def tool_definitions(tools: list[FunctionTool] | None) -> list[dict[str, Any]] |
 
 def chat_tool_calls(calls: list[ToolCall] | None) -> list[ChatToolCall]:
     return [ChatToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in calls or []]
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
+    """tool_choice naming the one function the model must call."""
+
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def tool_choice_name(choice: ToolChoice | None, tools: list[FunctionTool] | None) -> str:
+    """"none", "auto", "required" or the forced function's name; tools default to "auto" (OpenAI)."""
+    if isinstance(choice, NamedToolChoice):
+        return choice.function.name
+    return choice or ("auto" if tools else "none")

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rill.services.gateway import requests
+from rill.services.gateway.chat_tools import tool_definitions
 from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.requests import (
     ChatCompletionRequest,
@@ -36,6 +37,7 @@ from rill.services.gateway.responses import (
     error_from_reply,
     full_response,
 )
+from rill.services.gateway.tool_calls import tool_mode
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
 
 if TYPE_CHECKING:
@@ -151,6 +153,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
     events = aiter(rs)
     handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself
     logprobs = req.params.logprobs is not None
+    tools = tool_mode(body, gw.tool_call_parser)
     try:
         if stream:
             first = await or_disconnect(request.receive, anext(events))
@@ -164,11 +167,11 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
             handed_off = True
             return SSEResponse(gw, rs, events, first,
                                ChunkFormatter(kind, request_id, gw.model_name, include_usage, req.params.n,
-                                              rs.index, logprobs, echo_text, as_ids))
+                                              rs.index, logprobs, echo_text, as_ids, tools))
         out = await or_disconnect(request.receive, _collect(rs, events, as_ids))
         if isinstance(out, _Disconnected):
             return Response(status_code=499)
-        return json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text))
+        return json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text, tools))
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
         if not handed_off and not rs.terminal:
@@ -202,7 +205,8 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None:
         msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream,
                               messages=requests.chat_messages(body.messages),
-                              add_generation_prompt=body.add_generation_prompt is not False)
+                              add_generation_prompt=body.add_generation_prompt is not False,
+                              tools=tool_definitions(body.tools), chat_template_kwargs=body.chat_template_kwargs or {})
     else:
         msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream, prompt=body.prompt,
                               add_special_tokens=body.add_special_tokens is not False)

@@ -32,6 +32,14 @@ from typing import Annotated, Any, ClassVar, TypeVar, get_type_hints
 import msgspec
 from msgspec import Meta, Struct
 
+from rill.services.gateway.chat_tools import (
+    FunctionTool,
+    ToolCall,
+    ToolChoice,
+    chat_tool_calls,
+    tool_choice_name,
+    tool_definitions,
+)
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.fields import Body as _Body
 from rill.services.gateway.fields import NotYet
@@ -49,6 +57,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_REPETITION_PENALTY = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 MAX_WS_ID_LEN = 128
+MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
@@ -66,6 +75,7 @@ LogitBias = Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]]
     extra_json_schema={"propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"}})]
 Priority = Annotated[Int64, Meta(description="Lower runs first under --scheduling-policy priority.")]
 WsId = Annotated[str, Meta(min_length=1, max_length=MAX_WS_ID_LEN)] | Int64
+Tools = Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)]
 
 
 TOOLS = "tool calling is planned"
@@ -108,7 +118,7 @@ Content = str | list[TextPart | ImageURLPart | InputAudioPart | FilePart | Refus
 
 class _Message(_Body, tag_field="role"):
     content: Content | None = None  # null only in assistant turns (that carried tool calls)
-    name: Annotated[Any, NotYet("the chat template gets role and content only")] = None
+    name: str | None = None  # passed to the chat template (few templates read it)
 
 
 class SystemMessage(_Message, tag="system"):
@@ -124,14 +134,14 @@ class UserMessage(_Message, tag="user"):
 
 
 class AssistantMessage(_Message, tag="assistant"):
-    tool_calls: Annotated[Any, NotYet(TOOLS, [])] = None
+    tool_calls: list[ToolCall] | None = None
     function_call: Annotated[Any, NotYet(TOOLS)] = None
     refusal: Annotated[Any, NotYet("no refusal turns in the chat template")] = None
     audio: Annotated[Any, NotYet("text-only models")] = None
 
 
-class ToolMessage(_Message, tag="tool"):
-    tool_call_id: Annotated[Any, NotYet(TOOLS)] = None
+class ToolMessage(_Message, tag="tool", kw_only=True):
+    tool_call_id: str  # required, as in OpenAI
 
 
 Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
@@ -215,13 +225,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     safety_identifier: str | None = None  # metadata
     prompt_cache_key: str | None = None  # metadata
 
-    tools: Annotated[Any, NotYet(TOOLS)] = None
-    tool_choice: Annotated[Any, NotYet(TOOLS, "none")] = None  # "none": no tool is called, as now
-    parallel_tool_calls: Annotated[Any, NotYet(TOOLS)] = None
+    tools: Tools | None = None  # passed to the chat template
+    tool_choice: ToolChoice | None = None  # tool_calls.py: forced through the grammar, or parsed
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Annotated[Any, NotYet(TOOLS)] = None
     function_call: Annotated[Any, NotYet(TOOLS, "none")] = None
     chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
-    chat_template_kwargs: Annotated[Any, NotYet(TEMPLATES)] = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the ones the template reads reach it
     add_generation_prompt: Annotated[Any, NotYet(TEMPLATES, True)] = None
     continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
     documents: Annotated[Any, NotYet(TEMPLATES)] = None
@@ -283,8 +293,8 @@ class TokenizeBody(_Body):
     return_token_strs: Annotated[Any, NotYet("no token strings", False)] = None
     continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
     chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
-    chat_template_kwargs: Annotated[Any, NotYet(TEMPLATES)] = None
-    tools: Annotated[Any, NotYet(TOOLS)] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Tools | None = None
 
 
 class DetokenizeBody(_Body, kw_only=True):
@@ -462,6 +472,17 @@ def _check_sampling(req: GenerateBody, max_logprobs: int) -> None:
         raise _bad("stream_options is only allowed when stream is true.", "stream_options")
 
 
+def _check_tools(req: ChatCompletionRequest) -> None:
+    if not req.tools:  # as OpenAI: a choice among no tools is a mistake ("none" asks for nothing)
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, name) not in (None, "none"):
+                raise _bad(f"{name} is only allowed when tools are given.", name)
+        return
+    choice = tool_choice_name(req.tool_choice, req.tools)
+    if choice not in ("none", "auto", "required") and all(t.function.name != choice for t in req.tools):
+        raise _bad(f"tool_choice names {choice!r}, which is not among the tools.", "tool_choice")
+
+
 def _check_frame(req: GenerateBody) -> None:
     # Frames always stream, with usage in the done frame; these would change the text sent.
     for name in ("echo", "return_tokens_as_token_ids"):
@@ -479,6 +500,9 @@ def _check_tokenize(req: TokenizeBody) -> None:
                    "add_special_tokens")
     if req.prompt is not None and req.add_generation_prompt is not None:
         raise _bad("add_generation_prompt applies to messages only.", "add_generation_prompt")
+    for name in ("tools", "chat_template_kwargs"):  # they reach the chat template, which text skips
+        if req.prompt is not None and getattr(req, name) is not None:
+            raise _bad(f"{name} applies to messages only.", name)
 
 
 def check(req: Struct, gate: Admission) -> None:
@@ -487,6 +511,7 @@ def check(req: Struct, gate: Admission) -> None:
     _refuse_not_yet(req, "")
     if isinstance(req, ChatCompletionRequest):
         _check_messages(req.messages)
+        _check_tools(req)
     elif isinstance(req, CompletionRequest):
         _check_prompt(req.prompt)
     elif isinstance(req, TokenizeBody):
@@ -520,7 +545,9 @@ def _text(content: Content | None) -> str:
 
 
 def chat_messages(messages: list[Message]) -> list[ChatMessage]:
-    return [ChatMessage(role=m.__struct_config__.tag, content=_text(m.content)) for m in messages]
+    return [ChatMessage(role=m.__struct_config__.tag, content=_text(m.content), name=m.name,
+                        tool_calls=chat_tool_calls(getattr(m, "tool_calls", None)),
+                        tool_call_id=getattr(m, "tool_call_id", None)) for m in messages]
 
 
 def prompt_of(prompt: str | list[Any]) -> str | list[int]:
@@ -558,4 +585,6 @@ def generate_request(req: GenerateBody, request_id: str, reply_to: str) -> Gener
     return GenerateRequest(request_id=request_id, reply_to=reply_to, kind=kind_of(req),
                            params=sampling_params(req), arrival_time=time.time(),
                            messages=chat_messages(req.messages) if chat else None,
-                           prompt=None if chat else prompt_of(req.prompt), priority=req.priority or 0)
+                           prompt=None if chat else prompt_of(req.prompt), priority=req.priority or 0,
+                           tools=tool_definitions(req.tools) if chat else None,
+                           chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {})

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from rill.services.gateway.errors import APIError
+from rill.services.gateway.tool_calls import ToolMode, ToolStream
 from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
 
 GENERATION_FAILED = "The request failed during generation."
@@ -143,14 +144,26 @@ def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset
 # Non-streamed responses
 
 
+def chat_message(text: str, finish_reason: str | None, tools: ToolMode | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished chat choice, and its finish reason ("tool_calls"
+    when the text became calls)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = tools.message(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
 def full_response(kind: str, request_id: str, model: str, out: Output, logprobs: bool,
-                  echo: str = "") -> dict[str, Any]:
+                  echo: str = "", tools: ToolMode | None = None) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for i, c in enumerate(out.choices):
         if kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+            message, finish = chat_message(c.text, c.finish_reason, tools)
+            choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish})
         else:
             lp = None
             if logprobs:
@@ -180,7 +193,7 @@ class ChunkFormatter:
 
     def __init__(self, kind: str, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
-                 echo: str = "", tokens_as_ids: bool = False) -> None:
+                 echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
@@ -193,6 +206,8 @@ class ChunkFormatter:
         self.text_offsets = [len(echo)] * n  # completions logprobs: where the next token's text starts
         self.prompt_sent = [False] * n
         self.failed = False
+        # Chat with tools: each choice's text passes through its ToolStream (tool_calls.py).
+        self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None and kind == "chat" else None
 
     @property
     def object(self) -> str:
@@ -241,9 +256,33 @@ class ChunkFormatter:
             if ev.finish_reason == "error":
                 out.append(sse(APIError(GENERATION_FAILED, 500).body()))
                 self.failed = True
+            elif self.tools is not None:
+                out.append(self._tool_chunks(i, ev))
             elif ev.text or ev.finish_reason is not None or (self.logprobs and ev.logprobs):
                 out.append(self._chunk([self._choice(i, ev.text, ev.logprobs, ev.finish_reason)]))
         return b"".join(out)
+
+    def _tool_chunks(self, i: int, ev: TextDelta) -> bytes:
+        """A chat delta of a request with tools: content that cannot be a call streams now; at the
+        finish, the held text becomes tool-call deltas (or content, if it was none)."""
+        assert self.tools is not None
+        stream = self.tools[i]
+        text = stream.feed(ev.text)
+        finish = ev.finish_reason
+        chunks: list[bytes] = []
+        calls: list[dict[str, Any]] = []
+        if finish is not None:
+            tail, calls = stream.finish()
+            text += tail
+        if text or (self.logprobs and ev.logprobs):
+            chunks.append(self._chunk([self._choice(i, text, ev.logprobs, None)]))
+        if calls:
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            finish = "tool_calls"
+        if finish is not None:
+            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+        return b"".join(chunks)
 
     def end(self) -> bytes:
         tail = b""

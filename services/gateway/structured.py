@@ -120,11 +120,25 @@ def _requested(req: Any) -> list[tuple[str, str]]:
             raise _bad("structured_outputs takes exactly one of json, regex, choice, grammar and json_object.",
                        "structured_outputs")
         out.append(_one(f"structured_outputs.{kinds[0][0]}", kinds[0][0], kinds[0][1]))
+    forced = _forced_calls(req)
+    if forced is not None:
+        out.append(("tool_choice", _from_json(forced, "tool_choice")))
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         value = getattr(req, name, None)
         if value is not None:
             out.append(_one(name, name.removeprefix("guided_"), value))
     return out
+
+
+def _forced_calls(req: Any) -> dict[str, Any] | None:
+    """tool_choice "required" or a named function: the schema of the calls (tool_calls.py)."""
+    from rill.services.gateway.chat_tools import tool_choice_name
+    from rill.services.gateway.tool_calls import forced_schema
+
+    tools = getattr(req, "tools", None)
+    if not tools:
+        return None
+    return forced_schema(tools, tool_choice_name(req.tool_choice, tools), req.parallel_tool_calls is not False)
 
 
 def _one(param: str, kind: str, value: Any) -> tuple[str, str]:

@@ -6,7 +6,8 @@ Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
 (chat and completion frames are the HTTP bodies plus `type` and `id`, checked by the same
 schema, requests.py; `echo` and `return_tokens_as_token_ids` are refused here)
 Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..]}
-                {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..}}
+                {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..},
+                 "tool_calls"?: [..], "tool_calls_by_index"?: [[..], ..]}
 
 Sampling fields are the chat/completions ones; `logprobs` (true, with `top_logprobs`) adds the
 chat-shaped logprobs of a delta's tokens; with `n` > 1 each delta names its sample's `index`
@@ -34,6 +35,7 @@ from rill.services.gateway import requests
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.requests import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
+from rill.services.gateway.tool_calls import ToolStream, tool_mode
 from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
@@ -54,6 +56,9 @@ class _Entry:
     stream: RequestStream
     output: Output = field(default_factory=Output)
     task: asyncio.Task[None] | None = None
+    # Chat with tools: each choice's text passes through a ToolStream; the calls go in the done frame.
+    tools: list[ToolStream] | None = None
+    calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def _id_error() -> APIError:
@@ -109,11 +114,16 @@ class Connection:
 
     def _done_frame(self, entry: _Entry, finish_reason: str | None = None) -> dict[str, Any]:
         choices = entry.output.choices
-        frame: dict[str, Any] = {"id": entry.client_id, "type": "done",
-                                 "finish_reason": finish_reason or choices[0].finish_reason,
+        reasons = [finish_reason or ("tool_calls" if i in entry.calls else c.finish_reason)
+                   for i, c in enumerate(choices)]
+        frame: dict[str, Any] = {"id": entry.client_id, "type": "done", "finish_reason": reasons[0],
                                  "usage": entry.output.usage()}
         if len(choices) > 1:
-            frame["finish_reasons"] = [finish_reason or c.finish_reason for c in choices]
+            frame["finish_reasons"] = reasons
+        if entry.calls and finish_reason is None:  # OpenAI's tool_calls, of choice 0 (all: by index)
+            frame["tool_calls"] = entry.calls.get(0, [])
+            if len(choices) > 1:
+                frame["tool_calls_by_index"] = [entry.calls.get(i, []) for i in range(len(choices))]
         return frame
 
     # -- reading ---------------------------------------------------------------------------
@@ -185,6 +195,9 @@ class Connection:
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n))
+            mode = tool_mode(body, self.gw.tool_call_parser)
+            if mode is not None:
+                entry.tools = [ToolStream(mode) for _ in range(stream.n)]
         except APIError as err:
             await self._send(_error_frame(cid, err))
             return
@@ -214,8 +227,16 @@ class Connection:
                     i = stream.index(ev)
                     out.add(ev, i)
                     parts, lps = pending.setdefault(i, ([], []))
-                    if ev.text:
-                        parts.append(ev.text)
+                    text = ev.text
+                    if entry.tools is not None:
+                        text = entry.tools[i].feed(text)
+                        if ev.finish_reason is not None:
+                            tail, calls = entry.tools[i].finish()
+                            text += tail
+                            if calls:
+                                entry.calls[i] = calls
+                    if text:
+                        parts.append(text)
                     lps.extend(ev.logprobs)
                     if ev.finish_reason == "error":
                         await self._flush(entry, pending)

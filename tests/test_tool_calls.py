@@ -1,0 +1,120 @@
+"""Tool calls out of model text: the hermes and llama3_json parsers, the forced-call schemas and
+the streaming hold-back, without a model (the end-to-end runs are in test_structured_outputs.py)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import msgspec
+import pytest
+
+from rill.services.gateway.chat_tools import FunctionTool
+from rill.services.gateway.requests import ChatCompletionRequest
+from rill.services.gateway.tool_calls import (
+    Hermes,
+    Llama3Json,
+    ToolMode,
+    ToolStream,
+    forced_schema,
+    pick_parser,
+)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = msgspec.convert([WEATHER, TIME], list[FunctionTool])
+
+
+def args(call: dict) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+def test_hermes_parses_calls_and_keeps_leading_content() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = Hermes().parse(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert args(calls[0]) == {"city": "Oslo"} and calls[0]["id"] != calls[1]["id"]
+
+
+@pytest.mark.parametrize("text", ["no call here", "<tool_call>{not json}</tool_call>",
+                                  '<tool_call>{"arguments": {}}</tool_call>'])
+def test_hermes_leaves_what_does_not_parse_as_content(text: str) -> None:
+    assert Hermes().parse(text) == (text, [])
+
+
+def test_llama3_json_parses_semicolon_separated_calls() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}'
+    content, calls = Llama3Json().parse(text)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert args(calls[0]) == {"city": "Rome"}
+    assert Llama3Json().parse("The weather is fine.") == ("The weather is fine.", [])
+
+
+def test_parser_follows_the_chat_template() -> None:
+    assert pick_parser("auto", ["{% if tools %}<tool_call>{% endif %}"]).name == "hermes"
+    assert pick_parser("auto", ["<|start_header_id|>ipython<|end_header_id|>"]).name == "llama3_json"
+    assert pick_parser("auto", []).name == "hermes"
+    assert pick_parser("llama3_json", ["<tool_call>"]).name == "llama3_json"
+
+
+def test_forced_schemas_accept_exactly_the_offered_calls() -> None:
+    required = forced_schema(TOOLS, "required", parallel=True)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
+                         {"name": "get_time", "parameters": {}}], required)
+    for bad in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_weather", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    one = forced_schema(TOOLS, "required", parallel=False)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, one)
+    assert forced_schema(TOOLS, "get_weather", True) == WEATHER["function"]["parameters"]
+    assert forced_schema(TOOLS, "auto", True) is None
+
+
+def test_stream_holds_back_a_possible_call_and_releases_plain_text() -> None:
+    s = ToolStream(ToolMode("auto", Hermes()))
+    assert s.feed("Sure, ") == "Sure, "
+    assert s.feed("<tool") == ""  # may be a marker starting
+    assert s.feed("_call>") == ""
+    s.feed('{"name": "get_time", "arguments": {}}</tool_call>')
+    tail, calls = s.finish()
+    assert tail == "" and calls[0]["function"]["name"] == "get_time"
+    plain = ToolStream(ToolMode("auto", Hermes()))
+    assert plain.feed("a <tool") == "a "
+    assert plain.feed("box> is fine") == "<toolbox> is fine"
+    assert plain.finish() == ("", [])
+
+
+def test_forced_modes_turn_json_into_calls() -> None:
+    content, calls = ToolMode("required", Hermes()).message('[{"name": "get_weather", "parameters": {"city": "X"}}]')
+    assert content is None and calls[0]["function"]["name"] == "get_weather" and args(calls[0]) == {"city": "X"}
+    content, calls = ToolMode("get_weather", Hermes()).message('{"city": "Y"}')
+    assert calls[0]["function"]["name"] == "get_weather" and args(calls[0]) == {"city": "Y"}
+    assert ToolMode("auto", Hermes(), parallel=False).message(
+        "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\"}</tool_call>"
+    )[1][0]["function"]["name"] == "a"
+
+
+def test_tool_choice_rules() -> None:
+    from rill.services.gateway.errors import APIError
+    from rill.services.gateway.requests import Admission, parse
+
+    def body(**kw: object) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+    gate = Admission("m")
+    parse(body(tools=[WEATHER], tool_choice="required"), ChatCompletionRequest, gate)
+    parse(body(tool_choice="none"), ChatCompletionRequest, gate)
+    for kw, param in ((dict(tool_choice="required"), "tool_choice"), (dict(tool_choice="auto"), "tool_choice"),
+                      (dict(parallel_tool_calls=False), "parallel_tool_calls"),
+                      (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+                       "tool_choice"),
+                      (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                       "tool_choice")):
+        with pytest.raises(APIError) as err:
+            parse(body(**kw), ChatCompletionRequest, gate)
+        assert err.value.param == param, err.value
