@@ -265,6 +265,9 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     dtype: str
     device: str
     quantization: str = "none"  # of the linear layers ("int8": W8A8); the KV cache stays in `dtype`
+    # Every layer's sliding window when all of them slide (0: some layer sees the whole context):
+    # the scheduler then releases the KV blocks behind it (kv_cache_manager.py).
+    sliding_window: int = 0
 
 
 class TokenLogprobs(Struct, array_like=True):

@@ -112,7 +112,8 @@ class SchedulerService:
                             max_model_len=max_model_len,
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
                             policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
-            KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching))
+            KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching,
+                           sliding_window=ready.sliding_window or None))
         self.disagg.configure(ready)
         log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
                  "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s)", self.e, self.args.role,
