@@ -52,6 +52,10 @@ log = logging.getLogger("rill.gateway.requests")
 INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_STOP = 16
+# A request's stop strings ride with each of its rows to the detokenizer every step (any replica
+# may decode any row); these bounds keep that, and the worker's min_tokens bans, small.
+MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 128
 MAX_N = 128  # OpenAI's bound on parallel samples
 MAX_LOGIT_BIAS = 1024
 MAX_REPETITION_PENALTY = 100.0
@@ -64,6 +68,7 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 Text = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Logprobs = Annotated[int, Meta(ge=0, description="At most the server's --max-logprobs.")]
 MaxTokens = Annotated[int, Meta(ge=1, le=INT64_MAX, description="Most tokens to generate; the prompt plus "
@@ -172,8 +177,8 @@ class _Sampling(_Body):
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: LogitBias | None = None
     seed: Int64 | None = None
-    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX, description="At most max_tokens.")] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None

@@ -82,6 +82,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
     detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)
+    worker_params: SamplingParams | None = None  # params without what only detokenizers read
+
+    def __post_init__(self) -> None:
+        if self.worker_params is None:
+            self.worker_params = msgspec.structs.replace(self.params, stop=[]) if self.params.stop else self.params
 
     @property
     def num_tokens(self) -> int:
@@ -478,7 +483,7 @@ class Scheduler:
             blocks = self.kv.block_ids(req.request_id)
             if not req.known_to_worker:
                 new_reqs.append(NewRequestData(
-                    request_id=req.request_id, token_ids=req.all_token_ids, params=req.params,
+                    request_id=req.request_id, token_ids=req.all_token_ids, params=req.worker_params,
                     block_ids=list(blocks), num_computed_tokens=req.num_computed_tokens,
                     num_output_tokens=len(req.output_token_ids)))
                 req.known_to_worker = True
