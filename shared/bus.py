@@ -250,9 +250,11 @@ class Bus:
         out: list[Entry] = []
         for _stream, items in reply or ():
             for entry_id, fields in items:
-                # Deleted entries come back as (id, nil); fields are [b"m", payload].
-                if fields and len(fields) >= 2 and fields[0] == FIELD:
-                    out.append((entry_id, fields[1]))
+                # Fields are [b"m", payload]. A deleted entry (id, nil) or one without that field
+                # comes back with an empty payload, which no decoder accepts: its reader drops it
+                # and moves past it (skipping it here would leave a cursor stuck before it).
+                ok = fields and len(fields) >= 2 and fields[0] == FIELD
+                out.append((entry_id, fields[1] if ok else b""))
         return out
 
     def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:

@@ -512,9 +512,11 @@ def test_worker_death_fails_requests_then_recovers(stack: Stack) -> None:
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
 
 
-def test_garbage_on_the_result_stream_loses_nothing(stack: Stack) -> None:
-    """Undecodable entries on the worker -> scheduler stream while requests stream: the scheduler
-    drops them, makes the worker start over and recomputes; every request completes in full."""
+def test_garbage_on_every_stream_loses_nothing(stack: Stack) -> None:
+    """Undecodable, mistyped and wrong-field entries on every stream (requests, engine input, plan,
+    result, detok, the gateway's replies) while requests stream: each service drops them (the
+    scheduler also makes the worker start over and recomputes); every request completes in full
+    and every service stays up."""
     async def load() -> list[Outcome]:
         outcomes = [Outcome() for _ in range(4)]
         async with client_for(stack) as client:
@@ -523,8 +525,13 @@ def test_garbage_on_the_result_stream_loses_nothing(stack: Stack) -> None:
                                                       on_chunk=lambda o, i=i: outcomes.__setitem__(i, o))
             tasks = [asyncio.create_task(one(i)) for i in range(len(outcomes))]
             await started(outcomes, len(outcomes))
-            for junk in (b"\xc1 not msgpack", b"", b"\x92\x01"):
-                stack.redis.xadd(stack.streams.result(0), {b"m": junk})
+            st = stack.streams
+            replies = [k.decode() for k in stack.redis.scan_iter(match=f"{stack.prefix}:reply:*")]
+            streams = [st.requests, st.engine_in(0), st.plan(0), st.result(0), st.detok, *replies]
+            for junk in ({b"m": b"\xc1 not msgpack"}, {b"m": b""}, {b"m": b"\x92\x01"},
+                         {b"m": b"\x81\xa2_t\xa5nope!"}, {b"other": b"1"}):
+                for name in streams:
+                    stack.redis.xadd(name, junk)
                 await asyncio.sleep(0.3)
             await asyncio.wait_for(asyncio.gather(*tasks), 120)
         return outcomes
