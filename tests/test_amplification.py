@@ -13,7 +13,7 @@ import httpx
 import pytest
 from service_stack import ServiceStack, fast_flags, standard_stack
 
-from rill.services.gateway.requests import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS
+from rill.services.gateway.requests import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, MAX_TOKEN_CHARS
 from rill.shared.broker import free_port
 
 ENTRY_BOUND = 1 << 20  # bytes: the largest entry any stream may hold during the run
@@ -45,6 +45,9 @@ def largest_entry(stack: ServiceStack) -> tuple[int, str]:
     ("stop", "y" * (MAX_STOP_LEN + 1), "stop"),
     ("stop", ["z"] * (MAX_STOP + 1), "stop"),
     ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    # Prompts that cannot fit the context (2,048 tokens here), refused before tokenizing.
+    ("prompt", "a" * (2048 * MAX_TOKEN_CHARS + 1), "prompt"),
+    ("prompt", [5] * 2049, "prompt"),
 ])
 def test_oversized_parameters_are_refused(stack: ServiceStack, field: str, value: object, param: str) -> None:
     r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value},

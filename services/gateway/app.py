@@ -331,7 +331,7 @@ class Gateway:
     @property
     def admission(self) -> Admission:
         """The settings request validation depends on (requests.py)."""
-        return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields)
+        return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields, self.max_model_len)
 
     @property
     def reply_stream(self) -> str:

@@ -56,6 +56,7 @@ MAX_STOP = 16
 # may decode any row); these bounds keep that, and the worker's min_tokens bans, small.
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 128
+MAX_TOKEN_CHARS = 256  # longer than any vocabulary's longest token (SmolLM2's: 81 characters)
 MAX_N = 128  # OpenAI's bound on parallel samples
 MAX_LOGIT_BIAS = 1024
 MAX_REPETITION_PENALTY = 100.0
@@ -324,6 +325,7 @@ class Admission:
     model_name: str
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     ignore_unknown_fields: bool = False
+    max_model_len: int = 0  # 0: unknown (no size check before tokenizing)
 
 
 _ERROR = re.compile(r"(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
@@ -488,6 +490,25 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         raise _bad(f"tool_choice names {choice!r}, which is not among the tools.", "tool_choice")
 
 
+def _check_size(req: GenerateBody, max_model_len: int) -> None:
+    """Prompts that cannot fit the context whatever their tokens, refused before a tokenizer
+    spends time on them: more ids than the context, or more characters than MAX_TOKEN_CHARS
+    per token of it (no tokenizer's token is that long; the tokenizer checks the rest exactly)."""
+    if max_model_len <= 0:
+        return
+    if isinstance(req, CompletionRequest):
+        prompt = prompt_of(req.prompt)
+        size, param = len(prompt), "prompt"
+        unit, limit = ("token ids", max_model_len) if isinstance(prompt, list) else \
+            ("characters", max_model_len * MAX_TOKEN_CHARS)
+    else:
+        size, param = sum(len(_text(m.content)) for m in req.messages), "messages"
+        unit, limit = "characters", max_model_len * MAX_TOKEN_CHARS
+    if size > limit:
+        raise _bad(f"This model's maximum context length is {max_model_len} tokens; the {param} "
+                   f"({size} {unit}) cannot fit in it.", param)
+
+
 def _check_frame(req: GenerateBody) -> None:
     # Frames always stream, with usage in the done frame; these would change the text sent.
     for name in ("echo", "return_tokens_as_token_ids"):
@@ -525,6 +546,7 @@ def check(req: Struct, gate: Admission) -> None:
             _check_messages(req.messages)
     if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
         _check_sampling(req, gate.max_logprobs)
+        _check_size(req, gate.max_model_len)
         check_structured(req)
     if isinstance(req, (ChatFrame, CompletionFrame)):
         _check_frame(req)
