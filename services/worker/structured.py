@@ -73,12 +73,17 @@ class Grammars:
     def _build_tokenizer(self) -> None:
         if self._tokenizer is None:
             import llguidance
-            import llguidance.hf
-            from transformers import AutoTokenizer
+
+            from rill.shared.tokenizer_files import load_tokenizer
 
             start = time.perf_counter()
-            hf = AutoTokenizer.from_pretrained(self.model_dir)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+            model_tok = load_tokenizer(self.model_dir)  # the replicas' loader: the same ids
+            backend = model_tok.tokenizer
+            backend.no_padding()
+            backend.no_truncation()
+            # Every id that ends the model's output counts as EOS for the grammar too.
+            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                     eos_token=model_tok.eos_token_ids)
             # The first mask computed sets up the tokenizer's tables: here, not in a step.
             first = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_regex("a"), log_level=0)
             first.compute_bitmask()
