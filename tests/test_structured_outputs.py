@@ -136,7 +136,7 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, mid: str) -
         c = client.completions.create(model=mid, prompt="A product code:", max_tokens=30, temperature=temp, seed=5,
                                       extra_body={"structured_outputs": {"regex": regex}})
         assert re.fullmatch(regex, c.choices[0].text) and c.choices[0].finish_reason == "stop"
-    choices = ["Paris", "London", "Rome", "Madrid (Spain)"]
+    choices = ["Paris", "London", "Rome", "Madrid (Spain)", *(f"city-{i}" for i in range(3000))]
     r = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Capital of Italy?"}],
                                        temperature=1.0, max_tokens=20, n=3, seed=1,
                                        extra_body={"guided_choice": choices})

@@ -84,8 +84,10 @@ def _from_json(schema: str | dict[str, Any], param: str) -> str:
 def _from_choice(choices: list[str]) -> str:
     from llguidance import LLMatcher
 
-    # Lark string literals take JSON's escapes.
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    # One terminal (a single lexer regex), not a rule per choice: thousands of choices stay one
+    # lexeme instead of overflowing the parser's rows. Lark string literals take JSON's escapes.
+    return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " +
+                                       " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
 
 
 def _from_grammar(text: str) -> str:
