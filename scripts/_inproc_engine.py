@@ -42,7 +42,8 @@ class Engine:
         self.runner = runner
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                                max_model_len=runner.max_model_len),
-                               KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching))
+                               KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching,
+                                              sliding_window=runner.model.sliding_window))
         self.timeline = Timeline()
 
     def submit(self, rid: str, ids: list[int], max_tokens: int) -> None:

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 from rill.shared.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3")  # what llama.inv_frequencies implements
@@ -36,6 +34,10 @@ class Family:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     window_key: str | None = None  # config key of a sliding-window size
     window_switch: str | None = None  # config key that turns the window on (else it is on when set)
+    # Which layers slide, as transformers decides: "all" (Mistral ignores layer_types), "types"
+    # (config.layer_types, else every `sliding_window_pattern`-th layer is global: Gemma 3),
+    # "upper" (config.layer_types, else layers from max_window_layers on: Qwen2/3).
+    window_layers: str = "all"
     # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden); attention and MLP
     # outputs are normed before their residual add (post_attention_layernorm is that norm, and
     # pre_feedforward_layernorm the MLP's input norm).
@@ -59,12 +61,12 @@ FAMILIES = (
     Family("mistral", ("MistralForCausalLM",), ("mistral",), window_key="sliding_window"),
     # q/k/v biases: optional tensors, as for every family.
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), window_key="sliding_window",
-           window_switch="use_sliding_window"),
+           window_switch="use_sliding_window", window_layers="upper"),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_key="sliding_window",
-           window_switch="use_sliding_window"),
+           window_switch="use_sliding_window", window_layers="upper"),
     # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
-           gemma=True),
+           gemma=True, window_layers="types"),
 )
 _BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -86,8 +88,31 @@ def family_of(cfg: dict[str, Any]) -> Family:
     return _BY_TYPE[model_type]
 
 
+def layer_windows(cfg: dict[str, Any], fam: Family) -> list[int | None]:
+    """Each layer's sliding window (a query at p sees keys p - window + 1 .. p), None for a
+    full-attention layer, assigned as transformers assigns them for the family."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get(fam.window_key) if fam.window_key else None
+    if window is None or (fam.window_switch is not None and not cfg.get(fam.window_switch)):
+        return [None] * n
+    types = cfg.get("layer_types")
+    if fam.window_layers == "all" or (not types and fam.window_layers not in ("types", "upper")):
+        return [int(window)] * n
+    if not types and fam.window_layers == "types":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    elif not types:  # "upper"
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModel(f"{fam.name}: layer_types names {len(types)} layers, the model has {n}")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
 def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Family:
-    """The family, after refusing every config value its forward would get wrong."""
+    """The family, after refusing every config value its forward would get wrong.
+    (`max_model_len` no longer matters: sliding windows are served at any context.)"""
+    del max_model_len
     fam = family_of(cfg)
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if act not in ACTIVATIONS:
@@ -100,13 +125,10 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
     if kind not in ROPE_TYPES:
         raise UnsupportedModel(f"{fam.name}: RoPE scaling type {kind!r} is not supported "
                                f"(supported: {', '.join(ROPE_TYPES)})")
-    window = cfg.get(fam.window_key) if fam.window_key else None
-    uses_window = window is not None and (fam.window_switch is None or bool(cfg.get(fam.window_switch)))
-    context = max_model_len or parsed.max_position_embeddings
-    if uses_window and window < context:
-        # Every position then sees its whole context, which is what a window that long means.
-        raise UnsupportedModel(f"{fam.name}: sliding-window attention ({fam.window_key}={window}) is not supported "
-                               f"yet; serve with --max-model-len {window} or less")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModel(f"{fam.name}: bidirectional attention (an embedding model) is not supported")
+    if any(w is not None and w < 1 for w in layer_windows(cfg, fam)):
+        raise UnsupportedModel(f"{fam.name}: sliding window {cfg.get(fam.window_key)} must be at least 1")
     if parsed.head_dim % 2:
         raise UnsupportedModel(f"{fam.name}: head_dim {parsed.head_dim} is odd; RoPE needs pairs")
     return fam
@@ -145,11 +167,14 @@ def check_tensors(names: set[str], cfg: dict[str, Any], fam: Family) -> None:
 
 
 def tensor_names(model_dir: Path) -> set[str]:
-    """Every tensor name in a folder's safetensors files (headers only)."""
+    """Every tensor name in a folder's safetensors files, from their headers (an 8-byte length,
+    then JSON): safetensors' own reader would import torch into every process that only checks
+    a checkpoint, tokenizer and detokenizer replicas included."""
     names: set[str] = set()
     for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        names.update(k for k in header if k != "__metadata__")
     return names
 
 
@@ -166,11 +191,12 @@ def supported_table() -> str:
     """The supported families as a Markdown table (for the README)."""
     rows = ["| family | architectures | differences over Llama |", "|---|---|---|"]
     notes = {"llama": "RoPE default, linear, llama3; optional biases; tied or separate LM head",
-             "mistral": "as Llama; a sliding window only up to --max-model-len (window kernels not yet)",
+             "mistral": "as Llama; sliding-window attention, KV blocks behind the window released",
              "qwen2": "q/k/v biases; sliding window as Mistral",
              "qwen3": "RMSNorm per head on q and k before RoPE",
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
-                       "query_pre_attn_scalar, local RoPE base; sliding layers only up to --max-model-len"}
+                       "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
+                       "global ones"}
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
     return "\n".join(rows)

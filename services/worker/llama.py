@@ -80,6 +80,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
     mlp_out_norm: torch.Tensor | None = None
     local_rope: bool = False  # a sliding-attention layer: its own RoPE table (Gemma 3)
+    window: int | None = None  # sliding-window size: a query at p sees keys p - window + 1 .. p
 
 
 @dataclass
@@ -102,13 +103,14 @@ class LayerTensors:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     local_rope: bool = False
+    window: int | None = None
 
     def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
         return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
                             o=linear(self.o, self.o_bias), post_norm=self.post_norm,
                             gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias),
                             q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
-                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope)
+                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window)
 
 
 class _Checkpoint:
@@ -191,6 +193,7 @@ class LlamaModel:
         cfg = ModelConfig.from_dict(raw)
         ckpt = _Checkpoint(model_dir)
         families.check_tensors(ckpt.names(), raw, family)
+        windows = families.layer_windows(raw, family)
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
@@ -222,7 +225,7 @@ class LlamaModel:
                 attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
                 local_rope=cfg.rope_theta_local is not None and i < len(cfg.layer_types)
-                and cfg.layer_types[i] == "sliding_attention")
+                and cfg.layer_types[i] == "sliding_attention", window=windows[i])
 
         tensors = [read_layer(i) for i in range(cfg.num_hidden_layers)]
         embed = put(ckpt.get("model.embed_tokens.weight"))
@@ -241,6 +244,13 @@ class LlamaModel:
                   for _ in range(cfg.num_hidden_layers)]
         return cls(cfg, embed, layers, norm, lm_head, max_positions or cfg.max_position_embeddings, quantization,
                    tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer slides (the KV behind the longest one is never read again,
+        so its blocks can be released); None when any layer attends to the whole context."""
+        windows = [layer.window for layer in self.layers]
+        return None if not windows or None in windows else max(windows)  # type: ignore[type-var]
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cfg
@@ -289,7 +299,7 @@ class LlamaModel:
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
                                          self.cos_sin_local if layer.local_rope else self.cos_sin,
                                          k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window)
             h = layer.o(attn.reshape(t, self.q_size))
             if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
                 h = ops.rms_norm(h, layer.attn_out_norm, eps)

@@ -90,7 +90,8 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     result_maxlen = MAXLEN["result"]
     ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
                         block_size=runner.block_size, max_model_len=runner.max_model_len,
-                        dtype=runner.dtype, device=runner.device, quantization=runner.quantization)
+                        dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
+                        sliding_window=runner.model.sliding_window or 0)
     # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
     transfers = KVTransferExecutor(runner, [RedisKVTransport(bus.r, bus.streams)])
     heartbeat: Heartbeat | None = None
