@@ -35,6 +35,9 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
 CASES = {
     # Qwen2: q/k/v biases (and no o bias), its RoPE base.
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(rope_theta=1e6)),
+    # Qwen2.5 long-context configs: YaRN (interpolated low frequencies, attention temperature).
+    "qwen2-yarn": (Qwen2ForCausalLM, Qwen2Config, dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64))),
     # Qwen3: per-head q/k RMSNorm, a head_dim that is not hidden / heads.
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, attention_bias=False)),
     # Mistral without a window (v0.2 onwards); a window as long as the context changes nothing.
@@ -90,9 +93,9 @@ REFUSALS = [
      "tensor model.layers.0.mlp.gate.weight would be left unused"),
     ("missing tensor", lambda p: _edit_tensors(p, drop="model.layers.1.self_attn.k_proj.weight"),
      "lacks model.layers.1.self_attn.k_proj.weight"),
-    ("yarn rope", lambda p: _edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                           "original_max_position_embeddings": 64}),
-     "RoPE scaling type 'yarn' is not supported"),
+    ("longrope", lambda p: _edit_config(p, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                          "long_factor": [2.0] * 8}),
+     "RoPE scaling type 'longrope' is not supported"),
     ("activation", lambda p: _edit_config(p, hidden_act="gelu"), "activation 'gelu' is not supported"),
     ("bidirectional", lambda p: _edit_config(p, use_bidirectional_attention=True),
      "bidirectional attention (an embedding model) is not supported"),

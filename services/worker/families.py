@@ -18,7 +18,7 @@ from typing import Any
 
 from rill.shared.config import ModelConfig
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what llama.inv_frequencies implements
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what llama.inv_frequencies implements
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
 
 
@@ -190,7 +190,7 @@ def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None) ->
 def supported_table() -> str:
     """The supported families as a Markdown table (for the README)."""
     rows = ["| family | architectures | differences over Llama |", "|---|---|---|"]
-    notes = {"llama": "RoPE default, linear, llama3; optional biases; tied or separate LM head",
+    notes = {"llama": "RoPE default, linear, llama3, yarn; optional biases; tied or separate LM head",
              "mistral": "as Llama; sliding-window attention, KV blocks behind the window released",
              "qwen2": "q/k/v biases; sliding window as Mistral",
              "qwen3": "RMSNorm per head on q and k before RoPE",

@@ -50,7 +50,49 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
+    if kind == "yarn":
+        return _yarn_inv_frequencies(cfg, scaling, inv_freq)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def _yarn_inv_frequencies(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: dimensions that turn more than
+    beta_fast times over the original context keep their frequency, those under beta_slow are
+    interpolated by `factor`, and a linear ramp blends the band between."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    old_len = float(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = float(scaling.get("factor") or cfg.max_position_embeddings / old_len)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, except YaRN's attention temperature."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    old_len = float(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = float(scaling.get("factor") or cfg.max_position_embeddings / old_len)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
 
 
 def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | str,
@@ -60,7 +102,7 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
     if local:
         cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
     freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg)[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)).to(device)
 
 
 # x -> x @ W.T + b: an ops.make_linear layer, or a calibration probe (smoothquant.Probe).
