@@ -18,6 +18,8 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -49,6 +51,8 @@ CASES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window over every layer.
+    "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=16, pad_token_id=0)),
 }
 
 

@@ -42,13 +42,24 @@ class Family:
     # outputs are normed before their residual add (post_attention_layernorm is that norm, and
     # pre_feedforward_layernorm the MLP's input norm).
     gemma: bool = False
+    # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the runner's own layout).
+    fused: bool = False
+
+    def attn_names(self, i: int) -> list[str]:
+        """Layer i's projections into q, k and v (one, fused, or three), then its output one."""
+        p = f"model.layers.{i}.self_attn."
+        return [f"{p}qkv_proj", f"{p}o_proj"] if self.fused else [f"{p}{n}_proj" for n in "qkvo"]
+
+    def mlp_names(self, i: int) -> list[str]:
+        """Layer i's gate and up projections (one, fused, or two), then down."""
+        p = f"model.layers.{i}.mlp."
+        return [f"{p}gate_up_proj", f"{p}down_proj"] if self.fused else [f"{p}{n}_proj" for n in ("gate", "up", "down")]
 
     def layer_tensors(self, i: int, cfg: dict[str, Any]) -> list[str]:
         """Layer i's tensors (without the optional biases, see expected_tensors)."""
         p = f"model.layers.{i}."
         names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
-                 *(f"{p}self_attn.{n}_proj.weight" for n in "qkvo"),
-                 *(f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))]
+                 *(f"{n}.weight" for n in self.attn_names(i)), *(f"{n}.weight" for n in self.mlp_names(i))]
         if self.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
         if self.gemma:
@@ -67,6 +78,8 @@ FAMILIES = (
     # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
            gemma=True, window_layers="types"),
+    # Phi-3 / Phi-3.5 mini: fused projections, every layer within `sliding_window` (as Mistral).
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True),
 )
 _BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -129,6 +142,9 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
         raise UnsupportedModel(f"{fam.name}: bidirectional attention (an embedding model) is not supported")
     if any(w is not None and w < 1 for w in layer_windows(cfg, fam)):
         raise UnsupportedModel(f"{fam.name}: sliding window {cfg.get(fam.window_key)} must be at least 1")
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModel(f"{fam.name}: partial rotary embeddings (partial_rotary_factor "
+                               f"{cfg['partial_rotary_factor']}) are not supported")
     if parsed.head_dim % 2:
         raise UnsupportedModel(f"{fam.name}: head_dim {parsed.head_dim} is odd; RoPE needs pairs")
     return fam
@@ -142,9 +158,7 @@ def expected_tensors(cfg: dict[str, Any], fam: Family) -> tuple[set[str], set[st
     optional = {"lm_head.weight"}
     for i in range(parsed.num_hidden_layers):
         required.update(fam.layer_tensors(i, cfg))
-        p = f"model.layers.{i}."
-        optional.update(f"{p}self_attn.{n}_proj.bias" for n in "qkvo")
-        optional.update(f"{p}mlp.{n}_proj.bias" for n in ("gate", "up", "down"))
+        optional.update(f"{n}.bias" for n in (*fam.attn_names(i), *fam.mlp_names(i)))
     return required, optional
 
 
@@ -196,7 +210,8 @@ def supported_table() -> str:
              "qwen3": "RMSNorm per head on q and k before RoPE",
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
-                       "global ones"}
+                       "global ones",
+             "phi3": "fused qkv and gate_up weights; sliding window as Mistral (longrope refused)"}
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
     return "\n".join(rows)

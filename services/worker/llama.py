@@ -247,21 +247,21 @@ class LlamaModel:
 
         def read_layer(i: int) -> LayerTensors:
             p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-            mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            *attn, o_name = family.attn_names(i)  # [q, k, v] or [qkv]: concatenated either way
+            *mlp, down_name = family.mlp_names(i)
             gemma = family.gemma
             return LayerTensors(
                 input_norm=norm_weight(f"{p}input_layernorm.weight"),
                 qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
                 qkv_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
-                o=put(ckpt.get(f"{p}self_attn.o_proj.weight")), o_bias=put(ckpt.maybe(f"{p}self_attn.o_proj.bias")),
+                o=put(ckpt.get(f"{o_name}.weight")), o_bias=put(ckpt.maybe(f"{o_name}.bias")),
                 # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
                 # pre_feedforward and uses post_attention for the attention output's own norm.
                 post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
                                       else f"{p}post_attention_layernorm.weight"),
                 gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
                 gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
-                down=put(ckpt.get(f"{p}mlp.down_proj.weight")), down_bias=put(ckpt.maybe(f"{p}mlp.down_proj.bias")),
+                down=put(ckpt.get(f"{down_name}.weight")), down_bias=put(ckpt.maybe(f"{down_name}.bias")),
                 q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
                 k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
                 attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
