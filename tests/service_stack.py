@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import openai
 import redis
 
+from rill.shared.broker import free_port
 from rill.shared.bus import Streams
 from rill.shared.schema import EngineStats
 
@@ -134,3 +136,14 @@ def standard_stack(redis_url: str, model_dir: str, prefix: str, port: int,
     flags = flags if flags is not None else fast_flags(model_dir, redis_url, prefix, port)
     return ServiceStack(redis_url, prefix, port, {
         name: [*rill_executable(), "service", name, *flags, "--replica-name", f"{name}-0"] for name in SERVICES})
+
+
+def fresh_stack(redis_url: str, model_dir: str, tag: str, extra: list[str] | None = None) -> ServiceStack:
+    """A standard stack on its own prefix and port, with fast_flags plus `extra` (later flags win)."""
+    prefix, port = f"rill{tag}-{os.getpid()}-{time.time_ns() % 10**8}", free_port()
+    return standard_stack(redis_url, model_dir, prefix, port,
+                          [*fast_flags(model_dir, redis_url, prefix, port), *(extra or [])])
+
+
+def openai_client(stack: ServiceStack, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout)
