@@ -64,6 +64,7 @@ def build_runner(args: EngineArgs) -> ModelRunner:
     runner = ModelRunner(args.model_dir, dtype=args.dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
                          max_model_len=max_len, seed=args.seed, quantization=args.quantization)
+    runner.grammars.prepare_in_background()  # overlaps the cache sizing and warm-up below
     dtype = runner.dtype
     budget = _kv_bytes(runner, args)
     num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
@@ -71,7 +72,7 @@ def build_runner(args: EngineArgs) -> ModelRunner:
         raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens")
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
-    runner.grammars.prepare_in_background()
+    runner.grammars.wait_prepared()
     tokens = num_blocks * args.block_size
     log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
              "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)",
