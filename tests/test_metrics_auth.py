@@ -26,7 +26,8 @@ from websockets.exceptions import InvalidStatus
 from rill.services.gateway.app import create_app
 from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
-from rill.services.scheduler.scheduler import QUEUE_TIME_BOUNDS, Scheduler, SchedulerConfig
+from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from rill.services.scheduler.step_stats import QUEUE_TIME_BOUNDS
 from rill.shared.broker import free_port
 from rill.shared.bus import FIELD, Streams
 from rill.shared.schema import (
