@@ -52,7 +52,7 @@ from starlette.routing import Route
 from rill.shared.schema import EngineStats, ErrorReply, TextDelta
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway
+    from rill.services.gateway.gateway import Gateway
 
 log = logging.getLogger("rill.gateway.metrics")
 

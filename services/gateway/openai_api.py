@@ -41,7 +41,8 @@ from rill.services.gateway.tool_calls import tool_mode
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway, RequestStream
+    from rill.services.gateway.gateway import Gateway
+    from rill.services.gateway.request_tracker import RequestStream
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from rill.services.gateway.requests import (
 )
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway
+    from rill.services.gateway.gateway import Gateway
 
 JSON = "application/json"
 SSE = "text/event-stream"

@@ -39,7 +39,8 @@ from rill.services.gateway.tool_calls import ToolStream, tool_mode
 from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway, RequestStream
+    from rill.services.gateway.gateway import Gateway
+    from rill.services.gateway.request_tracker import RequestStream
 
 log = logging.getLogger("rill.gateway.ws")
 
