@@ -11,7 +11,7 @@ import httpx
 import pytest
 from service_stack import ServiceStack, fresh_stack
 
-from rill.services.gateway.requests import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, MAX_TOKEN_CHARS
+from rill.services.gateway.bodies import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, MAX_TOKEN_CHARS
 
 ENTRY_BOUND = 1 << 20  # bytes: the largest entry any stream may hold during the run
 

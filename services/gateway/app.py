@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, websocket
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS
 from rill.services.gateway.auth import BearerAuth
+from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S
 from rill.services.gateway.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainHealth, drain
 from rill.services.gateway.errors import (
@@ -26,7 +27,6 @@ from rill.services.gateway.errors import (
 from rill.services.gateway.gateway import Gateway
 from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from rill.services.gateway.origin import OriginGuard
-from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.server import DrainingServer, ServerLimits, reuse_port_socket, server_config
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 

@@ -26,6 +26,7 @@ import msgspec
 from redis.exceptions import OutOfMemoryError
 
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
+from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S, stalled, timed_out
 from rill.services.gateway.drain import DRAINING
 from rill.services.gateway.errors import (
@@ -33,7 +34,7 @@ from rill.services.gateway.errors import (
 )
 from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.gateway.request_tracker import RequestStream, RequestTracker
-from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS, Admission
+from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat

@@ -20,15 +20,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rill.services.gateway import requests
-from rill.services.gateway.chat_tools import tool_definitions
-from rill.services.gateway.errors import APIError, json_response
-from rill.services.gateway.requests import (
+from rill.services.gateway.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
     GenerateBody,
     TokenizeBody,
 )
+from rill.services.gateway.chat_tools import tool_definitions
+from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.responses import (
     GENERATION_FAILED,
     ChunkFormatter,
