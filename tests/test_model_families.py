@@ -125,6 +125,15 @@ def test_scaled_rope_tables(kind: str, served: int) -> None:
         assert not torch.allclose(inv_frequencies(cfg, 16), want)
 
 
+def test_phi3_longrope_under_an_old_name_is_refused() -> None:
+    """transformers reads a Phi-3 config's "su" or "yarn" as LongRoPE; served as YaRN it would be wrong."""
+    _, cfg_cls, extra = CASES["phi3-longrope"]
+    cfg = cfg_cls(**{**TINY, **extra}).to_dict()
+    cfg["rope_parameters"]["rope_type"] = "yarn"
+    with pytest.raises(families.UnsupportedModel, match="'yarn' \\(longrope under an old name\\)"):
+        families.check_config(cfg)
+
+
 def _edit_config(path: Path, **changes) -> None:
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(changes)
