@@ -82,8 +82,8 @@ static inline __attribute__((always_inline)) void pv(Scratch* w, int k0, int nk,
 }
 
 // The online-softmax update for one chunk of nk keys starting at position k0: soft-cap the
-// scores (cap > 0), mask keys past each row's position or `win` or more behind it, fold the chunk's max into m (rescaling l and acc), turn scores into
-// probabilities and add them to l.
+// scores (cap > 0), mask keys past each row's position or `win` or more behind it, fold the
+// chunk's max into m (rescaling l and acc), turn scores into probabilities and add them to l.
 static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int64_t k0, int nk, int d,
                                                                  int masked, float win, float cap,
                                                                  const int RV) {

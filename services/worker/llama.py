@@ -39,13 +39,14 @@ def inv_frequencies(cfg: ModelConfig, served: int | None = None) -> torch.Tensor
 
     `served`: the longest sequence the table serves (max_model_len; default the model's
     max_position_embeddings). transformers recomputes `dynamic` and `longrope` frequencies in
-    every forward from that sequence's length, so a cached key keeps the rotation of the step
-    that wrote it while later queries get another one. As vLLM does, Rill fixes one table per
-    served length instead: `dynamic` takes the NTK base of a sequence of `served` tokens, which
-    within the original context (the default max_model_len) is the plain base, as transformers
-    has it there; `longrope` takes the long factors when `served` exceeds
-    original_max_position_embeddings, else the short ones, which is transformers' choice for
-    every sequence that stays within (short) or starts beyond (long) the original context."""
+    every forward from the sequence's current length, so a cached key keeps the rotation of the
+    step that wrote it while later queries get another. Rill, like vLLM, fixes one table for
+    the whole context instead (so cached keys stay valid), sized by what it serves: `dynamic`
+    takes the NTK base of a sequence of `served` tokens, the plain base within the original
+    context (the default), which is transformers' there; `longrope` takes the long factors when
+    `served` exceeds original_max_position_embeddings (vLLM's rule), else the short ones. That
+    is transformers' choice for a sequence that stays within the original context, or starts
+    beyond it; one that crosses it mid-way gets the long factors from its first token here."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
