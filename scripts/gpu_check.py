@@ -612,25 +612,33 @@ def compile_report() -> list[tuple[str, int, int, int]]:
     bf = "*bf16"
     attn_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                      out_ptr=bf, part_out_ptr="*fp32", part_lse_ptr="*fp32")
-    dec = dict(BLOCK_H=16, BLOCK_SIZE=16, TILE_N=ta.DECODE_CONFIG["tile_n"], UPCAST=False, PRECISION="tf32")
+    dec = dict(BLOCK_H=16, BLOCK_SIZE=16, TILE_N=ta.DECODE_CONFIG["tile_n"], UPCAST=False, PRECISION="tf32",
+               SOFTCAP=False)
+    sf = {"scale_log2", "softcap_log2"}
     dw, ds = ta.DECODE_CONFIG["num_warps"], ta.DECODE_CONFIG["num_stages"]
-    e128, e16 = ta.extend_config(128, 128), ta.extend_config(16, 128)
+    e128, e16, e256 = ta.extend_config(128, 128), ta.extend_config(16, 128), ta.extend_config(128, 256)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, q_out_ptr=bf, k_out_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32",
                      k_cache_ptr=bf, v_cache_ptr=bf, slot_ptr="*i64")
     variants = [
-        ("decode split  G=4 D=128", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode split  G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=True), dw, ds),
-        ("decode 1-pass G=4 D=128", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode 1-pass G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=False), dw, ds),
-        ("decode split  G=3 D=64", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode split  G=3 D=64", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=3, HEAD_DIM=64, BLOCK_D=64, SPLIT=True), dw, ds),
         ("reduce S<=64 D=128", ta._reduce_kernel, attn_ptrs, set(), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64), 4, 1),
-        ("extend M=128 G=4 D=128", ta._extend_kernel, attn_ptrs, {"scale_log2"},
+        ("extend M=128 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=128, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e128[0],
-              UPCAST=False, PRECISION="tf32"), e128[1], e128[2]),
-        ("extend M=16 G=4 D=128", ta._extend_kernel, attn_ptrs, {"scale_log2"},
+              UPCAST=False, PRECISION="tf32", SOFTCAP=False), e128[1], e128[2]),
+        ("extend M=16 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=16, BLOCK_Q=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e16[0],
-              UPCAST=False, PRECISION="tf32"), e16[1], e16[2]),
+              UPCAST=False, PRECISION="tf32", SOFTCAP=False), e16[1], e16[2]),
+        # Gemma 2's shape: head_dim 256, GQA 2, attention logit soft-capping.
+        ("decode split  G=2 D=256 softcap", ta._decode_kernel, attn_ptrs, sf,
+         dict(dec, GROUP=2, HEAD_DIM=256, BLOCK_D=256, SPLIT=True, TILE_N=32, SOFTCAP=True), dw, ds),
+        ("extend M=128 G=2 D=256 softcap", ta._extend_kernel, attn_ptrs, sf,
+         dict(GROUP=2, BLOCK_M=128, BLOCK_Q=64, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, TILE_N=e256[0],
+              UPCAST=False, PRECISION="tf32", SOFTCAP=True), e256[1], e256[2]),
         ("add+rms_norm H=4096", to._rms_norm_kernel, dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf),
          {"eps"}, dict(HAS_RES=True, BLOCK=4096), 8, 1),
         ("silu_and_mul", to._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), set(), dict(BLOCK=1024), 4, 1),

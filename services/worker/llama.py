@@ -1,7 +1,7 @@
 """Llama-family forward pass over a flattened batch and a paged KV cache.
 
-Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
-and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
+Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear,
+dynamic NTK, Llama-3, YaRN and LongRoPE frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
 biases, tied embeddings, and per-head q/k norms; which families those serve, and the checks that
 refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
 runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
@@ -29,16 +29,42 @@ from rill.shared.config import ModelConfig
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] (fp32), with the config's frequency scaling."""
+def _rope_kind(cfg: ModelConfig) -> str:
+    scaling = cfg.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def inv_frequencies(cfg: ModelConfig, served: int | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] (fp32), with the config's frequency scaling.
+
+    `served`: the longest sequence the table serves (max_model_len; default the model's
+    max_position_embeddings). transformers recomputes `dynamic` and `longrope` frequencies in
+    every forward from the sequence's current length, so a cached key keeps the rotation of the
+    step that wrote it while later queries get another. Rill, like vLLM, fixes one table for
+    the whole context instead (so cached keys stay valid), sized by what it serves: `dynamic`
+    takes the NTK base of a sequence of `served` tokens, the plain base within the original
+    context (the default), which is transformers' there; `longrope` takes the long factors when
+    `served` exceeds original_max_position_embeddings (vLLM's rule), else the short ones. That
+    is transformers' choice for a sequence that stays within the original context, or starts
+    beyond it; one that crosses it mid-way gets the long factors from its first token here."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _rope_kind(cfg)
+    served = served or cfg.max_position_embeddings
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "dynamic":
+        factor, old_len = float(scaling["factor"]), cfg.max_position_embeddings
+        length = max(served, old_len)
+        base = cfg.rope_theta * ((factor * length / old_len) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "longrope":
+        long = served > _longrope_original(cfg, scaling)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -53,6 +79,12 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     if kind == "yarn":
         return _yarn_inv_frequencies(cfg, scaling, inv_freq)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def _longrope_original(cfg: ModelConfig, scaling: dict) -> int:
+    """LongRoPE's pretraining context (Phi-3 keeps it beside rope_scaling, not in it)."""
+    return int(scaling.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+               or cfg.max_position_embeddings)
 
 
 def _yarn_inv_frequencies(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -79,9 +111,17 @@ def _yarn_inv_frequencies(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tenso
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by: 1, except YaRN's attention temperature."""
+    """What cos and sin are multiplied by: 1, except YaRN's attention temperature and LongRoPE's
+    attention factor (for the short and the long factors alike, as transformers applies it)."""
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = _rope_kind(cfg)
+    if kind == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = _longrope_original(cfg, scaling)
+        factor = float(scaling.get("factor") or cfg.max_position_embeddings / original)
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -101,7 +141,7 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
     `local`: the sliding-attention layers' table (their own base, no scaling; Gemma 3)."""
     if local:
         cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg)[None, :]
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg, max_positions)[None, :]
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)).to(device)
 
 
@@ -341,7 +381,8 @@ class LlamaModel:
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
                                          self.cos_sin_local if layer.local_rope else self.cos_sin,
                                          k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window,
+                                       softcap=c.attn_logit_softcapping)
             h = layer.o(attn.reshape(t, self.q_size))
             if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
                 h = ops.rms_norm(h, layer.attn_out_norm, eps)
