@@ -4,29 +4,35 @@ replicated (with biases, an uneven MLP split and a padded vocabulary), and on Sm
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import msgspec
 import pytest
+import redis
 import torch
+from test_e2e import assert_same_or_near_tie, chat_ids, hf_greedy
+from tp_case import steps
 
+from rill.services.supervisor import children_of
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.tensor_parallel import Shard, TensorParallelError
+from rill.shared.broker import free_port
+from rill.shared.bus import Streams
 from rill.shared.config import ModelConfig
+from rill.shared.schema import EngineStats
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from tp_case import steps  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny(path: Path, kv_heads: int, bias: bool) -> str:
@@ -74,3 +80,115 @@ def test_tp2_logits_equal_tp1(tmp_path: Path) -> None:
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4, msg=lambda m, d=d: f"{d}: {m}")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipeline: rill serve --tensor-parallel-size 2 (supervised ranks), SmolLM2 fp32
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+    stats_key: str
+    redis: redis.Redis
+
+    def stats(self) -> EngineStats:
+        return msgspec.msgpack.decode(self.redis.get(self.stats_key), type=EngineStats)
+
+    def health(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return 0
+
+    def rank_pid(self, rank: int) -> int:
+        return next(pid for pid, cmd in children_of(self.proc.pid).items() if f"--tp-rank {rank} " in cmd)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url: str, smollm2_dir: str) -> Iterator[Served]:
+    """Small blocks, a 32-token step budget (prompts prefill in chunks) and a cache of ~17 blocks
+    per rank (four requests at once preempt)."""
+    prefix, port = f"rilltp-{os.getpid()}", free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--redis-url", redis_url,
+                             "--prefix", prefix, "--port", str(port), "--tensor-parallel-size", "2",
+                             "--dtype", "float32", "--block-size", "8", "--max-num-batched-tokens", "32",
+                             "--max-num-seqs", "8", "--kv-cache-memory", "4MiB", "--max-model-len", "128"],
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    s = Served(proc, f"http://127.0.0.1:{port}", Streams(prefix).stats_key(0), redis.Redis.from_url(redis_url))
+    try:
+        deadline = time.monotonic() + 240
+        while not (s.redis.exists(s.stats_key) and s.health() == 200):
+            assert proc.poll() is None and time.monotonic() < deadline, "rill serve did not become ready"
+            time.sleep(0.5)
+        yield s
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_tp2_pipeline_greedy_matches_transformers(served: Served, smollm2_dir: str) -> None:
+    """Chunked prefill, a prefix-cache hit and preemptions on the way: the text is still the
+    reference's greedy text (test_e2e checks TP=1 against the same reference)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    prompts = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+               "Explain how a bicycle works to a ten year old, step by step.",
+               "List ten fruits and describe the colour of each one.",
+               "What are the main differences between Python and C? Answer in detail."]
+
+    async def ask(client: httpx.AsyncClient, prompt: str) -> dict:
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def session() -> list[dict]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            await ask(client, prompts[0])  # its prefix is then in the cache for the second time
+            return await asyncio.gather(*(ask(client, p) for p in prompts))
+
+    for prompt, resp in zip(prompts, asyncio.run(session()), strict=True):
+        ids = chat_ids(tok, prompt)
+        n = resp["usage"]["completion_tokens"]
+        assert_same_or_near_tie(tok, model, ids, hf_greedy(model, ids, n), resp["choices"][0]["message"]["content"])
+    st = served.stats()
+    assert st.preemptions > 0 and st.prefix_cache_hits > 0, st
+
+
+def test_tp2_dead_rank_fails_requests_then_ranks_restart(served: Served) -> None:
+    async def one(client: httpx.AsyncClient, prompt: str, seen: list[str]) -> tuple[str | None, float]:
+        body = {"prompt": prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+        error = None
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    error = obj.get("error", {}).get("message", error)
+                    seen.append(prompt)
+        return error, time.monotonic()
+
+    async def load() -> tuple[list[tuple[str | None, float]], float]:
+        seen: list[str] = []
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            tasks = [asyncio.create_task(one(client, f"Tell me about {t}.", seen)) for t in ("rain", "tea", "snow")]
+            while len(set(seen)) < 3:
+                await asyncio.sleep(0.05)
+            killed_at = time.monotonic()
+            os.kill(served.rank_pid(1), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30), killed_at
+
+    ends, killed_at = asyncio.run(load())
+    for error, ended in ends:
+        assert error is not None and "engine is not available" in error, error
+        assert ended - killed_at < 10, f"failed {ended - killed_at:.1f}s after the kill"
+    deadline = time.monotonic() + 180
+    while served.health() != 200:  # both ranks started again, together
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(0.5)
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
