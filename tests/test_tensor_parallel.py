@@ -1,6 +1,9 @@
-"""Tensor parallelism (services/worker/tensor_parallel.py): TP=2 over gloo, one thread per rank,
-gives the logits of TP=1 on tiny random Llamas whose KV heads are split, split unevenly and
-replicated (with biases, an uneven MLP split and a padded vocabulary), and on SmolLM2 (fp32)."""
+"""Tensor parallelism (services/worker/tensor_parallel.py). At model level, TP=2 over gloo (one
+thread per rank) gives TP=1's logits on tiny random Llamas whose KV heads are split, split
+unevenly and replicated (with biases, an uneven MLP split and a padded vocabulary), through the
+torch and the (interpreted) Triton kernels. Through the whole pipeline, `rill serve
+--tensor-parallel-size 2` on SmolLM2 fp32 keeps greedy parity through chunked prefill, a
+prefix hit and preemption, and a killed rank fails its engine's requests, then both restart."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from test_e2e import assert_same_or_near_tie, chat_ids, hf_greedy
 from tp_case import steps
 
+from rill.kernels import ops
 from rill.services.supervisor import children_of
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.tensor_parallel import Shard, TensorParallelError
@@ -50,7 +54,7 @@ def run_ranks(size: int, out: Path, model_dirs: list[str], timeout: float = 120)
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_case.py"), str(r), str(size), address, str(out),
-                               *model_dirs], env=env) for r in range(size)]
+                               "cpu", *model_dirs], env=env) for r in range(size)]
     for p in procs:
         assert p.wait(timeout) == 0
 
@@ -71,11 +75,17 @@ def test_shard_plan_covers_every_head_once() -> None:
 
 
 def test_tp2_logits_equal_tp1(tmp_path: Path) -> None:
+    """The last run goes through the Triton kernels (interpreted), on both sides."""
     dirs = [tiny(tmp_path / f"kv{k}", k, bias=k == 3) for k in (1, 2, 3)]
+    dirs.append(f"triton:{dirs[1]}")
     run_ranks(2, tmp_path, dirs)
     torch.set_num_threads(2)
     for i, d in enumerate(dirs):
-        want = steps(LlamaModel.load(d, torch.float32))
+        ops.set_backend("triton" if d.startswith("triton:") else None)
+        try:
+            want = steps(LlamaModel.load(d.removeprefix("triton:"), torch.float32))
+        finally:
+            ops.set_backend(None)
         got = torch.load(tmp_path / f"logits-{i}.pt")
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4, msg=lambda m, d=d: f"{d}: {m}")
