@@ -28,9 +28,10 @@ from test_e2e import assert_same_or_near_tie, chat_ids, hf_greedy
 from tp_case import steps
 
 from rill.kernels import ops
+from rill.services.cli import build_parser, engine_args
 from rill.services.supervisor import children_of
 from rill.services.worker.llama import LlamaModel
-from rill.services.worker.tensor_parallel import Shard, TensorParallelError
+from rill.services.worker.tensor_parallel import Shard, TensorParallelError, TPGroup, check_supported
 from rill.shared.broker import free_port
 from rill.shared.bus import Streams
 from rill.shared.config import ModelConfig
@@ -72,6 +73,26 @@ def test_shard_plan_covers_every_head_once() -> None:
         assert sorted(i for s in shards for i in s.vocab) == list(range(10))
     with pytest.raises(TensorParallelError, match="cannot split"):
         Shard.plan(dataclasses.replace(cfg, num_attention_heads=4, num_key_value_heads=2), 0, 3)
+
+
+def test_a_group_that_does_not_form_fails_clearly() -> None:
+    """Rank 1 with nobody at the address, and rank 0 whose peer never comes: one clear error each."""
+    for rank in (1, 0):
+        with pytest.raises(TensorParallelError, match=f"rank {rank} of 2: the group at .* did not form within 1 s"):
+            TPGroup.join(rank, 2, f"127.0.0.1:{free_port()}", "cpu", timeout_s=1)
+
+
+def test_refused_with_tp_by_name(tiny_llama) -> None:
+    for argv, why in ((["--role", "prefill"], "prefill/decode engines"), (["--quantization", "int8"], "int8"),
+                      (["--tp-rank", "2"], "--tp-rank must be in 0..1")):
+        ns = build_parser().parse_args(["service", "worker", "--tensor-parallel-size", "2", *argv])
+        with pytest.raises(SystemExit, match=why):
+            engine_args(ns, str(tiny_llama[0]))
+    ns = build_parser().parse_args(["serve", "--tp-size", "2", "--prefill-engines", "1", "--decode-engines", "1"])
+    with pytest.raises(SystemExit, match="prefill/decode engines"):
+        engine_args(ns, str(tiny_llama[0]))
+    with pytest.raises(TensorParallelError, match="the mixtral family"):
+        check_supported("mixtral", "none", 2)
 
 
 def test_tp2_logits_equal_tp1(tmp_path: Path) -> None:
