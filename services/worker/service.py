@@ -113,10 +113,10 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     except (RuntimeError, ValueError) as exc:
         if tp is None:
             raise
-        # A peer died mid-collective (or this rank failed where its peers could not follow):
-        # the engine is gone; exiting lets the supervisor restart every rank together.
-        log.error("tensor-parallel rank %d of %d: the group broke (%s); exiting", tp.rank, tp.size,
-                  str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        # A peer died mid-collective, or this rank failed where its peers cannot follow: either
+        # way the engine is gone; exiting lets the supervisor restart every rank together.
+        log.error("tensor-parallel rank %d of %d stopped, and the engine with it: %s: %s", tp.rank, tp.size,
+                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         raise SystemExit(1) from None
 
 
