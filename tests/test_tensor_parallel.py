@@ -1,7 +1,7 @@
 """Tensor parallelism (services/worker/tensor_parallel.py). At model level, TP=2 over gloo (one
 thread per rank) gives TP=1's logits on tiny random Llamas whose KV heads are split, split
-unevenly and replicated (with biases, an uneven MLP split and a padded vocabulary), through the
-torch and the (interpreted) Triton kernels. Through the whole pipeline, `rill serve
+unevenly and replicated (with biases, an uneven MLP split and a padded vocabulary), on tiny
+Phi-3 and Gemma 3, through the torch and the (interpreted) Triton kernels. Through the whole pipeline, `rill serve
 --tensor-parallel-size 2` on SmolLM2 fp32 keeps greedy parity through chunked prefill, a
 prefix hit and preemption, and a killed rank fails its engine's requests, then both restart."""
 
@@ -121,8 +121,14 @@ def test_refused_with_tp_by_name(tmp_path: Path) -> None:
 
 
 def test_tp2_logits_equal_tp1(tmp_path: Path) -> None:
-    """The last run goes through the Triton kernels (interpreted), on both sides."""
+    """Also Phi-3 (fused qkv and gate_up, sliced in parts) and Gemma 3 (scaled embedding, q/k
+    norms, soft-capped logits); the last run goes through the Triton kernels (interpreted)."""
+    from test_model_families import build
+
     dirs = [tiny(tmp_path / f"kv{k}", k, bias=k == 3) for k in (1, 2, 3)]
+    for family in ("phi3", "gemma3"):
+        (tmp_path / family).mkdir()
+        dirs.append(str(build(tmp_path / family, family)[0]))
     dirs.append(f"triton:{dirs[1]}")
     run_ranks(2, tmp_path, dirs)
     torch.set_num_threads(2)
