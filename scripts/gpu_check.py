@@ -15,6 +15,9 @@ On a CUDA machine it
   (d) times a full decode step of a Llama-3-8B-shaped model with random bf16 weights at batch
       1 / 32 / 256 and context 1k / 4k, eager and from CUDA graphs, against the roofline
       (weights + KV bytes at the measured bandwidth),
+  (e) with two GPUs or more, tensor parallelism: TP=2 over NCCL (tests/tp_case.py) against
+      TP=1 on a tiny random Llama (fp32 logits through chunked prefill and decode), and the time
+      of one NCCL all-reduce of a decode step's activations ([32, 4096] bf16),
 and prints a compact table last.
 
 On a CPU machine it runs what a CPU can check: (b) on tiny shapes under the Triton interpreter
@@ -691,6 +694,41 @@ def run_compile_report_subprocess() -> None:
 # ================================================================================= main
 
 
+def check_tensor_parallel() -> None:
+    """(e): two ranks of tests/tp_case.py on GPUs 0 and 1, against TP=1 on GPU 0."""
+    import socket
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rill.services.worker.llama import LlamaModel
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from tp_case import steps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=1001, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+        LlamaForCausalLM(cfg).save_pretrained(tmp)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        procs = [subprocess.Popen([sys.executable, str(root / "tests" / "tp_case.py"), str(r), "2", address, tmp,
+                                   "cuda", tmp]) for r in range(2)]
+        codes = [p.wait(240) for p in procs]
+        if any(codes):
+            add("tp", "TP=2 over NCCL", f"ranks exited {codes}", "", "FAIL")
+            return
+        want = steps(LlamaModel.load(tmp, torch.float32, device="cuda")).cpu()
+        got = torch.load(Path(tmp) / "logits-0.pt")
+        err = float((got - want).abs().max())
+        add("tp", "TP=2 logits vs TP=1 (fp32)", f"max abs err {err:.2e}", "(< 1e-3)", "ok" if err < 1e-3 else "FAIL")
+        us = (Path(tmp) / "allreduce_us.txt").read_text()
+        add("tp", "NCCL all-reduce [32, 4096] bf16", f"{us} us")
+
+
 def print_table() -> None:
     print("\n" + "=" * 118)
     print(f"RILL GPU CHECK SUMMARY  device={torch.cuda.get_device_name(0) if CUDA else 'cpu (no CUDA)'}"
@@ -734,6 +772,10 @@ def main() -> int:
         if CUDA:
             torch.cuda.empty_cache()
             run_compile_report_subprocess()
+        if CUDA and torch.cuda.device_count() > 1:
+            check_tensor_parallel()
+        elif CUDA:
+            add("skipped", "(e) tensor parallelism", "needs two GPUs")
     else:
         print("no CUDA device: running the CPU-checkable parts (Triton interpreter, sm_90 compile)", flush=True)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

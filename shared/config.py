@@ -118,7 +118,9 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str = "none"  # "int8": W8A8 linear layers (CPU only); norms, embedding, KV stay in dtype
     device: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # worker ranks of the engine (services/worker/tensor_parallel.py)
+    tp_rank: int = 0  # this worker's rank
+    tp_address: str = ""  # HOST:PORT where rank 0 hosts the group's rendezvous
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True

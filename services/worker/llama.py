@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
-from rill.services.worker import families
+from rill.services.worker import families, tensor_parallel
 from rill.shared.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -222,6 +223,14 @@ class _Checkpoint:
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self._where else None
 
+    def part(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        """Only rows (and cols) of a tensor, read without the rest (a tensor-parallel shard)."""
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            return view[rows] if cols is None else view[rows, cols]
+
 
 def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if all(p is None for p in parts):
@@ -242,6 +251,8 @@ class LlamaModel:
         `embed_scale`: the embedding's multiplier (Gemma: sqrt(hidden))."""
         self.cfg = cfg
         self.embed = embed
+        # ids -> rows of the embedding (tensor_parallel.shard_model swaps in a vocab-parallel lookup)
+        self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = partial(F.embedding, weight=embed)
         self.layers = layers
         self.norm = norm
         self.tied = lm_head is embed if tied is None else tied
@@ -263,12 +274,14 @@ class LlamaModel:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
              max_positions: int | None = None, quantization: str = "none",
-             smoothquant_alpha: float | dict[str, float] | None = None) -> LlamaModel:
+             smoothquant_alpha: float | dict[str, float] | None = None,
+             tp: tensor_parallel.TPGroup | None = None) -> LlamaModel:
         """quantization "int8": every linear layer and the LM head as W8A8 int8 GEMMs (CPU only);
         norms, the embedding and the KV cache stay in `dtype`. Before quantizing, activation
         outliers are smoothed into the weights (smoothquant.py) with `smoothquant_alpha`, by
         default RILL_SMOOTHQUANT_ALPHA or the measured default; 0 turns that off. An alpha given
-        with quantization "none" smooths the float model (the fold is exact up to rounding)."""
+        with quantization "none" smooths the float model (the fold is exact up to rounding).
+        `tp`: load this rank's shard only (tensor_parallel.py)."""
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
         family = families.check_config(raw, max_positions)  # refuses what the forward would get wrong
@@ -276,6 +289,11 @@ class LlamaModel:
         ckpt = _Checkpoint(model_dir)
         families.check_tensors(ckpt.names(), raw, family)
         windows = families.layer_windows(raw, family)
+        shard = None
+        if tp is not None:
+            tensor_parallel.check_supported(family.name, quantization, tp.size, bool(smoothquant_alpha))
+            shard = tensor_parallel.Shard.plan(cfg, tp.rank, tp.size)
+            ckpt = tensor_parallel.ShardedCheckpoint(ckpt, cfg, shard)  # type: ignore[assignment]
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
@@ -324,8 +342,12 @@ class LlamaModel:
         # the prepared (pre-packed or int8) copies replace them, so the load peaks near one model.
         layers = [tensors.pop(0).prepare(lambda w, b: ops.make_linear(w, b, quantization))
                   for _ in range(cfg.num_hidden_layers)]
-        return cls(cfg, embed, layers, norm, lm_head, max_positions or cfg.max_position_embeddings, quantization,
-                   tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+        model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, lm_head,
+                    max_positions or cfg.max_position_embeddings, quantization,
+                    tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+        if shard is not None and tp is not None:
+            tensor_parallel.shard_model(model, shard, cfg, tp)
+        return model
 
     @property
     def sliding_window(self) -> int | None:
@@ -360,7 +382,7 @@ class LlamaModel:
         c = self.cfg
         eps = c.rms_norm_eps
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_lookup(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual: torch.Tensor | None = None
