@@ -37,7 +37,7 @@ from rill.shared.schema import EngineStats
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "scripts" / "kubernetes"
-RILL_IMAGES = ("rill", "rill-cuda")  # both built from scripts/Dockerfile, whose ENTRYPOINT is `rill`
+RILL_IMAGE = "rill"  # rill:latest and rill:cuda, built from scripts/Dockerfile (ENTRYPOINT ["rill"])
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # redis-streams trigger fields in KEDA's docs (keda.sh/docs/latest/scalers/redis-streams).
@@ -70,7 +70,7 @@ def workloads() -> list[dict[str, Any]]:
 def rill_containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(workload, container) of every container that runs Rill's image."""
     return [(w, c) for w in workloads() for c in w["spec"]["template"]["spec"]["containers"]
-            if c["image"] in RILL_IMAGES]
+            if c["image"].split(":")[0] == RILL_IMAGE]
 
 
 def container_env(container: dict[str, Any], pod_index: int = 0) -> dict[str, str]:
@@ -144,6 +144,9 @@ def test_container_args_pass_rills_parser() -> None:
         assert (build_parser().parse_args(rendered_args(worker, index)).engine_id
                 == build_parser().parse_args(rendered_args(scheduler, index)).engine_id == index)
     assert wns.device == "cuda" and wns.role == sns.role == "both"
+    # The CUDA build of the image, as scripts/compose.gpu.yaml builds it for its worker.
+    gpu_compose = yaml.safe_load((ROOT / "scripts" / "compose.gpu.yaml").read_text())["services"]["worker"]
+    assert worker["image"] == gpu_compose["image"] and gpu_compose["build"]["args"]["TORCH_VARIANT"] == "cuda"
     gpus = worker["resources"]
     assert gpus["requests"]["nvidia.com/gpu"] == gpus["limits"]["nvidia.com/gpu"] == "1"
     assert "nvidia.com/gpu" not in scheduler["resources"].get("requests", {})
