@@ -293,8 +293,9 @@ TRIM_EVERY_S = 2.0  # trimming what we already read from our reply stream
 ENGINE_UNAVAILABLE = "the engine is not available: no scheduler and worker are running; retry later"
 ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no heartbeat) while this "
                "request was in flight; the request was not completed")
-ONE_ENGINE_LOST = ("engine {engine} stopped (no scheduler or worker heartbeat) while it ran this request; the "
-                   "request was not completed; retry: new requests go to the engines still running")
+ONE_ENGINE_LOST = ("the engine is not available: engine {engine} stopped (no scheduler or worker heartbeat) "
+                   "while it ran this request; the request was not completed; retry: new requests go to the "
+                   "engines still running")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
 BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
@@ -477,7 +478,7 @@ class Gateway:
         if live != self.engine_live:
             log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
         self.engine_live = live
-        for e in lost:
+        for e in lost if live else ():  # with none live, every request fails below
             self.fail_engine_requests(e)
         if self._engine_gone.observe(live, now):
             self.fail_in_flight(ENGINE_LOST)
