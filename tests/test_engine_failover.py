@@ -19,7 +19,7 @@ import msgspec
 from service_stack import ServiceStack, fast_flags, rill_executable
 
 from rill.shared.broker import free_port
-from rill.shared.schema import EngineStats, TokenizedRequest, engine_input_decoder
+from rill.shared.schema import EngineStats, TokenizedRequest, encode, engine_input_decoder
 
 # Request i of a batch asks for first + i tokens: the engines' input streams tell which got it.
 LONG, SHORT, AFTER_RESTART = 48, 8, 16
@@ -132,7 +132,10 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
                 assert o.error is None and o.finish == "length" and o.completion_tokens == o.max_tokens, o
         assert failed and len(on[0]) >= 1, (on, outcomes)
 
-        # New requests go to the live engine, and succeed.
+        # New requests go to the live engine, and succeed, even when the dead engine's last stats
+        # (its key outlives it) say it is idle, as they do when an idle engine dies.
+        stack.redis.set(stack.streams.stats_key(1), encode(EngineStats(engine_id=1)))
+        time.sleep(0.5)  # the tokenizer re-reads loads every 0.25 s
         before = routed(stack, 1)
         fresh, _ = asyncio.run(load(prompts[:2], SHORT, kill=False))
         for o in fresh:
