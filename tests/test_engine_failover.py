@@ -152,3 +152,29 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
         assert {o.max_tokens for o in again} & routed(stack, 1), "the restarted engine got no request"
     finally:
         stack.stop()
+
+
+def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, prefix: str,
+                                                                 smollm2_dir: str) -> None:
+    """The gateway learns each request's engine (Routed) from the tokenizer, except for a prefill
+    engine: it hands the request to a decode engine, so it is not where the request ends."""
+    from rill.services.tokenizer.service import Router, Tokenizer, handle
+    from rill.shared.bus import Bus
+    from rill.shared.schema import GenerateRequest, Routed, SamplingParams
+
+    bus = Bus(redis_url, prefix)
+    tokenizer = Tokenizer(smollm2_dir, 2048)
+    s = bus.streams
+    try:
+        bus.r.sadd(s.engines_key(), 0)
+        for role in ("both", "prefill"):
+            bus.r.set(s.stats_key(0), encode(EngineStats(engine_id=0, role=role)))
+            req = GenerateRequest(request_id=f"r-{role}", reply_to="gw", kind="completion", prompt="Hi",
+                                  params=SamplingParams(max_tokens=4), arrival_time=time.time())
+            sends = handle(bus, tokenizer, Router(bus), encode(req))
+            assert sends[0][0] == s.engine_in(0) and isinstance(sends[0][1], TokenizedRequest)
+            notes = [(stream, msg) for stream, msg, _ in sends if isinstance(msg, Routed)]
+            assert notes == ([("gw", Routed(request_id=req.request_id, engine=0))] if role == "both" else [])
+    finally:
+        bus.r.delete(s.engines_key(), s.stats_key(0))
+        bus.close()

@@ -186,6 +186,10 @@ class Router:
             loads[e] = (None, 0) if st is None else (st.role, st.num_running + st.num_waiting + st.num_transferring)
         self.loads, self.sent, self._read_at = loads, {}, time.monotonic()
 
+    def role(self, engine: int) -> str | None:
+        """The engine's role as of the last read (None: not known yet)."""
+        return self.loads.get(engine, (None, 0))[0]
+
     def pick(self) -> int:
         if time.monotonic() - self._read_at >= self.REFRESH_S:
             self._refresh()
@@ -249,5 +253,7 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
                                           status=500, type="server_error"), MAXLEN["reply"])]
     engine = router.pick()
-    return [(bus.streams.engine_in(engine), out, MAXLEN["engine_in"]),
-            (req.reply_to, Routed(request_id=req.request_id, engine=engine), MAXLEN["reply"])]
+    sends: list[tuple[str, Struct, int]] = [(bus.streams.engine_in(engine), out, MAXLEN["engine_in"])]
+    if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
+        sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine), MAXLEN["reply"]))
+    return sends
