@@ -9,9 +9,10 @@ Faults: the gateway beats a heartbeat key (so schedulers abort the requests of a
 died) and a watch task checks, every WATCH_S, the broker (unreachable for BROKER_GRACE_S, or
 restarted: a new run_id) and, with `watch_engine`, every engine's scheduler and worker
 heartbeats. Each of those fails the requests in flight with a clear 503 error instead of
-leaving them hanging: a lost engine's own requests (the tokenizer tells the gateway where it sent
-each one, `Routed`) while other engines live, every request when none does; /health answers 503
-and new requests are refused while no engine is live. Several gateway replicas can share one port (SO_REUSEPORT, see `run`).
+leaving them hanging: a lost engine's own requests (the tokenizer tells the gateway where it
+sent each one, `Routed`) while other engines live, every request when none does; /health answers
+503 and new requests are refused while no engine is live. Several gateway replicas can share one
+port (SO_REUSEPORT, see `run`).
 """
 
 from __future__ import annotations
