@@ -7,10 +7,11 @@ RequestStream.
 
 Faults: the gateway beats a heartbeat key (so schedulers abort the requests of a gateway that
 died) and a watch task checks, every WATCH_S, the broker (unreachable for BROKER_GRACE_S, or
-restarted: a new run_id) and, with `watch_engine`, the engine's scheduler and worker
+restarted: a new run_id) and, with `watch_engine`, every engine's scheduler and worker
 heartbeats. Each of those fails the requests in flight with a clear 503 error instead of
-leaving them hanging; /health answers 503 and new requests are refused while no engine is
-live.
+leaving them hanging: a lost engine's own requests (the tokenizer tells the gateway where it
+sent each one, `Routed`) while other engines live, every request when none does; /health answers
+503 and new requests are refused while no engine is live.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ TRIM_EVERY_S = 2.0  # trimming what we already read from our reply stream
 ENGINE_UNAVAILABLE = "the engine is not available: no scheduler and worker are running; retry later"
 ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no heartbeat) while this "
                "request was in flight; the request was not completed")
+ONE_ENGINE_LOST = ("the engine is not available: engine {engine} stopped (no scheduler or worker heartbeat) "
+                   "while it ran this request; the request was not completed; retry: new requests go to the "
+                   "engines still running")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
 BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
@@ -101,6 +105,7 @@ class Gateway:
         self.broker_ok = True
         self._server: str | None = None  # the broker's run_id
         self._engine_gone = Absence()
+        self._engines_gone: dict[int, Absence] = {}  # each engine's, for the requests sent to it
         self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
         self._broker_gone = Absence(BROKER_GRACE_S)
         self.draining = False  # SIGTERM: /health 503, no new requests (drain.py)
@@ -209,6 +214,7 @@ class Gateway:
                 pipe.smembers(self.bus.streams.replicas_key(role))
             info, members, *replicas = await asyncio.wait_for(pipe.execute(), 5.0)
             live = True
+            lost: list[int] = []
             if self.watch_engine:
                 engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
                 s = self.bus.streams
@@ -218,7 +224,10 @@ class Gateway:
                     spans.append((role, len(keys), len(keys) + len(names)))
                     keys += [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]
                 beats = await self.bus.r.mget(keys)
-                live = any(beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines)))
+                alive = [beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines))]
+                live = any(alive)
+                lost = [e for e, up in zip(engines, alive, strict=True)
+                        if self._engines_gone.setdefault(e, Absence()).observe(up, now)]
                 for role, lo, hi in spans:
                     self._replicas_gone[role].observe(any(b is not None for b in beats[lo:hi]), now)
         except Exception as exc:  # the broker is unreachable (or answers with errors)
@@ -240,6 +249,8 @@ class Gateway:
         if live != self.engine_live:
             log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
         self.engine_live = live
+        for e in lost if live else ():  # with none live, every request fails below
+            self.fail_engine_requests(e)
         if self._engine_gone.observe(live, now):
             self.fail_in_flight(ENGINE_LOST)
 
@@ -262,6 +273,17 @@ class Gateway:
         ids = self.tracker.ids()
         if not ids:
             return
+        for rid in ids:
+            self.tracker.dispatch(ErrorReply(request_id=rid, message=message, status=503, type="server_error"))
+        self.abort_soon(ids)
+
+    def fail_engine_requests(self, engine: int) -> None:
+        """End the requests sent to a lost engine with a 503 error (the others run on)."""
+        ids = [s.request_id for s in self.tracker.streams() if s.engine == engine]
+        if not ids:
+            return
+        log.warning("engine %d lost: failing its %d requests in flight", engine, len(ids))
+        message = ONE_ENGINE_LOST.format(engine=engine)
         for rid in ids:
             self.tracker.dispatch(ErrorReply(request_id=rid, message=message, status=503, type="server_error"))
         self.abort_soon(ids)

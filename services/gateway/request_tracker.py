@@ -15,6 +15,7 @@ from rill.shared.schema import (
     ErrorReply,
     GatewayInput,
     ReplyBatch,
+    Routed,
     TextDelta,
     TokenizeReply,
     sample_request_id,
@@ -86,6 +87,7 @@ class RequestStream:
         self.closed = False  # cancelled locally: stop without a terminal event
         self._done = False  # the terminal event was handed out
         self.started = False  # a token was released (no longer counts as waiting, admission.py)
+        self.engine: int | None = None  # where the tokenizer sent it (Routed); None: not yet
         self.last_progress = time.monotonic()  # registration or the last released delta (deadline.py)
 
     @property
@@ -205,6 +207,10 @@ class RequestTracker:
                 self._answer(msg)
         elif isinstance(msg, TokenizeReply):
             self._answer(msg)
+        elif isinstance(msg, Routed):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.engine = msg.engine
 
     def _answer(self, msg: TokenizeReply | ErrorReply) -> None:
         fut = self.calls.pop(msg.request_id, None)
