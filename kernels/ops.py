@@ -245,3 +245,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] holding [gate | up] -> GELU_tanh(gate) * up, [T, F] (GeGLU)."""
     return _impl_for(x).gelu_and_mul(x)
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over routed tokens: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
+    for x [T, H], gate_up [E, 2F, H] (gate rows, then up), down [E, H, F] -> [T, H]. Grouped GEMMs
+    over the tokens sorted by expert (moe.py); one fused pair of kernels on Triton (triton_moe.py)."""
+    return _impl_for(x).moe_experts(x, gate_up, down, topk_weights, topk_ids)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from rill.kernels import chooser, cpu_native
+from rill.kernels import chooser, cpu_native, moe
 
 if TYPE_CHECKING:
     from rill.kernels.ops import AttentionMetadata
@@ -106,6 +106,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return cpu_native.silu_and_mul(x)  # one pass instead of three ops (cpu_elementwise.c)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """`ops.moe_experts`: one GEMM pair per expert over its gathered tokens (moe.py)."""
+    return moe.grouped_experts(x, gate_up, down, topk_weights, topk_ids, silu_and_mul)
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:

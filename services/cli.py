@@ -171,7 +171,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     from rill.services.worker.families import UnsupportedModel, check_checkpoint
 
     try:  # one line and a non-zero exit, before any process starts, for a model Rill would serve wrongly
-        check_checkpoint(model_dir, ns.max_model_len)
+        check_checkpoint(model_dir, ns.max_model_len, ns.quantization)
     except UnsupportedModel as exc:
         raise SystemExit(f"rill: {model_dir}: {exc}") from None
     cfg = ModelConfig.from_dir(model_dir)
