@@ -18,12 +18,16 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from rill.services.worker import families
@@ -53,6 +57,13 @@ CASES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
     # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window over every layer.
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=16, pad_token_id=0)),
+    # Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), q/k norms.
+    "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    # Mixtral: top-2 of 8 experts in every layer, a window shorter than the prompt.
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2,
+                                                        intermediate_size=32, sliding_window=16)),
 }
 
 
@@ -115,6 +126,68 @@ def test_refused_at_load_with_one_line(tmp_path: Path, what: str, edit, message:
         with pytest.raises(families.UnsupportedModel) as err:
             check()
         assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _fuse_experts(path: Path) -> None:
+    """Rewrite a Qwen3-MoE checkpoint's per-expert tensors as transformers' fused 3-D ones."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for i in range(3):
+        p = f"model.layers.{i}.mlp.experts."
+        if f"{p}0.gate_proj.weight" not in tensors:
+            continue  # the dense layer
+        e = 0
+        gate_up, down = [], []
+        while f"{p}{e}.gate_proj.weight" in tensors:
+            gate_up.append(torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")]))
+            down.append(tensors.pop(f"{p}{e}.down_proj.weight"))
+            e += 1
+        tensors[f"{p}gate_up_proj"], tensors[f"{p}down_proj"] = torch.stack(gate_up), torch.stack(down)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_moe_fused_expert_layout_matches_transformers(tmp_path: Path) -> None:
+    """Experts stored as transformers holds them in memory ([E, 2F, H] and [E, H, F]) serve the
+    same model as the hub's one tensor per expert."""
+    path, ref = build(tmp_path, "qwen3-moe")
+    _fuse_experts(path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in families.tensor_names(path)
+    model = LlamaModel.load(path, torch.float32, "cpu")
+    assert [layer.moe is not None for layer in model.layers] == [True, False, True]
+    prompt = [int(t) for t in torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(2))]
+    assert check_prefill_then_decode(model, ref, prompt, block_size=8, steps=2) < TOL
+
+
+MOE_REFUSALS = [
+    ("missing expert", lambda p: _edit_tensors(p, drop="model.layers.2.mlp.experts.5.up_proj.weight"),
+     "lacks model.layers.2.mlp.experts.5.up_proj.weight"),
+    ("dense layer made sparse", lambda p: _edit_config(p, mlp_only_layers=[]),
+     "lacks model.layers.1.mlp.experts.0.down_proj.weight"),
+    ("per-expert beside fused", lambda p: (_fuse_experts(p), _edit_tensors(
+        p, add={"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(32, 64)})),
+     "tensor model.layers.0.mlp.experts.0.up_proj.weight would be left unused"),
+    ("top-k past the experts", lambda p: _edit_config(p, num_experts_per_tok=9),
+     "num_experts_per_tok 9 must be between 1 and the 8 experts"),
+]
+
+
+@pytest.mark.parametrize("what,edit,message", MOE_REFUSALS, ids=[r[0] for r in MOE_REFUSALS])
+def test_moe_checkpoint_refused_with_one_line(tmp_path: Path, what: str, edit, message: str) -> None:
+    path, _ = build(tmp_path, "qwen3-moe")
+    edit(path)
+    for check in (lambda: families.check_checkpoint(path), lambda: LlamaModel.load(path, torch.float32, "cpu")):
+        with pytest.raises(families.UnsupportedModel) as err:
+            check()
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_refused_with_int8(tmp_path: Path) -> None:
+    """The experts have no int8 GEMMs: --quantization int8 is refused by name, not half-applied."""
+    path, _ = build(tmp_path, "qwen3-moe")
+    for check in (lambda: families.check_checkpoint(path, quantization="int8"),
+                  lambda: LlamaModel.load(path, torch.float32, "cpu", quantization="int8")):
+        with pytest.raises(families.UnsupportedModel, match="--quantization int8 is not supported for mixture"):
+            check()
 
 
 def test_a_short_window_is_served_at_full_context(tmp_path: Path) -> None:
