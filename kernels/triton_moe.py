@@ -28,8 +28,14 @@ prepare_interpreter()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# The interpreter's bf16 dot is wrong (as in triton_attention): tiles go up to fp32 there.
-_PRECISION = "ieee"
+# Launch settings: (BLOCK_N, BLOCK_K, num_warps, num_stages), compiled for sm_90 without spills
+# (scripts/gpu_check.py --compile-only), not yet tuned on a GPU.
+CONFIG = (32, 32, 4, 1) if INTERPRET else (64, 32, 4, 3)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 models must not silently drop to tf32; 16-bit dots ignore the setting.
+    return "ieee" if dtype == torch.float32 or INTERPRET else "tf32"
 
 
 def block_m_for(pairs: int, num_experts: int) -> int:
@@ -148,19 +154,20 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
     sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, block_m)
-    upcast = INTERPRET and x.dtype == torch.bfloat16
+    upcast = INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bf16 dot is wrong
+    precision = _precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = (32, 32) if INTERPRET else (64, 64)
+    block_n, block_k, warps, stages = CONFIG
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
     _gate_up_kernel[grid](x, gate_up, h, sorted_pairs, block_expert, pairs, hidden, inter,
                           x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
                           TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          UPCAST=upcast, PRECISION=_PRECISION, num_warps=4)
+                          UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=stages)
     grid = (block_expert.numel(), triton.cdiv(hidden, block_n))
     _down_kernel[grid](h, down, topk_weights.reshape(-1).contiguous(), y, sorted_pairs, block_expert, pairs,
                        inter, hidden, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                       UPCAST=upcast, PRECISION=_PRECISION, num_warps=4)
+                       UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=stages)
     # The k weighted rows of a token, added in order in fp32 and rounded once.
     return y.view(t, k, hidden).float().sum(1).to(x.dtype)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_model_parity import TOL, check_prefill_then_decode
 from transformers import (
+    DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     MistralConfig,
@@ -156,6 +157,25 @@ def test_moe_fused_expert_layout_matches_transformers(tmp_path: Path) -> None:
     assert [layer.moe is not None for layer in model.layers] == [True, False, True]
     prompt = [int(t) for t in torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(2))]
     assert check_prefill_then_decode(model, ref, prompt, block_size=8, steps=2) < TOL
+
+
+def test_moe_bf16_error_no_worse_than_transformers_bf16(tmp_path: Path) -> None:
+    """bf16 on CPU (the serving dtype): our logits stray from the fp32 reference no more than
+    transformers' own bf16 Qwen3-MoE does, routing included."""
+    path, ref = build(tmp_path, "qwen3-moe")
+    prompt = [int(t) for t in torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(2))]
+    ours = check_prefill_then_decode(LlamaModel.load(path, torch.bfloat16, "cpu"), ref, prompt, block_size=8, steps=3)
+    ref_bf16 = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    fp32_cache, bf16_cache = DynamicCache(config=ref.config), DynamicCache(config=ref.config)
+    theirs = 0.0
+    with torch.no_grad():
+        tokens = [prompt]
+        for _ in range(4):
+            want = ref(torch.tensor(tokens), cache=fp32_cache, use_cache=True).logits[0]
+            got = ref_bf16(torch.tensor(tokens), cache=bf16_cache, use_cache=True).logits[0].float()
+            theirs = max(theirs, (got - want).abs().max().item())
+            tokens = [[int(want[-1].argmax())]]
+    assert ours <= 1.25 * theirs + 0.05, f"bf16 max abs diff: ours {ours}, transformers bf16 {theirs}"
 
 
 MOE_REFUSALS = [
