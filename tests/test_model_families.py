@@ -31,6 +31,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from rill.services.cli import build_parser, engine_args
 from rill.services.worker import families
 from rill.services.worker.llama import LlamaModel
 from rill.shared.broker import free_port
@@ -208,6 +209,8 @@ def test_moe_refused_with_int8(tmp_path: Path) -> None:
                   lambda: LlamaModel.load(path, torch.float32, "cpu", quantization="int8")):
         with pytest.raises(families.UnsupportedModel, match="--quantization int8 is not supported for mixture"):
             check()
+    with pytest.raises(SystemExit, match=r"^rill: .*--quantization int8 is not supported for mixture"):
+        engine_args(build_parser().parse_args(["serve", str(path), "--quantization", "int8"]), str(path))
 
 
 def test_a_short_window_is_served_at_full_context(tmp_path: Path) -> None:
