@@ -7,8 +7,9 @@ each has T * k token-expert pairs, pair p = t * k + j being token t's j-th choic
 
 The grouped path sorts the pairs by expert so that each expert's tokens are one contiguous
 segment, runs one GEMM pair per expert that has tokens, scales each row by its routing weight and
-scatter-adds the rows back onto their tokens. Rounding follows transformers' eager experts: each
-GEMM and silu(gate) * up round to the model dtype, the weighted row rounds once more before the add.
+adds each token's k rows. Rounding follows transformers' eager experts: each GEMM and
+silu(gate) * up round to the model dtype, the weighted row rounds once more; the k rows of a token
+are added in fp32 and rounded once (transformers adds them one by one in the model dtype).
 """
 
 from __future__ import annotations
@@ -39,26 +40,39 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H] -> [T, H], one GEMM pair per expert
-    with tokens. `act` maps [n, 2F] (gate | up) to [n, F] (silu_and_mul)."""
-    t, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
-    token_of = order // k
-    # One host read per layer: the segment bounds steer the Python loop below.
-    counts = expert_counts(flat, gate_up.shape[0]).tolist()
-    xs = x.index_select(0, token_of)
-    ys = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            seg = slice(start, start + n)
-            ys[seg] = F.linear(act(F.linear(xs[seg], gate_up[e])), down[e])
-            start += n
-    weighted = (ys * topk_weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, weighted)
+class GroupedExperts:
+    """Stacked SwiGLU experts on the torch path: each expert's two projections prepared once as
+    linear layers (`linear`: torch_ops.Linear, which pre-packs CPU weights; GEMMs of a few rows
+    against an unpacked weight ran 5-10x slower), called over the expert's gathered tokens."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
+                 linear: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+                 act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.num_experts = gate_up.shape[0]
+        self.gate_up = [linear(w) for w in gate_up.unbind(0)]
+        self.down = [linear(w) for w in down.unbind(0)]
+        self.act = act  # [n, 2F] (gate | up) -> [n, F]
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H] -> [T, H], one GEMM pair per
+        expert with tokens."""
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # segment bounds, on the host
+        xs = x.index_select(0, order // k)
+        ys = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                seg = slice(start, start + n)
+                ys[seg] = self.down[e](self.act(self.gate_up[e](xs[seg])))
+                start += n
+        ys.mul_(topk_weights.reshape(-1).index_select(0, order)[:, None])  # in fp32 when the weights are
+        # Back to pair order (a gather: index_add_ onto repeated token rows is pathologically slow
+        # on CPU), then each token's k rows summed.
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return ys.index_select(0, unsort).view(t, k, -1).sum(1)
 
 
 def dense_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,

@@ -108,12 +108,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """`ops.moe_experts`: one GEMM pair per expert over its gathered tokens (moe.py)."""
-    return moe.grouped_experts(x, gate_up, down, topk_weights, topk_ids, silu_and_mul)
-
-
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] holding [gate | up] -> GELU_tanh(gate) * up (GeGLU, Gemma's MLP), [T, F]."""
     d = x.shape[-1] // 2
@@ -226,6 +220,11 @@ def gemm_shape(weight: torch.Tensor, logits: bool = False) -> tuple[object, ...]
 def gemm_key(n: int, k: int, dtype: torch.dtype, logits: bool = False) -> tuple[object, ...]:
     """out x in features, dtype, and whether the layer makes logits."""
     return (n, k, str(dtype).removeprefix("torch."), *(("logits",) if logits else ()))
+
+
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> moe.GroupedExperts:
+    """`ops.make_experts`: one GEMM pair per expert over its gathered tokens (moe.py)."""
+    return moe.GroupedExperts(gate_up, down, lambda w: Linear(w, None), silu_and_mul)
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

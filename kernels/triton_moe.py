@@ -143,7 +143,7 @@ def _down_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_pt
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """`ops.moe_experts` (SwiGLU experts) on the Triton kernels: x [T, H] -> [T, H]."""
+    """The experts of `ops.make_experts` on the Triton kernels: x [T, H] -> [T, H]."""
     t, k = topk_ids.shape
     num_experts, f2, hidden = gate_up.shape
     inter = f2 // 2
@@ -171,3 +171,18 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
                        UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=stages)
     # The k weighted rows of a token, added in order in fp32 and rounded once.
     return y.view(t, k, hidden).float().sum(1).to(x.dtype)
+
+
+class FusedExperts:
+    """`ops.make_experts` on the Triton backend: the stacked weights as they are."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up, self.down, topk_weights, topk_ids)
+
+
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> FusedExperts:
+    """`ops.make_experts` on the Triton backend."""
+    return FusedExperts(gate_up, down)

@@ -19,7 +19,7 @@ import torch
 
 from rill.kernels.torch_ops import Linear
 from rill.kernels.triton_attention import INTERPRET, paged_attention, prepare_interpreter
-from rill.kernels.triton_moe import fused_experts as moe_experts
+from rill.kernels.triton_moe import make_experts
 
 prepare_interpreter()  # a no-op by now; it must run before this module's own `import triton`
 
@@ -234,5 +234,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _launch_rope_cache(k, k, v, k, k, None, None, k_cache, v_cache, slot_mapping)
 
 
-__all__ = ["INTERPRET", "Linear", "apply_rotary", "moe_experts", "paged_attention", "rms_norm", "rope_and_write_kv",
-           "silu_and_mul", "write_kv"]
+__all__ = ["INTERPRET", "Linear", "apply_rotary", "make_experts", "paged_attention", "rms_norm",
+           "rope_and_write_kv", "silu_and_mul", "write_kv"]

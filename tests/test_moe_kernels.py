@@ -49,7 +49,7 @@ def test_fused_moe_matches_grouped_and_dense(tokens: int, hidden: int, inter: in
     fused = triton_moe.fused_experts(x, gate_up, down, weights, ids, block_m=block_m)
     try:
         ops.set_backend("torch")
-        grouped = ops.moe_experts(x.cpu(), gate_up.cpu(), down.cpu(), weights.cpu(), ids.cpu())
+        grouped = ops.make_experts(gate_up.cpu(), down.cpu())(x.cpu(), weights.cpu(), ids.cpu())
     finally:
         ops.set_backend(None)
     for got in (fused, grouped):
@@ -81,8 +81,9 @@ def test_ops_dispatches_moe_to_triton_when_forced() -> None:
     x, gate_up, down, weights, ids = _case(5, 32, 32, 4, 2, torch.float32)
     try:
         ops.set_backend("triton")
-        got = ops.moe_experts(x, gate_up, down, weights, ids)
+        experts = ops.make_experts(gate_up, down)
+        got = experts(x, weights, ids)
     finally:
         ops.set_backend(None)
-    assert ops.uses_triton(x) is CUDA  # back to auto
+    assert isinstance(experts, triton_moe.FusedExperts) and ops.uses_triton(x) is CUDA  # back to auto
     torch.testing.assert_close(got, triton_moe.fused_experts(x, gate_up, down, weights, ids))

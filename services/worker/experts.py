@@ -1,9 +1,9 @@
 """A mixture-of-experts MLP block: its weights as read from either checkpoint layout, and its forward.
 
 The router is an ordinary linear layer over the MLP's input; the experts are stacked into
-`gate_up` [E, 2F, H] and `down` [E, H, F] (the layout both kernel paths take, see
-kernels/moe.py) whether the checkpoint stores one tensor per expert (the hub's layout) or the
-fused 3-D tensors transformers keeps in memory (families.Experts names both).
+`gate_up` [E, 2F, H] and `down` [E, H, F] and prepared by ops.make_experts, whether the
+checkpoint stores one tensor per expert (the hub's layout) or the fused 3-D tensors transformers
+keeps in memory (families.Experts names both).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ class SparseMoe:
     """One layer's sparse MLP: x [T, H] -> sum of its top-k experts' outputs, routing-weighted."""
 
     router: Callable[[torch.Tensor], torch.Tensor]  # x -> logits [T, E]
-    gate_up: torch.Tensor  # [E, 2F, H]: each expert's gate rows, then its up rows
-    down: torch.Tensor  # [E, H, F]
+    experts: Callable[..., torch.Tensor]  # ops.make_experts: (x, weights, ids) -> [T, H]
     top_k: int
     renormalise: bool
     # Qwen3-MoE rounds the routing weights to the model dtype before scaling; Mixtral keeps fp32.
@@ -40,7 +39,7 @@ class SparseMoe:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalise,
                              x.dtype if self.round_weights else None)
-        return ops.moe_experts(x, self.gate_up, self.down, weights, ids)
+        return self.experts(x, weights, ids)
 
 
 def read_sparse_moe(ckpt: TensorSource, i: int, raw: dict[str, Any], fam: families.Family,
@@ -57,6 +56,6 @@ def read_sparse_moe(ckpt: TensorSource, i: int, raw: dict[str, Any], fam: famili
         per_expert = [names[j:j + 3] for j in range(0, len(names), 3)]  # (gate, up, down) of each expert
         gate_up = put(torch.stack([torch.cat([ckpt.get(g), ckpt.get(u)]) for g, u, _ in per_expert]))
         down = put(torch.stack([ckpt.get(d) for _, _, d in per_expert]))
-    return SparseMoe(router=ops.make_linear(put(ckpt.get(router_name))), gate_up=gate_up, down=down,
+    return SparseMoe(router=ops.make_linear(put(ckpt.get(router_name))), experts=ops.make_experts(gate_up, down),
                      top_k=int(raw["num_experts_per_tok"]), renormalise=families.renormalises(raw, fam),
                      round_weights=spec.round_weights)
