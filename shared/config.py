@@ -38,6 +38,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" / "sliding_attention" (Gemma 3)
     rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    moe_intermediate_size: int | None = None  # each expert's MLP width, where not intermediate_size (Qwen3-MoE)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -82,6 +83,7 @@ class ModelConfig:
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            moe_intermediate_size=cfg.get("moe_intermediate_size"),
         )
 
     @classmethod
