@@ -63,8 +63,8 @@ CASES = {
     "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
         head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         mlp_only_layers=[1])),
-    # Mixtral: top-2 of 8 experts in every layer, a window shorter than the prompt.
-    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2,
+    # Mixtral: top-2 of 4 experts in every layer, a window shorter than the prompt.
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2,
                                                         intermediate_size=32, sliding_window=16)),
 }
 
