@@ -247,7 +247,6 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _impl_for(x).gelu_and_mul(x)
 
 
-
 def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> Callable[..., torch.Tensor]:
     """SwiGLU experts, gate_up [E, 2F, H] (each expert's gate rows, then its up rows) and down
     [E, H, F], prepared once for their device: experts(x [T, H], topk_weights [T, k], topk_ids

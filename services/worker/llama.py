@@ -2,8 +2,8 @@
 
 Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
 and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
-biases, tied embeddings, per-head q/k norms, and mixture-of-experts MLPs (experts.py); which families those serve, and the checks that
-refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
+biases, tied embeddings, per-head q/k norms and mixture-of-experts MLPs (experts.py); which
+families those serve, and the checks that refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
 runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
 into the weights first (smoothquant.py).
 """
