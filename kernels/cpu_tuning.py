@@ -38,7 +38,9 @@ class ModelShapes:
     def of(cls, cfg) -> ModelShapes:  # cfg: shared.config.ModelConfig (duck-typed: kernels import no services)
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         h, f = cfg.hidden_size, cfg.intermediate_size
-        return cls(linears=((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)), logits=(cfg.vocab_size, h),
+        e = getattr(cfg, "moe_intermediate_size", None)  # experts narrower than the dense MLP (Qwen3-MoE)
+        experts = ((2 * e, h), (h, e)) if e and e != f else ()
+        return cls(linears=((q + 2 * kv, h), (h, q), (2 * f, h), (h, f), *experts), logits=(cfg.vocab_size, h),
                    heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -247,3 +247,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] holding [gate | up] -> GELU_tanh(gate) * up, [T, F] (GeGLU)."""
     return _impl_for(x).gelu_and_mul(x)
+
+
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """SwiGLU experts, gate_up [E, 2F, H] (each expert's gate rows, then its up rows) and down
+    [E, H, F], prepared once for their device: experts(x [T, H], topk_weights [T, k], topk_ids
+    [T, k]) -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H]. Grouped GEMMs
+    over the tokens sorted by expert (moe.py); a fused pair of kernels on Triton (triton_moe.py)."""
+    return _impl_for(gate_up).make_experts(gate_up, down)

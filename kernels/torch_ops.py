@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from rill.kernels import chooser, cpu_native
+from rill.kernels import chooser, cpu_native, moe
 
 if TYPE_CHECKING:
     from rill.kernels.ops import AttentionMetadata
@@ -220,6 +220,11 @@ def gemm_shape(weight: torch.Tensor, logits: bool = False) -> tuple[object, ...]
 def gemm_key(n: int, k: int, dtype: torch.dtype, logits: bool = False) -> tuple[object, ...]:
     """out x in features, dtype, and whether the layer makes logits."""
     return (n, k, str(dtype).removeprefix("torch."), *(("logits",) if logits else ()))
+
+
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> moe.GroupedExperts:
+    """`ops.make_experts`: one GEMM pair per expert over its gathered tokens (moe.py)."""
+    return moe.GroupedExperts(gate_up, down, lambda w: Linear(w, None), silu_and_mul)
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ stores the rotated k and v into the paged cache (slots < 0 are padding and are s
 saves a launch and a round trip of k per layer. The rotary tables (`cos_sin_cache`, with any
 Llama-3 / linear frequency scaling already applied by the model) are read per token position.
 
-GEMMs stay on cuBLAS (`Linear` is the torch one).
+GEMMs stay on cuBLAS (`Linear` is the torch one), except the experts' grouped GEMMs (triton_moe.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from rill.kernels.torch_ops import Linear
 from rill.kernels.triton_attention import INTERPRET, paged_attention, prepare_interpreter
+from rill.kernels.triton_moe import make_experts
 
 prepare_interpreter()  # a no-op by now; it must run before this module's own `import triton`
 
@@ -233,5 +234,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _launch_rope_cache(k, k, v, k, k, None, None, k_cache, v_cache, slot_mapping)
 
 
-__all__ = ["INTERPRET", "Linear", "apply_rotary", "paged_attention", "rms_norm", "rope_and_write_kv", "silu_and_mul",
-           "write_kv"]
+__all__ = ["INTERPRET", "Linear", "apply_rotary", "make_experts", "paged_attention", "rms_norm",
+           "rope_and_write_kv", "silu_and_mul", "write_kv"]

@@ -55,7 +55,7 @@ warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
 
-from rill.kernels import ops, triton_attention, triton_ops  # noqa: E402
+from rill.kernels import moe, ops, triton_attention, triton_moe, triton_ops  # noqa: E402
 from rill.kernels.triton_attention import (  # noqa: E402
     attention_bytes,
     choose_num_splits,
@@ -387,6 +387,23 @@ def check_elementwise(dtype: torch.dtype, big: bool) -> None:
 # ================================================================================= (c) kernel timings
 
 
+def check_moe(dtype: torch.dtype, big: bool) -> None:
+    """The fused-MoE kernels against every expert run densely in fp32 (Qwen3-30B-A3B's experts:
+    128 of 768 wide, top-8, when big; row blocks of 16 and 64)."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    tokens, hidden, inter, experts, top_k = (300, 2048, 768, 128, 8) if big else (9, 72, 40, 6, 2)
+    x = torch.randn((tokens, hidden), generator=g, device=DEV).to(dtype)
+    gate_up = (torch.randn((experts, 2 * inter, hidden), generator=g, device=DEV) * hidden ** -0.5).to(dtype)
+    down = (torch.randn((experts, hidden, inter), generator=g, device=DEV) * inter ** -0.5).to(dtype)
+    weights, ids = moe.route(torch.randn((tokens, experts), generator=g, device=DEV), top_k, True, dtype)
+    want = moe.dense_reference(x, gate_up, down, weights, ids)
+    atol, rtol = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (4e-2, 3e-2)}[dtype]
+    scale = float(want.abs().max())
+    for block_m in (16, 64) if big else (16,):
+        got = triton_moe.fused_experts(x, gate_up, down, weights, ids, block_m=block_m)
+        compare(f"fused moe M={block_m}", dtype, got, want, (atol * scale, rtol))
+
+
 def decode_inputs(batch: int, ctx: int, dtype: torch.dtype = torch.bfloat16):
     nbps = -(-ctx // P.block)
     k = torch.randn((batch * nbps, P.block, P.kv_heads, P.head_dim), dtype=dtype, device=DEV)
@@ -650,6 +667,16 @@ def compile_report() -> list[tuple[str, int, int, int]]:
         ("write_kv 8 D=128", to._rope_cache_kernel, rope_ptrs, set(),
          dict(HALF=64, BLOCK_HQ=8, BLOCK_HKV=8, BLOCK_HALF=64, BLOCK_SIZE=16, ROTATE=False, WRITE_CACHE=True), 4, 1),
     ]
+    # The fused-MoE grouped GEMMs at their decode and prefill row blocks (Qwen3-30B-A3B: top-8).
+    moe_ptrs = dict(x_ptr=bf, h_ptr=bf, w_ptr=bf, out_ptr=bf, weights_ptr=bf, sorted_ptr="*i64",
+                    block_expert_ptr="*i64")
+    block_n, block_k, moe_warps, moe_stages = triton_moe.CONFIG
+    for block_m in (16, 64):
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=False, PRECISION="tf32")
+        variants += [
+            (f"moe gate_up M={block_m}", triton_moe._gate_up_kernel, moe_ptrs, set(), dict(tiles, TOP_K=8),
+             moe_warps, moe_stages),
+            (f"moe down M={block_m}", triton_moe._down_kernel, moe_ptrs, set(), tiles, moe_warps, moe_stages)]
     report = []
     for name, fn, ptrs, floats, consts, warps, stages in variants:
         sig, attrs = {}, {}
@@ -763,6 +790,7 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float16):
             check_attention(dtype, big=CUDA and not args.smoke)
             check_elementwise(dtype, big=CUDA and not args.smoke)
+            check_moe(dtype, big=CUDA and not args.smoke)
         time_decode_attention(bw)
         time_other_kernels(bw, flops)
         if time_left() > 40:
@@ -781,6 +809,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             check_attention(dtype, big=False)
             check_elementwise(dtype, big=False)
+            check_moe(dtype, big=False)
         run_compile_report_subprocess()
         for what in ("(a) copy bandwidth and bf16 matmul peaks", "(b) bf16/fp16 checks at full Llama-3-8B shapes "
                      "and the > 2^31-element cache", "(c) per-kernel timings, decode launch sweep, batch "

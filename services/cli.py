@@ -184,7 +184,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     from rill.services.worker.tensor_parallel import TensorParallelError, check_supported
 
     try:  # one line and a non-zero exit, before any process starts, for a model Rill would serve wrongly
-        family = check_checkpoint(model_dir, ns.max_model_len)
+        family = check_checkpoint(model_dir, ns.max_model_len, ns.quantization)
         check_supported(family.name, ns.quantization, tp)
     except (UnsupportedModel, TensorParallelError) as exc:
         raise SystemExit(f"rill: {model_dir}: {exc}") from None

@@ -40,6 +40,7 @@ class ModelConfig:
     rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores = cap * tanh(scores / cap) (Gemma 2)
+    moe_intermediate_size: int | None = None  # each expert's MLP width, where not intermediate_size (Qwen3-MoE)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -86,6 +87,7 @@ class ModelConfig:
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            moe_intermediate_size=cfg.get("moe_intermediate_size"),
         )
 
     @classmethod

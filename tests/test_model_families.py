@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_model_parity import TOL, check_prefill_then_decode
 from transformers import (
+    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -22,14 +23,19 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
+from rill.services.cli import build_parser, engine_args
 from rill.services.worker import families
 from rill.services.worker.llama import LlamaModel
 from rill.shared.broker import free_port
@@ -74,6 +80,13 @@ CASES = {
     # Dynamic NTK within the original context: the plain base, as transformers computes it there.
     "llama-dynamic": (LlamaForCausalLM, LlamaConfig, dict(rope_parameters=dict(
         rope_type="dynamic", rope_theta=10000.0, factor=4.0))),
+    # Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), q/k norms.
+    "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    # Mixtral: top-2 of 4 experts in every layer, a window shorter than the prompt.
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                        intermediate_size=32, sliding_window=16)),
 }
 
 
@@ -173,6 +186,116 @@ def test_refused_at_load_with_one_line(tmp_path: Path, what: str, edit, message:
         with pytest.raises(families.UnsupportedModel) as err:
             check()
         assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _fuse_experts(path: Path) -> None:
+    """Rewrite a Qwen3-MoE checkpoint's per-expert tensors as transformers' fused 3-D ones."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for i in range(3):
+        p = f"model.layers.{i}.mlp.experts."
+        if f"{p}0.gate_proj.weight" not in tensors:
+            continue  # the dense layer
+        e = 0
+        gate_up, down = [], []
+        while f"{p}{e}.gate_proj.weight" in tensors:
+            gate_up.append(torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")]))
+            down.append(tensors.pop(f"{p}{e}.down_proj.weight"))
+            e += 1
+        tensors[f"{p}gate_up_proj"], tensors[f"{p}down_proj"] = torch.stack(gate_up), torch.stack(down)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_moe_fused_expert_layout_matches_transformers(tmp_path: Path) -> None:
+    """Experts stored as transformers holds them in memory ([E, 2F, H] and [E, H, F]) serve the
+    same model as the hub's one tensor per expert."""
+    path, ref = build(tmp_path, "qwen3-moe")
+    _fuse_experts(path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in families.tensor_names(path)
+    model = LlamaModel.load(path, torch.float32, "cpu")
+    assert [layer.moe is not None for layer in model.layers] == [True, False, True]
+    prompt = [int(t) for t in torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(2))]
+    assert check_prefill_then_decode(model, ref, prompt, block_size=8, steps=2) < TOL
+
+
+def test_moe_bf16_error_no_worse_than_transformers_bf16(tmp_path: Path) -> None:
+    """bf16 on CPU (the serving dtype): our logits stray from the fp32 reference no more than
+    transformers' own bf16 Qwen3-MoE does, routing included."""
+    path, ref = build(tmp_path, "qwen3-moe")
+    prompt = [int(t) for t in torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(2))]
+    ours = check_prefill_then_decode(LlamaModel.load(path, torch.bfloat16, "cpu"), ref, prompt, block_size=8, steps=3)
+    ref_bf16 = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    fp32_cache, bf16_cache = DynamicCache(config=ref.config), DynamicCache(config=ref.config)
+    theirs = 0.0
+    with torch.no_grad():
+        tokens = [prompt]
+        for _ in range(4):
+            want = ref(torch.tensor(tokens), cache=fp32_cache, use_cache=True).logits[0]
+            got = ref_bf16(torch.tensor(tokens), cache=bf16_cache, use_cache=True).logits[0].float()
+            theirs = max(theirs, (got - want).abs().max().item())
+            tokens = [[int(want[-1].argmax())]]
+    assert ours <= 1.25 * theirs + 0.05, f"bf16 max abs diff: ours {ours}, transformers bf16 {theirs}"
+
+
+def test_moe_engine_matches_generate(tmp_path: Path) -> None:
+    """Mixtral (experts in every layer, a window of 16) through the scheduler and model runner
+    with a small chunk budget and plans one step ahead, twice (the second pass hits the prefix
+    cache): greedy tokens equal transformers' generate, and blocks behind the window are released."""
+    from test_scheduler_engine import drive, greedy
+
+    from rill.services.scheduler.kv_cache_manager import KVCacheManager
+    from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from rill.services.worker.model_runner import ModelRunner
+
+    path, ref = build(tmp_path, "mixtral")
+    runner = ModelRunner(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=4)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True, sliding_window=runner.model.sliding_window)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12, max_model_len=256), kv)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (29, 17, 40)]
+    with torch.inference_mode():
+        want = {f"r{i}": ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                      min_new_tokens=16)[0, len(p):].tolist() for i, p in enumerate(prompts)}
+    for attempt in range(2):
+        msgs = [greedy(f"r{i}", p, 16) for i, p in enumerate(prompts)]
+        for m in msgs:
+            m.eos_token_ids = []  # generate ran past any EOS too
+        assert drive(runner, sched, msgs, depth=2).outputs == want, f"pass {attempt}"
+    assert kv.released_total > 0 and kv.hits > 0
+
+
+MOE_REFUSALS = [
+    ("missing expert", lambda p: _edit_tensors(p, drop="model.layers.2.mlp.experts.5.up_proj.weight"),
+     "lacks model.layers.2.mlp.experts.5.up_proj.weight"),
+    ("dense layer made sparse", lambda p: _edit_config(p, mlp_only_layers=[]),
+     "lacks model.layers.1.mlp.experts.0.down_proj.weight"),
+    ("per-expert beside fused", lambda p: (_fuse_experts(p), _edit_tensors(
+        p, add={"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(32, 64)})),
+     "tensor model.layers.0.mlp.experts.0.up_proj.weight would be left unused"),
+    ("top-k past the experts", lambda p: _edit_config(p, num_experts_per_tok=9),
+     "num_experts_per_tok 9 must be between 1 and the 8 experts"),
+]
+
+
+@pytest.mark.parametrize("what,edit,message", MOE_REFUSALS, ids=[r[0] for r in MOE_REFUSALS])
+def test_moe_checkpoint_refused_with_one_line(tmp_path: Path, what: str, edit, message: str) -> None:
+    path, _ = build(tmp_path, "qwen3-moe")
+    edit(path)
+    for check in (lambda: families.check_checkpoint(path), lambda: LlamaModel.load(path, torch.float32, "cpu")):
+        with pytest.raises(families.UnsupportedModel) as err:
+            check()
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_refused_with_int8(tmp_path: Path) -> None:
+    """The experts have no int8 GEMMs: --quantization int8 is refused by name, not half-applied."""
+    path, _ = build(tmp_path, "qwen3-moe")
+    for check in (lambda: families.check_checkpoint(path, quantization="int8"),
+                  lambda: LlamaModel.load(path, torch.float32, "cpu", quantization="int8")):
+        with pytest.raises(families.UnsupportedModel, match="--quantization int8 is not supported for mixture"):
+            check()
+    with pytest.raises(SystemExit, match=r"^rill: .*--quantization int8 is not supported for mixture"):
+        engine_args(build_parser().parse_args(["serve", str(path), "--quantization", "int8"]), str(path))
 
 
 def test_a_short_window_is_served_at_full_context(tmp_path: Path) -> None:

@@ -27,6 +27,68 @@ class UnsupportedModel(ValueError):
 
 
 @dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family names its sparse MLP blocks in hub checkpoints:
+    `{block}.gate.weight` (the router, [E, H]) and `{block}.experts.{e}.{gate|up|down}.weight`.
+    transformers (5.x) keeps the experts fused in memory, `mlp.experts.gate_up_proj` [E, 2F, H] and
+    `mlp.experts.down_proj` [E, H, F] beside `mlp.gate.weight`; a checkpoint stored that way is read
+    too (fused_expert_names), layer by layer."""
+
+    block: str  # "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)
+    gate: str  # each expert's SwiGLU projections
+    up: str
+    down: str
+    # Qwen3-MoE: config.mlp_only_layers and decoder_sparse_step leave some layers dense (a plain
+    # MLP of intermediate_size); experts are moe_intermediate_size wide. Mixtral: every layer
+    # sparse, experts intermediate_size wide.
+    dense_layers: bool = False
+    renormalise_key: str | None = None  # config key switching top-k renormalisation; None: always
+    round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen3-MoE)
+
+    def expert_names(self, i: int, num_experts: int) -> list[str]:
+        p = f"model.layers.{i}.{self.block}."
+        return [f"{p}gate.weight", *(f"{p}experts.{e}.{n}.weight" for e in range(num_experts)
+                                     for n in (self.gate, self.up, self.down))]
+
+
+def fused_expert_names(i: int) -> list[str]:
+    """Layer i's router and fused experts as transformers names them in memory (see Experts)."""
+    p = f"model.layers.{i}.mlp."
+    return [f"{p}gate.weight", f"{p}experts.gate_up_proj", f"{p}experts.down_proj"]
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Experts per sparse layer: hub configs say num_experts (Qwen3-MoE) or num_local_experts
+    (Mixtral); transformers saves the latter for both."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def sparse_layers(cfg: dict[str, Any], fam: Family) -> list[bool]:
+    """Which layers have a mixture-of-experts MLP, as transformers decides."""
+    n = int(cfg["num_hidden_layers"])
+    if fam.experts is None:
+        return [False] * n
+    if not fam.experts.dense_layers:
+        return [True] * n
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return [i not in dense and num_experts(cfg) > 0 and (i + 1) % step == 0 for i in range(n)]
+
+
+def renormalises(cfg: dict[str, Any], fam: Family) -> bool:
+    """Whether the top-k routing weights are rescaled to sum to 1."""
+    key = fam.experts.renormalise_key if fam.experts else None
+    return True if key is None else bool(cfg.get(key, False))
+
+
+def check_quantization(fam: Family, quantization: str) -> None:
+    """Refuse what the quantized paths cannot serve: int8 (SmoothQuant) has no expert GEMMs."""
+    if fam.experts is not None and quantization not in ("none", None):
+        raise UnsupportedModel(f"{fam.name}: --quantization {quantization} is not supported for mixture-of-experts "
+                               "models (the experts have no int8 path); serve with --quantization none")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     architectures: tuple[str, ...]
@@ -46,6 +108,7 @@ class Family:
     gemma: bool = False
     # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the runner's own layout).
     fused: bool = False
+    experts: Experts | None = None  # a mixture-of-experts family: its sparse MLP blocks
 
     def attn_names(self, i: int) -> list[str]:
         """Layer i's projections into q, k and v (one, fused, or three), then its output one."""
@@ -86,6 +149,14 @@ FAMILIES = (
            gemma=True, window_layers="types"),
     # Phi-3 / Phi-3.5 mini: fused projections, every layer within `sliding_window` (as Mistral).
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True),
+    # Qwen3-MoE: Qwen3's attention, experts in every decoder_sparse_step-th layer not in mlp_only_layers.
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True, window_key="sliding_window",
+           window_switch="use_sliding_window",
+           experts=Experts("mlp", "gate_proj", "up_proj", "down_proj", dense_layers=True,
+                           renormalise_key="norm_topk_prob", round_weights=True)),
+    # Mixtral: Mistral's attention (a window over every layer when set), experts in every layer.
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), window_key="sliding_window",
+           experts=Experts("block_sparse_moe", "w1", "w3", "w2")),
 )
 _BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -157,11 +228,23 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
                                f"{cfg['partial_rotary_factor']}) are not supported")
     if parsed.head_dim % 2:
         raise UnsupportedModel(f"{fam.name}: head_dim {parsed.head_dim} is odd; RoPE needs pairs")
+    if fam.experts is not None:
+        _check_experts(cfg, fam, act)
     return fam
 
 
-def expected_tensors(cfg: dict[str, Any], fam: Family) -> tuple[set[str], set[str]]:
-    """(tensors the checkpoint must hold, optional ones the forward uses when present)."""
+def _check_experts(cfg: dict[str, Any], fam: Family, act: str) -> None:
+    n, k = num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
+    if any(sparse_layers(cfg, fam)) and not 1 <= k <= n:
+        raise UnsupportedModel(f"{fam.name}: num_experts_per_tok {k} must be between 1 and the {n} experts")
+    if act != "silu":
+        raise UnsupportedModel(f"{fam.name}: experts with activation {act!r} are not supported (only SwiGLU)")
+
+
+def expected_tensors(cfg: dict[str, Any], fam: Family,
+                     names: set[str] | frozenset[str] = frozenset()) -> tuple[set[str], set[str]]:
+    """(tensors the checkpoint must hold, optional ones the forward uses when present). `names`
+    (the checkpoint's) picks each sparse layer's expert layout: fused where it holds that one."""
     parsed = ModelConfig.from_dict(cfg)
     required = {"model.embed_tokens.weight", "model.norm.weight"}
     # An absent LM head is tied to the embedding; a tied checkpoint may still store its copy.
@@ -169,6 +252,12 @@ def expected_tensors(cfg: dict[str, Any], fam: Family) -> tuple[set[str], set[st
     for i in range(parsed.num_hidden_layers):
         required.update(fam.layer_tensors(i, cfg))
         optional.update(f"{n}.bias" for n in (*fam.attn_names(i), *fam.mlp_names(i)))
+    for i, sparse in enumerate(sparse_layers(cfg, fam)):
+        if sparse:  # the router and experts replace the dense MLP (which has no biases to allow)
+            required.difference_update(f"{n}.weight" for n in fam.mlp_names(i))
+            optional.difference_update(f"{n}.bias" for n in fam.mlp_names(i))
+            fused = fused_expert_names(i)
+            required.update(fused if fused[1] in names else fam.experts.expert_names(i, num_experts(cfg)))
     return required, optional
 
 
@@ -178,7 +267,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def check_tensors(names: set[str], cfg: dict[str, Any], fam: Family) -> None:
     """Refuse a checkpoint missing a tensor the forward needs, or holding one it would not use."""
-    required, optional = expected_tensors(cfg, fam)
+    required, optional = expected_tensors(cfg, fam, names)
     missing = sorted(required - names)
     if missing:
         raise UnsupportedModel(f"{fam.name}: the checkpoint lacks {missing[0]}"
@@ -202,11 +291,13 @@ def tensor_names(model_dir: Path) -> set[str]:
     return names
 
 
-def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None) -> Family:
-    """Everything `rill serve` checks before starting: config values and tensor names."""
+def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None, quantization: str = "none") -> Family:
+    """Everything `rill serve` checks before starting: config values, tensor names, and whether
+    the family can take `quantization`."""
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     fam = check_config(cfg, max_model_len)
+    check_quantization(fam, quantization)
     check_tensors(tensor_names(model_dir), cfg, fam)
     return fam
 
@@ -225,7 +316,10 @@ def supported_table() -> str:
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
-             "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope"}
+             "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope",
+             "qwen3_moe": "Qwen3 attention; top-k experts (SwiGLU) as grouped GEMMs, optional renormalisation, "
+                          "dense layers by mlp_only_layers / decoder_sparse_step; no int8",
+             "mixtral": "Mistral attention; top-k experts (SwiGLU) as grouped GEMMs, renormalised; no int8"}
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
     return "\n".join(rows)

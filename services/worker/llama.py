@@ -1,9 +1,10 @@
 """Llama-family forward pass over a flattened batch and a paged KV cache.
 
 Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear,
-dynamic NTK, Llama-3, YaRN and LongRoPE frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
-biases, tied embeddings, and per-head q/k norms; which families those serve, and the checks that
-refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
+dynamic NTK, Llama-3, YaRN and LongRoPE frequency scaling), GQA attention through `rill.kernels.ops`,
+SwiGLU MLP, optional biases, tied embeddings, per-head q/k norms and mixture-of-experts MLPs
+(experts.py); which families those serve, and the checks that refuse the rest at load, are in
+families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
 runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
 into the weights first (smoothquant.py).
 """
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
 from rill.services.worker import families, tensor_parallel
+from rill.services.worker.experts import SparseMoe, read_sparse_moe
 from rill.shared.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,14 +158,15 @@ class LayerWeights:
     qkv: Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # fused [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | None  # fused [2 * intermediate, hidden]; None in a sparse (experts) layer
+    down: Linear | None
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm of each q head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
     mlp_out_norm: torch.Tensor | None = None
     local_rope: bool = False  # a sliding-attention layer: its own RoPE table (Gemma 3)
     window: int | None = None  # sliding-window size: a query at p sees keys p - window + 1 .. p
+    moe: SparseMoe | None = None  # the layer's MLP is a mixture of experts (experts.py)
 
 
 @dataclass
@@ -177,9 +180,9 @@ class LayerTensors:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | None
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -187,13 +190,17 @@ class LayerTensors:
     mlp_out_norm: torch.Tensor | None = None
     local_rope: bool = False
     window: int | None = None
+    moe: SparseMoe | None = None  # already prepared (no quantized experts)
 
     def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
+        dense = self.moe is None
         return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
                             o=linear(self.o, self.o_bias), post_norm=self.post_norm,
-                            gate_up=linear(self.gate_up, self.gate_up_bias), down=linear(self.down, self.down_bias),
+                            gate_up=linear(self.gate_up, self.gate_up_bias) if dense else None,
+                            down=linear(self.down, self.down_bias) if dense else None,
                             q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
-                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window)
+                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window,
+                            moe=self.moe)
 
 
 class _Checkpoint:
@@ -285,6 +292,7 @@ class LlamaModel:
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
         family = families.check_config(raw, max_positions)  # refuses what the forward would get wrong
+        families.check_quantization(family, "int8" if smoothquant_alpha else quantization)
         cfg = ModelConfig.from_dict(raw)
         ckpt = _Checkpoint(model_dir)
         families.check_tensors(ckpt.names(), raw, family)
@@ -294,6 +302,7 @@ class LlamaModel:
             tensor_parallel.check_supported(family.name, quantization, tp.size, bool(smoothquant_alpha))
             shard = tensor_parallel.Shard.plan(cfg, tp.rank, tp.size)
             ckpt = tensor_parallel.ShardedCheckpoint(ckpt, cfg, shard)  # type: ignore[assignment]
+        sparse = families.sparse_layers(raw, family)
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
@@ -308,6 +317,9 @@ class LlamaModel:
             *attn, o_name = family.attn_names(i)  # [q, k, v] or [qkv]: concatenated either way
             *mlp, down_name = family.mlp_names(i)
             gemma = family.gemma
+            moe = read_sparse_moe(ckpt, i, raw, family, put) if sparse[i] else None
+            if moe is not None:
+                mlp, down_name = [], None
             return LayerTensors(
                 input_norm=norm_weight(f"{p}input_layernorm.weight"),
                 qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
@@ -317,15 +329,16 @@ class LlamaModel:
                 # pre_feedforward and uses post_attention for the attention output's own norm.
                 post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
                                       else f"{p}post_attention_layernorm.weight"),
-                gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])),
-                gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])),
-                down=put(ckpt.get(f"{down_name}.weight")), down_bias=put(ckpt.maybe(f"{down_name}.bias")),
+                gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])) if mlp else None,
+                gate_up_bias=put(_cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])) if mlp else None,
+                down=put(ckpt.get(f"{down_name}.weight")) if down_name else None,
+                down_bias=put(ckpt.maybe(f"{down_name}.bias")) if down_name else None,
                 q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
                 k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
                 attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
                 local_rope=cfg.rope_theta_local is not None and i < len(cfg.layer_types)
-                and cfg.layer_types[i] == "sliding_attention", window=windows[i])
+                and cfg.layer_types[i] == "sliding_attention", window=windows[i], moe=moe)
 
         tensors = [read_layer(i) for i in range(cfg.num_hidden_layers)]
         embed = put(ckpt.get("model.embed_tokens.weight"))
@@ -409,7 +422,7 @@ class LlamaModel:
             if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
                 h = ops.rms_norm(h, layer.attn_out_norm, eps)
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = layer.down(self.act(layer.gate_up(x)))
+            h = layer.moe(x) if layer.moe is not None else layer.down(self.act(layer.gate_up(x)))
             if layer.mlp_out_norm is not None:
                 h = ops.rms_norm(h, layer.mlp_out_norm, eps)
         # Only the rows that get sampled go through the final norm and the LM head.

@@ -48,7 +48,10 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
         return args.kv_cache_memory
     if runner.device != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
-    # What weights plus a full-size warm-up step use is not available to the cache.
+    # What weights plus a full-size warm-up step use is not available to the cache. Experts are
+    # weights like any other, and the fused-MoE buffers are sized for the worst routing
+    # (triton_moe.py), so the warm-up prompt (one token id repeated: every row picks the same
+    # experts) still measures a MoE step's peak.
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     runner.warmup(args.step_token_budget(runner.device))
