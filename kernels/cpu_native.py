@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from rill.shared import envs
 from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
@@ -52,7 +53,7 @@ _prefill_dot = False  # the build has the AVX512-BF16 dot-product prefill kernel
 
 
 def enabled() -> bool:
-    return os.environ.get("RILL_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no", "off")
+    return envs.RILL_NATIVE_KERNELS
 
 
 def library() -> ctypes.CDLL | None:
@@ -83,7 +84,7 @@ def _loaded() -> ctypes.CDLL:
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
+    for name in (envs.CC, "cc", "gcc"):
         if name and shutil.which(name):
             return name
     raise RuntimeError("no C compiler (set CC, or install gcc)")
@@ -221,7 +222,7 @@ def amx_prefill_available() -> bool:
     """Whether bf16 prompt chunks can run on AMX tiles here (CPU, compiler and OS all allow it;
     RILL_AMX=0 turns it off)."""
     return (library() is not None and _amx
-            and os.environ.get("RILL_AMX", "1").strip() not in ("0", "false", "no", "off"))
+            and envs.RILL_AMX)
 
 
 def dot_prefill_available() -> bool:
@@ -264,7 +265,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         assert t.dtype == torch.int32 and t.is_contiguous()
     assert out.is_contiguous() and v_cache.is_contiguous()
     if kernel is None:
-        kernel = os.environ.get("RILL_PREFILL_KERNEL", "auto").strip().lower() or "auto"
+        kernel = envs.RILL_PREFILL_KERNEL
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
     _, num_heads, head_dim = q.shape

@@ -17,7 +17,6 @@ head_dim] ("NHD"), allocated once. The KV of a request's position p lives at slo
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -28,6 +27,7 @@ import torch
 
 from rill.kernels import torch_ops
 from rill.kernels.torch_ops import Int8Linear, Linear
+from rill.shared import envs
 from rill.shared.config import QUANTIZATIONS
 
 AnyLinear = Linear | Int8Linear
@@ -130,7 +130,7 @@ def backend() -> str:
     """The configured choice: auto, torch or triton."""
     global _backend
     if _backend is None:
-        name = os.environ.get("RILL_KERNELS", "auto").strip().lower() or "auto"
+        name = envs.RILL_KERNELS
         if name not in BACKENDS:
             raise ValueError(f"RILL_KERNELS must be one of {BACKENDS}, got {name!r}")
         _backend = name
@@ -144,7 +144,7 @@ def _triton_ops() -> ModuleType | None:
         if not torch.cuda.is_available():
             # Without a GPU the kernels can only run interpreted; the flag is read when the
             # kernels are decorated, i.e. at import.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+            envs.export("TRITON_INTERPRET", "1", overwrite=False)
         try:
             from rill.kernels import triton_ops
         except ImportError as exc:  # no triton wheel: serve with torch rather than not at all

@@ -10,13 +10,13 @@ own. Softmax always runs in fp32.
 from __future__ import annotations
 
 import bisect
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rill.kernels import chooser, cpu_native, moe
+from rill.shared import envs
 
 if TYPE_CHECKING:
     from rill.kernels.ops import AttentionMetadata
@@ -390,7 +390,7 @@ def attention_kernels(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.T
     bucket = chooser.CONTEXT_BUCKETS[min(bisect.bisect_left(chooser.CONTEXT_BUCKETS, longest),
                                          len(chooser.CONTEXT_BUCKETS) - 1)]
     prefill = table.choice("prefill", shape, bucket) or prefill_names[0]
-    forced = os.environ.get("RILL_PREFILL_KERNEL", "").strip().lower()
+    forced = envs.RILL_PREFILL_KERNEL
     if forced in ("amx", "dot", "vector") and "vector" in prefill_names:
         prefill = forced
     return (decode if decode in decode_names else decode_names[0],

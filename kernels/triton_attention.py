@@ -34,11 +34,12 @@ before the dot there (`UPCAST`); fp16 runs as on a GPU, where the dots take the 
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
 import torch
+
+from rill.shared import envs
 
 
 def prepare_interpreter() -> None:
@@ -48,7 +49,7 @@ def prepare_interpreter() -> None:
     tl.max, tl.cdiv, ...) are decorated when triton is first imported, which torch._dynamo does
     early (transformers pulls it in). Compiled library functions cannot be called from an
     interpreted kernel, so drop triton's Python modules (not its C extension) and import afresh."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not envs.TRITON_INTERPRET:
         return
     standard = sys.modules.get("triton.language.standard")
     if standard is None:
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: longer than any context
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = envs.TRITON_INTERPRET
 
 # Launch settings. Chosen from sm_90 compiles of the Llama-3-8B shapes (bf16, head_dim 128, G=4;
 # registers without spills, see scripts/gpu_check.py --compile-only), not yet from GPU timings:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -19,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
+
+from rill.shared import envs
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/ws"
 RECV_POLL_S = 0.1  # how often a streaming reply looks at Ctrl-C
@@ -47,9 +48,9 @@ def http_base(url: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("RILL_URL", DEFAULT_URL),
+    p.add_argument("--url", default=envs.RILL_URL or DEFAULT_URL,
                    help=f"the server: ws://host:port/v1/ws or http://host:port (default {DEFAULT_URL}, or $RILL_URL)")
-    p.add_argument("--api-key", default=os.environ.get("RILL_API_KEY"),
+    p.add_argument("--api-key", default=envs.RILL_API_KEY,
                    help="the server's --api-key (default $RILL_API_KEY)")
     p.add_argument("--system", default=None, help="a system prompt for the conversation")
     p.add_argument("--temperature", type=float, default=0.7)
@@ -258,7 +259,7 @@ def read_line(prompt: str) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     out = sys.stdout
-    dim = (lambda s: f"\x1b[2m{s}\x1b[0m") if out.isatty() and not os.environ.get("NO_COLOR") else (lambda s: s)
+    dim = (lambda s: f"\x1b[2m{s}\x1b[0m") if out.isatty() and not envs.NO_COLOR else (lambda s: s)
     try:
         session = ChatSession(ns.url, _params(ns), ns.system, out, ns.api_key)
         session.connect()

@@ -12,6 +12,7 @@ import urllib.request
 import uuid
 
 from rill.services.supervisor import Child
+from rill.shared import envs
 from rill.shared.broker import DEFAULT_MAXMEMORY
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, QUANTIZATIONS, EngineArgs, ModelConfig, parse_size
 from rill.shared.logs import setup_logging
@@ -210,8 +211,8 @@ def run_service(ns: argparse.Namespace) -> None:
         # (madvise). Decode attention jumps between scattered KV blocks of a ~1 GiB cache, one TLB
         # miss per block with 4 KiB pages: 7 % of a bf16 decode step at batch 32 (scripts/benchmarks.md). Read at
         # torch's first allocation, so set before anything imports it.
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    ns.redis_url = ns.redis_url or os.environ.get(REDIS_URL_ENV)
+        envs.export("THP_MEM_ALLOC_ENABLE", "1", overwrite=False)
+    ns.redis_url = ns.redis_url or envs.RILL_REDIS_URL
     if not ns.redis_url:
         raise SystemExit(f"rill service: --redis-url (or ${REDIS_URL_ENV}) is required "
                          "(rill serve starts a broker for you)")
@@ -385,13 +386,16 @@ def serve(ns: argparse.Namespace) -> int:
         # Its own password, so that no other local user can read prompts or inject messages.
         broker = EmbeddedBroker(password=secrets.token_urlsafe(24), maxmemory=ns.broker_maxmemory).start()
         redis_url = broker.url
-    os.environ[REDIS_URL_ENV] = redis_url  # the children's, off their command lines
+    envs.export(REDIS_URL_ENV, redis_url)  # the children's, off their command lines
     if ns.api_key is not None:
         # The gateways inherit the key through the environment: on their command lines it would
         # show in every process listing.
         from rill.services.gateway.auth import ENV_VAR
 
-        os.environ[ENV_VAR] = ns.api_key
+        envs.export(ENV_VAR, ns.api_key)
+    # Children run `python -m rill.services.cli` in our working directory: keep it off their
+    # sys.path, where a checkout's kernels/ folder would shadow the `kernels` package transformers imports.
+    envs.export("PYTHONSAFEPATH", "1")
     sup = Supervisor(build_children(ns, model_dir), drain_s=ns.shutdown_timeout)
     sup.start()
     try:

@@ -8,9 +8,10 @@ at WARNING. RILL_LOG_LEVEL overrides Rill's level.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
+
+from rill.shared import envs
 
 
 class _KeyValueFormatter(logging.Formatter):
@@ -27,7 +28,7 @@ class _KeyValueFormatter(logging.Formatter):
 
 
 def setup_logging(service: str, level: str | None = None) -> logging.Logger:
-    level = (level or os.environ.get("RILL_LOG_LEVEL") or "INFO").upper()
+    level = (level or envs.RILL_LOG_LEVEL).upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_KeyValueFormatter(service))
     root = logging.getLogger()

@@ -12,8 +12,9 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
-import os
 from pathlib import Path
+
+from rill.shared import envs
 
 log = logging.getLogger("rill.model_files")
 
@@ -22,9 +23,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("RILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rill")
-    return Path(root)
+    return Path(envs.RILL_CACHE_DIR)
 
 
 def default_gguf() -> Path:

@@ -11,13 +11,13 @@ server can answer a handshake with a response, else it is closed with code 1008 
 from __future__ import annotations
 
 import hmac
-import os
 from urllib.parse import parse_qs
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rill.services.gateway.errors import APIError
+from rill.shared import envs
 
 ENV_VAR = "RILL_API_KEY"
 GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
@@ -27,7 +27,7 @@ INVALID = "Incorrect API key provided."
 
 def api_key_from_env(value: str | None) -> str | None:
     """The flag's value, else the environment's; empty means no key (an open server)."""
-    key = value if value is not None else os.environ.get(ENV_VAR)
+    key = value if value is not None else envs.RILL_API_KEY
     return key or None
 
 

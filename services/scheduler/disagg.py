@@ -35,7 +35,6 @@ leaving their clients waiting.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -46,6 +45,7 @@ import msgspec
 
 from rill.services.scheduler.kv_cache_manager import blocks_for
 from rill.services.scheduler.scheduler import Request, Scheduler
+from rill.shared import envs
 from rill.shared.bus import MAXLEN, Bus
 from rill.shared.config import detok_context_len
 from rill.shared.heartbeat import Absence
@@ -71,7 +71,7 @@ log = logging.getLogger("rill.scheduler.disagg")
 
 ROLES = ("both", "prefill", "decode")
 MAX_ATTEMPTS = 3  # exports of one request before its transfer counts as failed
-TRANSFER_TIMEOUT_S = float(os.environ.get("RILL_KV_TRANSFER_TIMEOUT_S") or 60.0)
+TRANSFER_TIMEOUT_S = envs.RILL_KV_TRANSFER_TIMEOUT_S
 DIRECTORY_TTL_S = 0.5  # how stale the engines' roles and loads may be when picking one
 LIVENESS_CHECK_S = 1.0
 RECORDS_MAX = 100_000  # hand-offs remembered for abort forwarding and engine-loss errors

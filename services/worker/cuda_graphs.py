@@ -20,7 +20,6 @@ RILL_CUDA_GRAPHS=0 turns graphs off; RILL_CUDA_GRAPH_MAX_BATCH (default 256) cap
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -30,6 +29,7 @@ import torch
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
 from rill.services.worker.llama import LlamaModel
+from rill.shared import envs
 
 log = logging.getLogger("rill.worker")
 
@@ -43,13 +43,13 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 def graphs_wanted(device: str, model: LlamaModel) -> bool:
     """CUDA device, Triton kernels, and not switched off by RILL_CUDA_GRAPHS=0."""
-    if device != "cuda" or os.environ.get("RILL_CUDA_GRAPHS", "1").strip() in ("0", "false", "no"):
+    if device != "cuda" or not envs.RILL_CUDA_GRAPHS:
         return False
     return ops.uses_triton(model.embed)
 
 
 def default_max_batch() -> int:
-    return max(1, int(os.environ.get("RILL_CUDA_GRAPH_MAX_BATCH", "256")))
+    return max(1, envs.RILL_CUDA_GRAPH_MAX_BATCH)
 
 
 class DecodeGraphs:

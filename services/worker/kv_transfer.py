@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import redis
 import torch
 
+from rill.shared import envs
 from rill.shared.bus import Streams
 from rill.shared.schema import KVImportResult, KVManifest, StepPlan, StepResult
 
@@ -238,7 +238,7 @@ class KVTransferExecutor:
             return KVManifest(transfer_id=transfer_id, transport=self.default.name, error=f"export failed: {exc}")
 
     def _import(self, manifest: KVManifest, block_ids: list[int]) -> KVImportResult:
-        delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
+        delay = envs.RILL_TEST_KV_IMPORT_DELAY_S
         if delay > 0:
             time.sleep(delay)  # test hook only (see module doc)
         start = time.perf_counter()

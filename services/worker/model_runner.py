@@ -27,6 +27,7 @@ from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, check_params
 from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
+from rill.shared import envs
 from rill.shared.config import ModelConfig, kv_cache_blocks
 from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -60,7 +61,7 @@ def configure_cpu_threads(ranks: int = 1) -> int:
     """Intra-op threads for the CPU forward: RILL_WORKER_THREADS, else every core we may run on
     (shared among the `ranks` tensor-parallel processes of one machine)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = int(os.environ.get("RILL_WORKER_THREADS") or (usable or 1) // ranks or 1)
+    n = envs.RILL_WORKER_THREADS or (usable or 1) // ranks or 1
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
 

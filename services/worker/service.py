@@ -32,6 +32,7 @@ import torch
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
+from rill.shared import envs
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
@@ -67,7 +68,7 @@ def join_group(args: EngineArgs) -> TPGroup | None:
     ends start-up with one line naming why."""
     if args.tensor_parallel_size <= 1:
         return None
-    address = args.tp_address or os.environ.get("RILL_TP_ADDRESS", "")
+    address = args.tp_address or envs.RILL_TP_ADDRESS
     try:
         return TPGroup.join(args.tp_rank, args.tensor_parallel_size, address, resolve_device(args.device))
     except TensorParallelError as exc:

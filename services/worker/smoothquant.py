@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.llama import LayerTensors, LlamaModel
+from rill.shared import envs
 from rill.shared.config import ModelConfig
 
 log = logging.getLogger("rill.worker")
@@ -86,7 +86,7 @@ def resolve_alphas(alpha: float | Mapping[str, float] | None) -> dict[str, float
     """Per-kind alphas: given (a mapping names every kind it smooths), else from
     RILL_SMOOTHQUANT_ALPHA, else DEFAULT_ALPHAS."""
     if alpha is None:
-        env = os.environ.get(ENV_VAR)
+        env = envs.RILL_SMOOTHQUANT_ALPHA
         return parse_alphas(env) if env else dict(DEFAULT_ALPHAS)
     if isinstance(alpha, Mapping):
         return {k: float(alpha.get(k, 0.0)) for k in KINDS}

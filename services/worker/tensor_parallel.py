@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rill.shared import envs
 from rill.shared.config import ModelConfig
 
 log = logging.getLogger("rill.worker")
@@ -165,7 +166,7 @@ class ShardedCheckpoint:
 
 
 def join_timeout_s() -> float:
-    return float(os.environ.get(JOIN_TIMEOUT_ENV) or DEFAULT_JOIN_TIMEOUT_S)
+    return envs.RILL_TP_JOIN_TIMEOUT or DEFAULT_JOIN_TIMEOUT_S
 
 
 class TPGroup:
