@@ -29,8 +29,8 @@ from pathlib import Path
 
 import redis
 
-from rill.shared.bus import Streams
 from rill.shared.model_files import resolve_model
+from rill.shared.streams import Streams
 
 KINDS = ("tokenizer", "detokenizer", "gateway")
 CHAT = {"messages": [{"role": "user", "content": "What's the weather in Paris?"}],

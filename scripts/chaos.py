@@ -42,8 +42,8 @@ import redis
 
 from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
-from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 from rill.shared.model_files import resolve_model
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 
 TOPICS = ["the sea", "a mountain", "a robot", "coffee", "trains", "winter", "music", "a cat", "the moon",
           "gardens", "chess", "rain", "a library", "volcanoes", "bread", "a friend", "the desert", "birds",

@@ -411,7 +411,7 @@ def _announce_when_ready(ns: argparse.Namespace, sup: object, redis_url: str, ti
     """Print one line when the gateway answers and the engine has published its first stats."""
     import redis
 
-    from rill.shared.bus import Streams
+    from rill.shared.streams import Streams
 
     host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
     url = f"http://{host}:{ns.port}"

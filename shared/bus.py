@@ -1,4 +1,5 @@
-"""A small Redis-streams bus: stream names, consumer groups, acks and trimming in one place.
+"""A small Redis-streams bus: connections, sends, reads, consumer groups, acks and trimming.
+Stream names and caps are in streams.py; the replicas' consumer loop in group_consumer.py.
 
 Each entry holds one msgspec-encoded message under the field ``m``. Single-reader streams
 (plan, result, reply) are read with plain XREAD from the last seen id; replicated stateless
@@ -24,12 +25,8 @@ so trimming never drops work; the MAXLEN caps on XADD stay as the hard bound.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
@@ -38,17 +35,13 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import AsyncRespConnection, Command, RespConnection
 from rill.shared.schema import encode
+from rill.shared.streams import Streams
 
 FIELD = b"m"
 SEND_BATCH = 256  # most entries in one pipelined round trip of the gateway's sends
-
-# Groups of replicated readers.
-TOKENIZER_GROUP = "tokenizers"
-DETOKENIZER_GROUP = "detokenizers"
-SCHEDULER_GROUP = "scheduler"
 
 # An entry a replica read but has not acked for this long is taken over by another replica
 # (XAUTOCLAIM). Handling an entry takes milliseconds, and redoing one is harmless (tokenizer:
@@ -56,75 +49,6 @@ SCHEDULER_GROUP = "scheduler"
 CLAIM_IDLE_MS = 5_000
 
 
-@dataclass(frozen=True)
-class Streams:
-    """Every stream and key name, derived from one prefix so test runs never collide."""
-
-    prefix: str = "rill"
-
-    @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
-
-    @property
-    def detok(self) -> str:
-        return f"{self.prefix}:detok"
-
-    def engine_in(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:in"
-
-    def plan(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:plan"
-
-    def result(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:result"
-
-    def stats_key(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:stats"
-
-    def reply(self, gateway_id: str) -> str:
-        return f"{self.prefix}:reply:{gateway_id}"
-
-    def engines_key(self) -> str:
-        """Set of engine ids that are serving; tokenizers route to them."""
-        return f"{self.prefix}:engines"
-
-    def heartbeat(self, role: str, ident: str | int) -> str:
-        """Liveness key of one process (role "scheduler" / "worker": ident is the engine id;
-        role "gateway": ident is its reply stream). It exists while the process beats."""
-        return f"{self.prefix}:hb:{role}:{ident}"
-
-    def replicas_key(self, role: str) -> str:
-        """Set of the consumer names of a stateless role's replicas ("tokenizer", "detokenizer");
-        each one lives while its heartbeat(role, name) key does."""
-        return f"{self.prefix}:replicas:{role}"
-
-    def gateways_key(self) -> str:
-        """Set of the reply streams of gateways that have announced themselves."""
-        return f"{self.prefix}:gateways"
-
-    def kv_chunk(self, transfer_id: str, index: int) -> str:
-        """One chunk of an exported KV payload (prefill/decode disaggregation); expires by itself."""
-        return f"{self.prefix}:kv:{transfer_id}:{index}"
-
-    def cap(self, stream: str) -> int | None:
-        """The MAXLEN of one of our streams, from its name (None: not one of ours)."""
-        if not stream.startswith(f"{self.prefix}:"):
-            return None
-        rest = stream[len(self.prefix) + 1:]
-        if rest in ("requests", "detok"):
-            return MAXLEN[rest]
-        if rest.startswith("reply:"):
-            return MAXLEN["reply"]
-        if rest.startswith("engine:"):
-            kind = rest.rsplit(":", 1)[-1]
-            return {"in": MAXLEN["engine_in"], "plan": MAXLEN["plan"], "result": MAXLEN["result"]}.get(kind)
-        return None
-
-
-# Caps (MAXLEN ~): far above any real backlog, since trimming ignores pending entries.
-MAXLEN = {"requests": 100_000, "engine_in": 100_000, "plan": 1_000, "result": 1_000,
-          "detok": 20_000, "reply": 20_000}
 
 Entry = tuple[bytes, bytes]  # (entry id, payload)
 
@@ -438,70 +362,3 @@ class AsyncBus:
     async def close(self) -> None:
         self.reader.close()
         await self.r.aclose()
-
-
-CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
-TRIM_EVERY_S = 2.0  # trimming entries every replica has read and acked
-REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
-
-
-def serve_group(bus: Bus, stream: str, group: str, consumer: str,
-                handle: Callable[[list[Entry]], list[Command] | None], stop: StopFlag,
-                claim_idle_ms: int | None = CLAIM_IDLE_MS, count: int = 64,
-                log: logging.Logger | None = None) -> None:
-    """The loop of a replicated stateless stage, until `stop`: `handle` each batch of entries.
-    `handle` either acks them itself or returns the commands that do (its sends, then the ack),
-    which go out ahead of the next blocking read in the same round trip: a stage that runs once a
-    step (the detokenizer) then costs the broker one round trip a step, not two.
-    First, and after every broker error, it redoes this consumer's own unacked entries;
-    it takes over entries other replicas left unacked for `claim_idle_ms` (they died), trims what
-    every replica has consumed, forgets dead consumers, and rides out broker outages with backoff."""
-    log = log or logging.getLogger("rill.bus")
-    backoff = Backoff()
-    recover = True
-    outbox: list[Command] = []  # what the last handled batch still has to send, its ack last
-    next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace a dead one
-    while not stop:
-        try:
-            if recover:
-                outbox = []  # sent or not, its entries are unacked and get redone below
-                bus.ensure_group(stream, group)
-                while not stop:
-                    mine = bus.read_group(stream, group, consumer, block_ms=None, count=count, pending=True,
-                                          before=outbox)
-                    outbox = []
-                    if not mine:
-                        break
-                    outbox = handle(mine) or []
-                recover = False
-            entries = bus.read_group(stream, group, consumer, block_ms=POLL_MS, count=count, before=outbox)
-            outbox = []
-            if entries:
-                outbox = handle(entries) or []
-            now = time.monotonic()
-            upkeep = now >= next_trim or now >= next_reap or (claim_idle_ms is not None and now >= next_claim)
-            if upkeep and outbox:  # the replies first: upkeep must not delay them
-                bus.exchange(outbox)
-                outbox = []
-            if claim_idle_ms is not None and now >= next_claim:
-                for batch in bus.claim(stream, group, consumer, claim_idle_ms, count=count):
-                    log.info("claimed %d entries of %s abandoned by another replica", len(batch), stream)
-                    outbox += handle(batch) or []
-                next_claim = now + CLAIM_EVERY_S
-            if now >= next_trim:
-                bus.trim_consumed(stream)
-                next_trim = now + TRIM_EVERY_S
-            if now >= next_reap:
-                bus.reap_consumers(stream, group)
-                next_reap = now + REAP_EVERY_S
-            backoff.reset()
-        except redis.RedisError as exc:  # broker gone or group deleted: retry, then redo unacked work
-            if not backoff.failures:  # once per outage; the retries that follow are quiet
-                log.warning("broker error, reconnecting with backoff: %r", exc)
-            recover = True
-            stop.wait(backoff.next())
-    if outbox:  # stopping: the last batch's replies and ack still go out
-        try:
-            bus.exchange(outbox)
-        except redis.RedisError as exc:
-            log.warning("could not send the last replies while stopping (they are redone): %r", exc)

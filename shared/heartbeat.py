@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import redis
 
-from rill.shared.bus import Streams, connect
+from rill.shared.bus import connect
+from rill.shared.streams import Streams
 
 log = logging.getLogger("rill.heartbeat")
 

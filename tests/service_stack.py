@@ -18,8 +18,8 @@ import openai
 import redis
 
 from rill.shared.broker import free_port
-from rill.shared.bus import Streams
 from rill.shared.schema import EngineStats
+from rill.shared.streams import Streams
 
 SERVICES = ("worker", "scheduler", "tokenizer", "detokenizer", "gateway")
 

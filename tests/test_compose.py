@@ -18,7 +18,7 @@ from service_stack import ServiceStack, count_chats, rill_executable
 
 from rill.services.cli import SERVICES, build_parser
 from rill.shared.broker import free_port
-from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"

@@ -16,11 +16,12 @@ import redis
 
 from rill.services.detokenizer import service
 from rill.services.detokenizer.incremental import Detokenizer, RowOutput, byte_level_alphabet
-from rill.shared.bus import DETOKENIZER_GROUP, FIELD, Bus
+from rill.shared.bus import FIELD, Bus
 from rill.shared.config import detok_context_len
 from rill.shared.lifecycle import StopFlag
 from rill.shared.model_files import resolve_model
 from rill.shared.schema import DetokBatch, TextDelta, encode, engine_input_decoder, gateway_input_decoder
+from rill.shared.streams import DETOKENIZER_GROUP
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 EOS = 2

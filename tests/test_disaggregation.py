@@ -34,7 +34,7 @@ from rill.services.worker.kv_transfer import (
     scatter_blocks,
 )
 from rill.services.worker.model_runner import ModelRunner
-from rill.shared.bus import Bus, Streams
+from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
@@ -51,6 +51,7 @@ from rill.shared.schema import (
     gateway_input_decoder,
     worker_input_decoder,
 )
+from rill.shared.streams import Streams
 
 NEAR_TIE = 2e-3
 

@@ -28,16 +28,9 @@ import redis
 
 from rill.services.cli import build_children, build_parser
 from rill.shared.broker import EmbeddedBroker, free_port
-from rill.shared.bus import (
-    CLAIM_IDLE_MS,
-    DETOKENIZER_GROUP,
-    FIELD,
-    SCHEDULER_GROUP,
-    TOKENIZER_GROUP,
-    Bus,
-    Streams,
-)
+from rill.shared.bus import CLAIM_IDLE_MS, FIELD, Bus
 from rill.shared.schema import EngineStats, ErrorReply
+from rill.shared.streams import DETOKENIZER_GROUP, SCHEDULER_GROUP, TOKENIZER_GROUP, Streams
 
 # ---------------------------------------------------------------------------------------------
 # Bus helpers (no stack)

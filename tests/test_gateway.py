@@ -31,7 +31,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from rill.services.gateway.app import create_app
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
-from rill.shared.bus import FIELD, Streams
+from rill.shared.bus import FIELD
 from rill.shared.schema import (
     EngineStats,
     ErrorReply,
@@ -42,6 +42,7 @@ from rill.shared.schema import (
     engine_input_decoder,
     generate_decoder,
 )
+from rill.shared.streams import Streams
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 MODEL = "test-model"

@@ -26,8 +26,8 @@ import redis
 from rill.services.gateway.drain import DRAIN_ERROR
 from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
-from rill.shared.bus import Streams
 from rill.shared.schema import EngineStats
+from rill.shared.streams import Streams
 
 # Only a second gateway, started for the deadline test, has it: on a busy 2-core machine, 16
 # concurrent first tokens (the drain test) can take longer than a short deadline.

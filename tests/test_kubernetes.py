@@ -32,8 +32,8 @@ from rill.services.gateway import openai_api
 from rill.services.gateway.auth import ENV_VAR as API_KEY_ENV
 from rill.services.gateway.metrics import GatewayMetrics, GroupBacklog
 from rill.shared.broker import free_port
-from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 from rill.shared.schema import EngineStats
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "scripts" / "kubernetes"

@@ -29,7 +29,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.step_stats import QUEUE_TIME_BOUNDS
 from rill.shared.broker import free_port
-from rill.shared.bus import DETOKENIZER_GROUP, FIELD, Streams
+from rill.shared.bus import FIELD
 from rill.shared.schema import (
     EngineStats,
     ErrorReply,
@@ -43,6 +43,7 @@ from rill.shared.schema import (
     generate_decoder,
     sample_request_id,
 )
+from rill.shared.streams import DETOKENIZER_GROUP, Streams
 
 MODEL = "test-model"
 KEY = "sk-rill-test-key"

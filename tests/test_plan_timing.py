@@ -16,7 +16,7 @@ import pytest
 from rill.services.scheduler import plan_timing
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.service import SchedulerService
-from rill.shared.bus import MAXLEN, Bus
+from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
@@ -28,6 +28,7 @@ from rill.shared.schema import (
     WorkerReady,
     worker_input_decoder,
 )
+from rill.shared.streams import MAXLEN
 
 
 class FakeClock:

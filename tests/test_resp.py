@@ -9,9 +9,10 @@ import pytest
 import redis
 
 from rill.shared.broker import EmbeddedBroker, free_port
-from rill.shared.bus import DETOKENIZER_GROUP, Bus
+from rill.shared.bus import Bus
 from rill.shared.resp import AsyncRespConnection, RespConnection
 from rill.shared.schema import DetokBatch, detok_decoder, encode
+from rill.shared.streams import DETOKENIZER_GROUP
 
 
 def batch(step: int) -> DetokBatch:

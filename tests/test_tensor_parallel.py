@@ -33,9 +33,9 @@ from rill.services.supervisor import children_of
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.tensor_parallel import Shard, TensorParallelError, TPGroup, check_supported
 from rill.shared.broker import free_port
-from rill.shared.bus import Streams
 from rill.shared.config import ModelConfig
 from rill.shared.schema import EngineStats
+from rill.shared.streams import Streams
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 
 from rill.services.detokenizer.incremental import Detokenizer
-from rill.shared.bus import CLAIM_IDLE_MS, DETOKENIZER_GROUP, MAXLEN, Bus, Entry, serve_group
+from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
+from rill.shared.group_consumer import serve_group
 from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
+from rill.shared.streams import DETOKENIZER_GROUP, MAXLEN
 from rill.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("rill.detokenizer")

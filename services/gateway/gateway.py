@@ -37,7 +37,7 @@ from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.gateway.request_tracker import RequestStream, RequestTracker
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
-from rill.shared.bus import FIELD, MAXLEN, AsyncBus, Backoff, Streams, server_id_of
+from rill.shared.bus import FIELD, AsyncBus, Backoff, server_id_of
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
@@ -52,6 +52,7 @@ from rill.shared.schema import (
     gateway_input_decoder,
     stats_decoder,
 )
+from rill.shared.streams import MAXLEN, Streams
 
 log = logging.getLogger("rill.gateway")
 

@@ -56,8 +56,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 from rill.shared.schema import EngineStats, ErrorReply, TextDelta
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 
 if TYPE_CHECKING:
     from rill.services.gateway.gateway import Gateway

@@ -46,7 +46,7 @@ import msgspec
 from rill.services.scheduler.kv_cache_manager import blocks_for
 from rill.services.scheduler.scheduler import Request, Scheduler
 from rill.shared import envs
-from rill.shared.bus import MAXLEN, Bus
+from rill.shared.bus import Bus
 from rill.shared.config import detok_context_len
 from rill.shared.heartbeat import Absence
 from rill.shared.schema import (
@@ -63,6 +63,7 @@ from rill.shared.schema import (
     WorkerReady,
     stats_decoder,
 )
+from rill.shared.streams import MAXLEN
 
 if TYPE_CHECKING:
     from rill.services.scheduler.service import SchedulerService

@@ -35,7 +35,7 @@ from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from rill.shared.bus import MAXLEN, SCHEDULER_GROUP, Backoff, Bus, Entry
+from rill.shared.bus import Backoff, Bus, Entry
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.resp import Command
@@ -55,6 +55,7 @@ from rill.shared.schema import (
     engine_input_decoder,
     worker_output_decoder,
 )
+from rill.shared.streams import MAXLEN, SCHEDULER_GROUP
 
 log = logging.getLogger("rill.scheduler")
 

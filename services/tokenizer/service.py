@@ -23,8 +23,9 @@ from rill.services.tokenizer.chat_template import (
     template_kwargs,
     template_messages,
 )
-from rill.shared.bus import CLAIM_IDLE_MS, MAXLEN, TOKENIZER_GROUP, Bus, Entry, serve_group
+from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
+from rill.shared.group_consumer import serve_group
 from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
@@ -39,6 +40,7 @@ from rill.shared.schema import (
     stats_decoder,
     tokenizer_input_decoder,
 )
+from rill.shared.streams import MAXLEN, TOKENIZER_GROUP
 from rill.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("rill.tokenizer")

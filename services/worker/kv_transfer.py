@@ -36,8 +36,8 @@ import redis
 import torch
 
 from rill.shared import envs
-from rill.shared.bus import Streams
 from rill.shared.schema import KVImportResult, KVManifest, StepPlan, StepResult
+from rill.shared.streams import Streams
 
 if TYPE_CHECKING:
     from rill.services.worker.model_runner import ModelRunner

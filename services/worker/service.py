@@ -33,12 +33,13 @@ from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTranspor
 from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
 from rill.shared import envs
-from rill.shared.bus import MAXLEN, Backoff, Bus
+from rill.shared.bus import Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.resp import RespConnection
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
+from rill.shared.streams import MAXLEN
 
 log = logging.getLogger("rill.worker")
 

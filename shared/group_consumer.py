@@ -1,0 +1,80 @@
+"""The consumer loop of a replicated stateless stage (tokenizer, detokenizer): read through the
+group, handle, ack with the replies, take over a dead replica's entries, trim, survive outages."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from rill.shared.bus import CLAIM_IDLE_MS, Backoff, Bus, Entry
+from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.resp import Command
+
+CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
+TRIM_EVERY_S = 2.0  # trimming entries every replica has read and acked
+REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
+
+
+def serve_group(bus: Bus, stream: str, group: str, consumer: str,
+                handle: Callable[[list[Entry]], list[Command] | None], stop: StopFlag,
+                claim_idle_ms: int | None = CLAIM_IDLE_MS, count: int = 64,
+                log: logging.Logger | None = None) -> None:
+    """The loop of a replicated stateless stage, until `stop`: `handle` each batch of entries.
+    `handle` either acks them itself or returns the commands that do (its sends, then the ack),
+    which go out ahead of the next blocking read in the same round trip: a stage that runs once a
+    step (the detokenizer) then costs the broker one round trip a step, not two.
+    First, and after every broker error, it redoes this consumer's own unacked entries;
+    it takes over entries other replicas left unacked for `claim_idle_ms` (they died), trims what
+    every replica has consumed, forgets dead consumers, and rides out broker outages with backoff."""
+    log = log or logging.getLogger("rill.bus")
+    backoff = Backoff()
+    recover = True
+    outbox: list[Command] = []  # what the last handled batch still has to send, its ack last
+    next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace a dead one
+    while not stop:
+        try:
+            if recover:
+                outbox = []  # sent or not, its entries are unacked and get redone below
+                bus.ensure_group(stream, group)
+                while not stop:
+                    mine = bus.read_group(stream, group, consumer, block_ms=None, count=count, pending=True,
+                                          before=outbox)
+                    outbox = []
+                    if not mine:
+                        break
+                    outbox = handle(mine) or []
+                recover = False
+            entries = bus.read_group(stream, group, consumer, block_ms=POLL_MS, count=count, before=outbox)
+            outbox = []
+            if entries:
+                outbox = handle(entries) or []
+            now = time.monotonic()
+            upkeep = now >= next_trim or now >= next_reap or (claim_idle_ms is not None and now >= next_claim)
+            if upkeep and outbox:  # the replies first: upkeep must not delay them
+                bus.exchange(outbox)
+                outbox = []
+            if claim_idle_ms is not None and now >= next_claim:
+                for batch in bus.claim(stream, group, consumer, claim_idle_ms, count=count):
+                    log.info("claimed %d entries of %s abandoned by another replica", len(batch), stream)
+                    outbox += handle(batch) or []
+                next_claim = now + CLAIM_EVERY_S
+            if now >= next_trim:
+                bus.trim_consumed(stream)
+                next_trim = now + TRIM_EVERY_S
+            if now >= next_reap:
+                bus.reap_consumers(stream, group)
+                next_reap = now + REAP_EVERY_S
+            backoff.reset()
+        except redis.RedisError as exc:  # broker gone or group deleted: retry, then redo unacked work
+            if not backoff.failures:  # once per outage; the retries that follow are quiet
+                log.warning("broker error, reconnecting with backoff: %r", exc)
+            recover = True
+            stop.wait(backoff.next())
+    if outbox:  # stopping: the last batch's replies and ack still go out
+        try:
+            bus.exchange(outbox)
+        except redis.RedisError as exc:
+            log.warning("could not send the last replies while stopping (they are redone): %r", exc)
