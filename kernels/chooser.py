@@ -190,9 +190,9 @@ def cpu_model() -> str:
 def machine_key() -> str:
     """What a cached table holds for: CPU model and flags, torch, the native kernels' build, the
     thread count and this module's VERSION."""
-    from rill.kernels import cpu_native
+    from rill.kernels import cpu_native, native_build
 
-    parts = [cpu_model(), cpu_native.cpu_flags(), platform.machine(), torch.__version__,
+    parts = [cpu_model(), native_build.cpu_flags(), platform.machine(), torch.__version__,
              cpu_native.build_key() or "no-native", str(torch.get_num_threads()), str(VERSION)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 

@@ -11,9 +11,7 @@ RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c
 layers of up to 1024 rows run faster than through oneDNN: with a few rows they stream their
 weights faster, with more they keep the dot-product units busier (cpu_small_gemm.c).
 
-The library is built with the machine's C compiler (`$CC`, else cc/gcc) for this exact CPU
-(-march=native) into Rill's cache folder, keyed by a hash of the source, the flags, the
-compiler and the CPU's feature flags, so a changed source or another CPU builds anew. It links
+The library is built for this exact CPU into Rill's cache folder (native_build.py). It links
 OpenMP by soname, so inside a process that imported torch it shares torch's own libgomp and
 thread pool. Without a compiler (or with RILL_NATIVE_KERNELS=0) every caller gets None and
 keeps the plain-torch implementation.
@@ -22,28 +20,18 @@ keeps the plain-torch implementation.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from rill.kernels import native_build
 from rill.shared import envs
 from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
-                                                 "cpu_prefill_amx.c", "cpu_prefill_bf16dot.c", "cpu_quant.c", "cpu_elementwise.c",
-                                                 "cpu_small_gemm.c", "cpu_sampling.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -83,25 +71,6 @@ def _loaded() -> ctypes.CDLL:
     return _lib
 
 
-def _compiler() -> str:
-    for name in (envs.CC, "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError("no C compiler (set CC, or install gcc)")
-
-
-def cpu_flags() -> str:
-    """The "flags" line of /proc/cpuinfo (x86 Linux), else platform.processor()."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 _build_key: str | None = None
 
 
@@ -112,30 +81,8 @@ def build_key() -> str | None:
 
 def _build() -> Path:
     global _build_key
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
-                                    cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    _build_key = key
-    folder = cache_root() / "kernels"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"rill_cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    # Several services may start at once: one builds, the others wait for it.
-    with open(folder / f".{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / target.name
-            cmd = [cc, *FLAGS, "-I", str(HEADERS[0].parent), "-o", str(built), *map(str, SOURCES)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(built, target)
-        log.info("built native CPU kernels: %s", target)
-    return target
+    path, _build_key = native_build.build(cache_root() / "kernels")
+    return path
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from paged_case import PagedCase, close, decode_lengths, kv_heads_for
 
-from rill.kernels import cpu_native, ops, torch_ops
+from rill.kernels import cpu_native, native_build, ops, torch_ops
 
 TOL = {torch.float32: (5e-5, 5e-5), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -226,8 +226,8 @@ def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     first = cpu_native._build()
     assert first.exists() and cpu_native._build() == first
     changed = tmp_path / "changed.c"
-    changed.write_text(cpu_native.SOURCES[-1].read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_native, "SOURCES", [*cpu_native.SOURCES[:-1], changed])
+    changed.write_text(native_build.SOURCES[-1].read_text() + "\n// changed\n")
+    monkeypatch.setattr(native_build, "SOURCES", [*native_build.SOURCES[:-1], changed])
     second = cpu_native._build()
     assert second != first and second.exists()
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rill.kernels import cpu_native
+from rill.kernels import native_build
 from rill.services.worker.llama import TORCH_DTYPES
 from rill.shared.model_files import cache_root
 
@@ -54,7 +54,7 @@ def cpu_prefers_bf16(flags: str | None = None) -> bool:
     this machine's); only the measurement itself always runs on this machine."""
     if not _mkldnn_bf16():
         return False  # torch would only emulate bf16
-    flags = cpu_native.cpu_flags() if flags is None else flags
+    flags = native_build.cpu_flags() if flags is None else flags
     if "amx_bf16" in flags.split():
         return True
     return bf16_speed() >= BF16_MIN_SPEED
@@ -63,7 +63,7 @@ def cpu_prefers_bf16(flags: str | None = None) -> bool:
 def bf16_speed() -> float:
     """fp32 GEMM time / bf16 GEMM time on this CPU (>1: bf16 is faster), measured on the first
     call and cached on disk."""
-    key = hashlib.sha256("\0".join([cpu_native.cpu_flags(), platform.machine(), torch.__version__,
+    key = hashlib.sha256("\0".join([native_build.cpu_flags(), platform.machine(), torch.__version__,
                                     str(torch.get_num_threads())]).encode()).hexdigest()[:16]
     path = cache_root() / "dtype-probe" / f"{key}.json"
     speed = _read(path)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rill.kernels import chooser, cpu_native
+from rill.kernels import chooser, native_build
 from rill.kernels.cpu_tuning import ModelShapes, tune_model
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
@@ -46,7 +46,7 @@ def cpu_has_int8_dot(flags: str | None = None) -> bool:
     """Whether the CPU has int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
     oneDNN's int8 GEMM needs to beat float: on an AVX2-only VM it measured 5 GOP/s against
     155 GFLOP/s for fp32. `flags`: /proc/cpuinfo's flags line (default: this machine's)."""
-    flags = cpu_native.cpu_flags() if flags is None else flags
+    flags = native_build.cpu_flags() if flags is None else flags
     if not flags.startswith("flags"):  # not x86, or unreadable: no warning on a guess
         return True
     return bool(set(flags.split()) & {"avx512_vnni", "avx_vnni", "amx_int8"})
