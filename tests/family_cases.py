@@ -50,7 +50,7 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     # around a global one on their own RoPE base, final logit soft-capping, tied head.
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True)),
+        sliding_window_pattern=2, tie_word_embeddings=True)),
     # Fused qkv_proj and gate_up_proj, every layer slides.
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, tie_word_embeddings=False)),
 }
