@@ -103,7 +103,7 @@ def write_gguf(model: PreTrainedModel, arch: str, name: str, tok: dict[str, Any]
             heads = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2) \
                 .reshape(data.shape)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by (1 + w): llama.cpp stores the sum
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"{arch}: gguf has no name for {hf_name}"
