@@ -142,10 +142,10 @@ def _load(path: Path) -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
         fn.restype = i32
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32, i64]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32, i64, f32]
     for fn in (lib.paged_prefill_bf16, lib.paged_prefill_f32, lib.paged_prefill_bf16_amx, lib.paged_prefill_bf16_dot):
         fn.restype = i32
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, f32]
     lib.amx_enable.restype = i32
     lib.amx_enable.argtypes = []
     lib.prefill_dot_available.restype = i32
@@ -193,12 +193,13 @@ def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, max_len: int,
-                 scale: float, generic_only: bool = False, window: int | None = None) -> None:
+                 scale: float, generic_only: bool = False, window: int | None = None,
+                 softcap: float | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] (one token at position seq_lens[i] - 1) over
     sequence i's first seq_lens[i] cached tokens (its last `window` with a sliding window; the
     table entries of blocks wholly before it are not read), for each i. block_tables [n, W] int32
     contiguous, seq_lens [n] int32, rows [n] int64; out contiguous like q. The caller checks
-    `decode_supported` first. On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
+    `decode_supported` first. `softcap`: scores s become softcap * tanh(s / softcap). On AVX-512 CPUs, head_dim 64 with GQA groups of up to 4 takes a
     path that keeps every vector in registers; `generic_only` turns it off (to compare)."""
     lib = _loaded()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
@@ -208,7 +209,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rc = getattr(lib, _DECODE[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, max_len, scale, int(generic_only), window or 0)
+        num_heads, num_kv_heads, head_dim, block_size, max_len, scale, int(generic_only), window or 0, softcap or 0.0)
     if rc != 0:
         raise RuntimeError(f"native paged decode failed with code {rc}")
 
@@ -242,11 +243,13 @@ PREFILL_KERNELS = ("auto", "amx", "dot", "vector")
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, out: torch.Tensor,
-                  scale: float, kernel: str | None = None, window: int | None = None) -> None:
+                  scale: float, kernel: str | None = None, window: int | None = None,
+                  softcap: float | None = None) -> None:
     """Causal attention for multi-token rows: sequence i's query rows q_starts[i] ..
     q_starts[i] + q_lens[i] sit at positions ctx_lens[i] .. and see every cached key up to their
     own position (the step's K/V must be in the cache already); with a sliding `window`, only the
-    last `window` keys up to it (the AMX kernel has no window: such steps take the next one).
+    last `window` keys up to it (the AMX kernel has no window: such steps take the next one);
+    `softcap`: scores s become softcap * tanh(s / softcap) before the mask and the softmax.
     block_tables [n, W], q_starts,
     q_lens, ctx_lens [n]: int32 contiguous; out contiguous like q. The caller checks
     `prefill_supported` first.
@@ -268,7 +271,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, num_kv_heads, _ = k_cache.shape
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
-            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
+            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, window or 0, softcap or 0.0)
     rc = -1
     if q.dtype == torch.bfloat16:
         if kernel in ("auto", "amx") and head_dim % 32 == 0 and amx_prefill_available():

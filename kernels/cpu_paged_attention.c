@@ -52,6 +52,21 @@ static inline void window_max(const float* scores, int64_t len, int64_t skip, in
   }
 }
 
+// Soft-capping (Gemma 2): scores skip..len-1 become cap * tanh(score / cap), and each head's
+// maximum is taken again over them.
+static inline void cap_scores(float* scores, int64_t len, int64_t skip, int group, float cap, float* mx) {
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = skip; t < len; ++t) {
+      sg[t] = soft_cap(sg[t], cap);
+      m = sg[t] > m ? sg[t] : m;
+    }
+    mx[g] = m;
+  }
+}
+
 // q . k over n floats. Written out because compilers finish an `omp simd` reduction with a
 // chain of scalar adds through memory, which made the score pass 3x slower than its loads.
 static inline float dot(const float* a, const float* b, int n) {
@@ -227,12 +242,15 @@ DEFINE_KPASS_WIDE(kpass64_bf16_widened, uint16_t, row64_bf16)
   static inline __attribute__((always_inline)) void NAME(                                        \
       const int G, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,         \
       int64_t len, int num_kv_heads, int h, int block_size, int pow2, int shift, int64_t mask,   \
-      float scale, int64_t skip, float* scores, T* out) {                                        \
+      float scale, int64_t skip, float softcap, float* scores, T* out) {                         \
     const int head_dim = 64; /* read by the prefetch macros */                                 \
     __m512 acc[4][4];                                                                            \
     float mx[4], total[4];                                                                       \
     KPASS(G, q, k_cache, v_cache, table, len, num_kv_heads, h, block_size, pow2, shift, mask, scale, scores, mx); \
-    if (skip) window_max(scores, len, skip, G, mx);                                              \
+    if (softcap > 0.f)                                                                           \
+      cap_scores(scores, len, skip, G, softcap, mx);                                             \
+    else if (skip)                                                                               \
+      window_max(scores, len, skip, G, mx);                                                      \
     for (int g = 0; g < G; ++g)                                                                  \
       for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();                               \
     softmax_scores(scores, len, skip, G, mx, total);                                             \
@@ -276,14 +294,15 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
 // `generic_only` skips the register path (benchmarks and tests compare the two). `window` > 0:
 // sliding-window attention, the query at position p sees keys p - window + 1 .. p only; the
 // table is entered at the window's first block, and the positions of that block before the
-// window (`skip`) are scored but left out of the softmax and the V pass.
+// window (`skip`) are scored but left out of the softmax and the V pass. `softcap` > 0: scores
+// are soft-capped (cap_scores) before the softmax.
 // Per (sequence, kv head) pair: scores of the group's query heads against every position (one
 // pass over K), softmax, then one pass over V. `work` holds group * max_len scores per thread.
 #define DEFINE_DECODE(NAME, T, LOAD, STORE, PAIR64)                                      \
   int NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,          \
            int64_t table_stride, const int32_t* seq_lens, const int64_t* rows, T* out,            \
            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
-           int64_t max_len, float scale, int generic_only, int64_t window) {                     \
+           int64_t max_len, float scale, int generic_only, int64_t window, float softcap) {      \
     if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||          \
         num_heads / num_kv_heads > MAX_GROUP || max_len < 1)                                     \
       return 1;                                                                                  \
@@ -310,7 +329,7 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
       const int64_t row = rows[s];                                                               \
       float* scores = scratch + (size_t)omp_get_thread_num() * group * max_len;                  \
       if (!generic_only && FAST64(PAIR64, q + row * q_row_stride + (int64_t)h * group * head_dim, k_cache, v_cache, table, len, \
-                 num_kv_heads, h, block_size, pow2, shift, mask, scale, skip, scores,             \
+                 num_kv_heads, h, block_size, pow2, shift, mask, scale, skip, softcap, scores,    \
                  out + (row * num_heads + (int64_t)h * group) * head_dim))                        \
         continue;                                                                                \
       float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM];         \
@@ -332,7 +351,10 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
           mx[g] = score > mx[g] ? score : mx[g];                                                 \
         }                                                                                        \
       }                                                                                          \
-      if (skip) window_max(scores, len, skip, group, mx);                                        \
+      if (softcap > 0.f)                                                                         \
+        cap_scores(scores, len, skip, group, softcap, mx);                                       \
+      else if (skip)                                                                             \
+        window_max(scores, len, skip, group, mx);                                                \
       softmax_scores(scores, len, skip, group, mx, total);                                       \
       for (int64_t t = skip; t < len; ++t) {                                                     \
         const T* vp = v_cache + (ROW_OF(t) * num_kv_heads + h) * head_dim;                       \

@@ -129,7 +129,7 @@ static inline void scores(AmxScratch* w, int r0, const uint32_t* kp, int d) {
 // probabilities and accumulates P.V (for head dims over 64, once per 64 output dimensions,
 // recomputing the cheap Q.K^T tiles). An online softmax would rescale the output after every
 // chunk, in memory: the tile loads that follow vector stores to the same lines stalled on them.
-static void row_tile(AmxScratch* w, const uint32_t* packed, int r0, int nrows, int d, float scale) {
+static void row_tile(AmxScratch* w, const uint32_t* packed, int r0, int nrows, int d, float scale, float cap) {
   const int64_t cu = chunk_u32(d);
   const int64_t last = w->pos[r0 + nrows - 1];  // the tile's last key
   __m512 mx[TROWS];
@@ -142,10 +142,13 @@ static void row_tile(AmxScratch* w, const uint32_t* packed, int r0, int nrows, i
       mx[r] = _mm512_mask_max_ps(mx[r], (__mmask16)(vis >> 16), mx[r], _mm512_loadu_ps(w->s[r] + 16));
     }
   }
-  float m[TROWS];  // scaled row maxima; key 0 is visible to every row, so they are finite
+  // scaled (and soft-capped: the cap keeps the order) row maxima; key 0 is visible to every
+  // row, so they are finite
+  float m[TROWS];
   __m512 l[TROWS];
   for (int r = 0; r < TROWS; ++r) {
     m[r] = r < nrows ? _mm512_reduce_max_ps(mx[r]) * scale : 0.f;
+    if (cap > 0.f) m[r] = soft_cap(m[r], cap);
     l[r] = _mm512_setzero_ps();
   }
   const __m512 sc = _mm512_set1_ps(scale);
@@ -162,10 +165,13 @@ static void row_tile(AmxScratch* w, const uint32_t* packed, int r0, int nrows, i
       for (int r = 0; r < TROWS; ++r) {
         const uint32_t vis = r < nrows ? visible(w->pos[r0 + r] - k0 + 1) : 0u;
         const __m512 mr = _mm512_set1_ps(m[r]);
-        const __m512 lo = _mm512_maskz_mov_ps((__mmask16)vis,
-                                              exp_neg16(_mm512_fmsub_ps(_mm512_loadu_ps(w->s[r]), sc, mr)));
-        const __m512 hi = _mm512_maskz_mov_ps((__mmask16)(vis >> 16),
-                                              exp_neg16(_mm512_fmsub_ps(_mm512_loadu_ps(w->s[r] + 16), sc, mr)));
+        const __m512 x_lo = cap > 0.f ? _mm512_sub_ps(soft_cap16(_mm512_mul_ps(_mm512_loadu_ps(w->s[r]), sc), cap), mr)
+                                      : _mm512_fmsub_ps(_mm512_loadu_ps(w->s[r]), sc, mr);
+        const __m512 x_hi = cap > 0.f
+                                ? _mm512_sub_ps(soft_cap16(_mm512_mul_ps(_mm512_loadu_ps(w->s[r] + 16), sc), cap), mr)
+                                : _mm512_fmsub_ps(_mm512_loadu_ps(w->s[r] + 16), sc, mr);
+        const __m512 lo = _mm512_maskz_mov_ps((__mmask16)vis, exp_neg16(x_lo));
+        const __m512 hi = _mm512_maskz_mov_ps((__mmask16)(vis >> 16), exp_neg16(x_hi));
         if (g == 0) l[r] = _mm512_add_ps(l[r], _mm512_add_ps(lo, hi));
         _mm512_storeu_si512(w->p[r], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
@@ -188,7 +194,7 @@ static void row_tile(AmxScratch* w, const uint32_t* packed, int r0, int nrows, i
 }
 
 static void item(const uint16_t* q, int64_t q_row, const uint32_t* packed, int64_t row0, int64_t pos0, int npos,
-                 uint16_t* out, int num_heads, int num_kv_heads, int h, int d, float scale, AmxScratch* w) {
+                 uint16_t* out, int num_heads, int num_kv_heads, int h, int d, float scale, float cap, AmxScratch* w) {
   const int group = num_heads / num_kv_heads;
   const int rows = npos * group, ntiles = (rows + TROWS - 1) / TROWS;
   for (int r = 0; r < ntiles * TROWS; ++r) {
@@ -201,7 +207,7 @@ static void item(const uint16_t* q, int64_t q_row, const uint32_t* packed, int64
   }
   for (int t = 0; t < ntiles; ++t) {
     const int r0 = t * TROWS;
-    row_tile(w, packed, r0, rows - r0 < TROWS ? rows - r0 : TROWS, d, scale);
+    row_tile(w, packed, r0, rows - r0 < TROWS ? rows - r0 : TROWS, d, scale, cap);
   }
   for (int r = 0; r < rows; ++r) {
     uint16_t* op = out + ((row0 + r / group) * num_heads + (int64_t)h * group + r % group) * d;
@@ -214,7 +220,8 @@ static void item(const uint16_t* q, int64_t q_row, const uint32_t* packed, int64
 int paged_prefill_bf16_amx(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window,
+                           float cap) {
   const int group = num_heads / num_kv_heads;
   if (d > MAX_DIM || d % 32 || num_heads % num_kv_heads || group > MAX_TILES * TROWS) return 1;
   if (window > 0) return 3;  // no sliding-window mask here: the caller takes the dot or vector kernel
@@ -289,7 +296,7 @@ int paged_prefill_bf16_amx(const uint16_t* q, int64_t q_row, const uint16_t* k_c
       const int npos = q_lens[i] - start < tile ? q_lens[i] - start : tile;
       const int64_t nch = (ctx_lens[i] + q_lens[i] + CHUNK - 1) / CHUNK;
       item(q, q_row, buf + (first * num_kv_heads + (int64_t)h * nch) * cu, (int64_t)q_starts[i] + start,
-           (int64_t)ctx_lens[i] + start, npos, out, num_heads, num_kv_heads, h, d, scale, w);
+           (int64_t)ctx_lens[i] + start, npos, out, num_heads, num_kv_heads, h, d, scale, cap, w);
     }
     _tile_release();
   }
@@ -303,10 +310,11 @@ int amx_enable(void) { return 1; }
 int paged_prefill_bf16_amx(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window,
+                           float cap) {
   (void)q, (void)q_row, (void)k_cache, (void)v_cache, (void)block_tables, (void)bt_stride, (void)q_starts;
   (void)q_lens, (void)ctx_lens, (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)d;
-  (void)block_size, (void)scale, (void)window;
+  (void)block_size, (void)scale, (void)window, (void)cap;
   return 3;
 }
 

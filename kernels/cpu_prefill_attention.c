@@ -16,7 +16,8 @@
 // contiguous, caches [num_blocks, block_size, Hkv, D], block_tables [seqs, bt_stride] int32.
 // Sequence i owns query rows q_starts[i] .. q_starts[i] + q_lens[i], at positions
 // ctx_lens[i] .. ctx_lens[i] + q_lens[i] - 1; a query at position p sees keys 0..p, or with a
-// sliding window (`window` > 0) keys p - window + 1 .. p.
+// sliding window (`window` > 0) keys p - window + 1 .. p. `cap` > 0: scores are soft-capped,
+// cap * tanh(score / cap), before the mask and the softmax (Gemma 2).
 
 #include <math.h>
 #include <stdint.h>
@@ -80,11 +81,12 @@ static inline __attribute__((always_inline)) void pv(Scratch* w, int k0, int nk,
     for (int rv = 0; rv < RV; ++rv) w->acc[k0 + i][rv] = a[i][rv];
 }
 
-// The online-softmax update for one chunk of nk keys starting at position k0: mask keys past
-// each row's position or `win` or more behind it, fold the chunk's max into m (rescaling l and acc), turn scores into
-// probabilities and add them to l.
+// The online-softmax update for one chunk of nk keys starting at position k0: soft-cap the
+// scores (cap > 0), mask keys past each row's position or `win` or more behind it, fold the
+// chunk's max into m (rescaling l and acc), turn scores into probabilities and add them to l.
 static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int64_t k0, int nk, int d,
-                                                                 int masked, float win, const int RV) {
+                                                                 int masked, float win, float cap,
+                                                                 const int RV) {
   for (int rv = 0; rv < RV; ++rv) {
     float* mx = (float*)&w->m[rv];
     float* l = (float*)&w->l[rv];
@@ -93,6 +95,10 @@ static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int6
     for (int i = 0; i < LANES; ++i) m_new[i] = mx[i];
     for (int j = 0; j < KEYS; ++j) {
       float* s = (float*)&w->p[j][rv];
+      if (cap > 0.f) {
+#pragma omp simd
+        for (int i = 0; i < LANES; ++i) s[i] = soft_cap(s[i], cap);
+      }
       if (masked) {
         const float kp = (float)(k0 + j);
 #pragma omp simd
@@ -127,9 +133,9 @@ static inline __attribute__((always_inline)) void softmax_chunk(Scratch* w, int6
 }
 
 static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, int nk, int d, int masked,
-                                                         float win, const int RV) {
+                                                         float win, float cap, const int RV) {
   for (int j = 0; j < KEYS; j += 4) scores(w, j, d, RV);
-  softmax_chunk(w, k0, nk, d, masked, win, RV);
+  softmax_chunk(w, k0, nk, d, masked, win, cap, RV);
   for (int k = 0; k < d; k += 4) pv(w, k, nk, RV);
 }
 
@@ -137,7 +143,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
   static void NAME##_item(const T* q, int64_t q_row, const T* k_cache, const T* v_cache,        \
                           const int32_t* table, int64_t row0, int64_t pos0, int npos,           \
                           T* out, int num_heads, int num_kv_heads, int h, int d,                \
-                          int block_size, float scale, int window, Scratch* w) {                \
+                          int block_size, float scale, int window, float cap, Scratch* w) {     \
     const int group = num_heads / num_kv_heads;                                                 \
     const int rows = npos * group, nrv = (rows + LANES - 1) / LANES;                            \
     for (int r = 0; r < nrv * LANES; ++r) {                                                     \
@@ -176,10 +182,10 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
       /* keys past the first row's position need the causal mask; windows always mask */      \
       const int masked = window > 0 || k0 + KEYS > pos0 + 1;                                    \
       switch (nrv) {                                                                            \
-        case 1: chunk(w, k0, nk, d, masked, win, 1); break;                                     \
-        case 2: chunk(w, k0, nk, d, masked, win, 2); break;                                     \
-        case 3: chunk(w, k0, nk, d, masked, win, 3); break;                                     \
-        default: chunk(w, k0, nk, d, masked, win, 4); break;                                    \
+        case 1: chunk(w, k0, nk, d, masked, win, cap, 1); break;                                     \
+        case 2: chunk(w, k0, nk, d, masked, win, cap, 2); break;                                     \
+        case 3: chunk(w, k0, nk, d, masked, win, cap, 3); break;                                     \
+        default: chunk(w, k0, nk, d, masked, win, cap, 4); break;                                    \
       }                                                                                         \
     }                                                                                           \
     for (int r = 0; r < rows; ++r) {                                                            \
@@ -191,7 +197,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
   int NAME(const T* q, int64_t q_row, const T* k_cache, const T* v_cache,                       \
            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,             \
            const int32_t* q_lens, const int32_t* ctx_lens, T* out, int num_seqs, int num_heads, \
-           int num_kv_heads, int d, int block_size, float scale, int window) {                  \
+           int num_kv_heads, int d, int block_size, float scale, int window, float cap) {       \
     const int group = num_heads / num_kv_heads;                                                 \
     if (d > MAX_DIM || d % 4 || group > MAX_GROUP || num_heads % num_kv_heads) return 1;        \
     const int most = MAX_RV * LANES / group; /* query positions a work item can hold */        \
@@ -226,7 +232,7 @@ static inline __attribute__((always_inline)) void chunk(Scratch* w, int64_t k0, 
         const int npos = q_lens[i] - first < tile ? q_lens[i] - first : tile;                   \
         NAME##_item(q, q_row, k_cache, v_cache, block_tables + (int64_t)i * bt_stride,          \
                     (int64_t)q_starts[i] + first, (int64_t)ctx_lens[i] + first, npos, out,      \
-                    num_heads, num_kv_heads, h, d, block_size, scale, window, w);               \
+                    num_heads, num_kv_heads, h, d, block_size, scale, window, cap, w);          \
       }                                                                                         \
     }                                                                                           \
     return failed ? 2 : 0;                                                                      \

@@ -84,11 +84,13 @@ static inline __attribute__((always_inline)) void pv(DotScratch* w, int c0, cons
     for (int rv = 0; rv < RV; ++rv) w->acc[c0 + i][rv] = a[i][rv];
 }
 
-// The online-softmax update for one chunk of nk keys from position k0: scale, mask keys past
+// The online-softmax update for one chunk of nk keys from position k0: scale, soft-cap (cap > 0,
+// Gemma 2), mask keys past
 // each row's position (and past the chunk), fold the chunk's max into m (rescaling l and acc),
 // turn scores into probabilities, add them to l and pair them up in bf16 for P.V.
 static inline __attribute__((always_inline)) void softmax_chunk(DotScratch* w, int64_t k0, int nk, int d,
-                                                                int masked, float scale, float win, const int RV) {
+                                                                int masked, float scale, float win, float cap,
+                                                                const int RV) {
   const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   // interleave two 16-value bf16 halves: element 2i from the first, 2i + 1 from the second
   const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -97,6 +99,7 @@ static inline __attribute__((always_inline)) void softmax_chunk(DotScratch* w, i
     __m512 m_new = w->m[rv];
     for (int j = 0; j < KEYS; ++j) {
       __m512 s = _mm512_mul_ps(w->s[j][rv], sc);
+      if (cap > 0.f) s = soft_cap16(s, cap);
       if (masked) {
         const __m512 kp = _mm512_set1_ps((float)(k0 + j));
         // past the row's position, or `win` or more behind it (a sliding window; else win is inf)
@@ -135,15 +138,16 @@ static inline __attribute__((always_inline)) void softmax_chunk(DotScratch* w, i
 
 static inline __attribute__((always_inline)) void chunk(DotScratch* w, const uint16_t* const* krow, int64_t k0,
                                                         int nk, int d, int masked, float scale, float win,
-                                                        const int RV) {
+                                                        float cap, const int RV) {
   for (int j = 0; j < KEYS; j += 4) scores(w, krow, j, d / 2, RV);
-  softmax_chunk(w, k0, nk, d, masked, scale, win, RV);
+  softmax_chunk(w, k0, nk, d, masked, scale, win, cap, RV);
   for (int c = 0; c < d; c += 4) pv(w, c, RV);
 }
 
 static void item(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                  const int32_t* table, int64_t row0, int64_t pos0, int npos, uint16_t* out, int num_heads,
-                 int num_kv_heads, int h, int d, int block_size, float scale, int window, DotScratch* w) {
+                 int num_kv_heads, int h, int d, int block_size, float scale, int window, float cap,
+                 DotScratch* w) {
   const int group = num_heads / num_kv_heads;
   const int rows = npos * group, nrv = (rows + LANES - 1) / LANES, pairs = d / 2;
   for (int r = 0; r < nrv * LANES; ++r) {
@@ -190,10 +194,10 @@ static void item(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, cons
     }
     const int masked = window > 0 || k0 + KEYS > pos0 + 1;  // keys past the first row's position
     switch (nrv) {
-      case 1: chunk(w, krow, k0, nk, d, masked, scale, win, 1); break;
-      case 2: chunk(w, krow, k0, nk, d, masked, scale, win, 2); break;
-      case 3: chunk(w, krow, k0, nk, d, masked, scale, win, 3); break;
-      default: chunk(w, krow, k0, nk, d, masked, scale, win, 4); break;
+      case 1: chunk(w, krow, k0, nk, d, masked, scale, win, cap, 1); break;
+      case 2: chunk(w, krow, k0, nk, d, masked, scale, win, cap, 2); break;
+      case 3: chunk(w, krow, k0, nk, d, masked, scale, win, cap, 3); break;
+      default: chunk(w, krow, k0, nk, d, masked, scale, win, cap, 4); break;
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -206,7 +210,8 @@ static void item(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, cons
 int paged_prefill_bf16_dot(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window,
+                           float cap) {
   const int group = num_heads / num_kv_heads;
   if (d > MAX_DIM || d % 4 || num_heads % num_kv_heads || group > MAX_RV * LANES) return 1;
   const int most = MAX_RV * LANES / group;  // query positions a work item can hold
@@ -239,7 +244,8 @@ int paged_prefill_bf16_dot(const uint16_t* q, int64_t q_row, const uint16_t* k_c
       const int first = t * tile;
       const int npos = q_lens[i] - first < tile ? q_lens[i] - first : tile;
       item(q, q_row, k_cache, v_cache, block_tables + (int64_t)i * bt_stride, (int64_t)q_starts[i] + first,
-           (int64_t)ctx_lens[i] + first, npos, out, num_heads, num_kv_heads, h, d, block_size, scale, window, w);
+           (int64_t)ctx_lens[i] + first, npos, out, num_heads, num_kv_heads, h, d, block_size, scale, window, cap,
+           w);
     }
   }
   return failed ? 2 : 0;
@@ -252,10 +258,11 @@ int prefill_dot_available(void) { return 1; }
 int paged_prefill_bf16_dot(const uint16_t* q, int64_t q_row, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_tables, int64_t bt_stride, const int32_t* q_starts,
                            const int32_t* q_lens, const int32_t* ctx_lens, uint16_t* out, int num_seqs,
-                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window) {
+                           int num_heads, int num_kv_heads, int d, int block_size, float scale, int window,
+                           float cap) {
   (void)q, (void)q_row, (void)k_cache, (void)v_cache, (void)block_tables, (void)bt_stride, (void)q_starts;
   (void)q_lens, (void)ctx_lens, (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)d;
-  (void)block_size, (void)scale, (void)window;
+  (void)block_size, (void)scale, (void)window, (void)cap;
   return 3;
 }
 

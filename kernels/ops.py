@@ -179,7 +179,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over each sequence's paged KV -> [T, heads, head_dim].
 
     The step's own K/V must already be in the cache (`write_kv` first). `k_new`/`v_new` (this
@@ -187,11 +188,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     prompt's keys from them instead of gathering them back from the cache. `window` (a
     sliding-window layer): a query at position p sees keys p - window + 1 .. p only (transformers'
     `kv_idx > q_idx - sliding_window`), and no implementation reads the table entries of blocks
-    wholly before its window, which the scheduler may have released.
+    wholly before its window, which the scheduler may have released. `softcap` (Gemma 2's
+    attention logit soft-capping): each scaled score s becomes softcap * tanh(s / softcap) before
+    the mask and the softmax.
     """
-    if window:
-        return _impl_for(q).paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, window=window)
-    return _impl_for(q).paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new)
+    extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+    return _impl_for(q).paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, **extra)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

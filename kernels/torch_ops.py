@@ -331,14 +331,15 @@ def _int_mm_exact(qweight: torch.Tensor) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     # One plan per window size (Gemma 3 alternates two); full attention's keeps the plain key.
     key = ("torch_plan", window) if window else "torch_plan"
     plan = meta.aux.get(key)
     if plan is None:  # built on the first layer of its window, reused by the others
         plan = meta.aux[key] = _AttentionPlan(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.device,
                                               *attention_kernels(meta, q, k_cache), window=window)
-    return attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
+    return attend(plan, q, k_cache, v_cache, scale, k_new, v_new, softcap)
 
 
 def attention_shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[object, ...]:
@@ -392,19 +393,22 @@ def attention_kernels(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.T
 
 
 def attend(plan: _AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of every row of a step, by the implementations its plan chose."""
+           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """Attention of every row of a step, by the implementations its plan chose; `softcap`: scores
+    s become softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.native is not None:
         n = plan.native
         cpu_native.paged_decode(q, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, out, n.max_len, scale,
-                                generic_only=plan.decode_kernel == "generic", window=plan.window)
+                                generic_only=plan.decode_kernel == "generic", window=plan.window, softcap=softcap)
     if plan.native_prefill is not None:
         p = plan.native_prefill
         cpu_native.paged_prefill(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens, out, scale,
-                                 kernel=plan.prefill_kernel, window=plan.window)
+                                 kernel=plan.prefill_kernel, window=plan.window, softcap=softcap)
     for group in plan.decode_groups:
-        out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
+        out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), k_cache, v_cache, group, scale,
+                                               softcap))
     for start, end, ctx_len, key_start, blocks in plan.prefills:
         if ctx_len == 0 and k_new is not None and v_new is not None:
             k, v = k_new[start:end], v_new[start:end]
@@ -414,7 +418,7 @@ def attend(plan: _AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
             keys = ctx_len + end - start - key_start
             k = _gather(k_cache, blocks)[:keys]
             v = _gather(v_cache, blocks)[:keys]
-        out[start:end] = _prefill(q[start:end], k, v, ctx_len, scale, key_start, plan.window)
+        out[start:end] = _prefill(q[start:end], k, v, ctx_len, scale, key_start, plan.window, softcap)
     return out
 
 
@@ -556,22 +560,39 @@ class _AttentionPlan:
                                            device, self.window) for g in groups]
 
 
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) in place (fp32 scores), or the scores as they are."""
+    return scores if not softcap else scores.div_(softcap).tanh_().mul_(softcap)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float | None = None) -> torch.Tensor:
     head_dim = q.shape[-1]
     k = k_cache.index_select(0, group.blocks).view(group.num, -1, head_dim)  # [n, padded*Hkv, D]
     v = v_cache.index_select(0, group.blocks).view(group.num, -1, head_dim)
-    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(group.mask)
+    scores = soft_cap(torch.bmm(q, k.transpose(1, 2)).float().mul_(scale), softcap).add_(group.mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.bmm(probs, v)  # [n, H, D]
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float,
-             key_start: int = 0, window: int | None = None) -> torch.Tensor:
+             key_start: int = 0, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [n, H, D] at positions ctx_len..ctx_len+n-1 over k, v [ctx_len+n-key_start, Hkv, D]
     (the keys from position key_start on); `window`: a query at p sees keys p - window + 1 .. p."""
     n = q.shape[0]
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if softcap:
+        # SDPA has no soft-cap: scores, cap, mask and softmax spelled out (fp32, as in _decode).
+        group = q.shape[1] // k.shape[1]
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+        scores = soft_cap(torch.matmul(qt, kt.transpose(-1, -2)).float().mul_(scale), softcap)
+        keys = key_start + torch.arange(k.shape[0], device=q.device)
+        query_pos = (ctx_len + torch.arange(n, device=q.device))[:, None]
+        hidden = keys[None, :] > query_pos
+        if window:
+            hidden |= keys[None, :] <= query_pos - window
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(q.dtype)
+        return torch.matmul(probs, vt)[0].transpose(0, 1)
     if ctx_len == 0 and key_start == 0 and not window:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:

@@ -19,7 +19,9 @@ Two paths, both reading every key and value (the step's own included) through th
 Sliding-window layers pass `window` (a runtime argument, so one compiled kernel serves both
 layer kinds of Gemma 3): a query at position p sees keys p - window + 1 .. p, and the key loops
 start at the window of the first row, never touching table entries of released blocks before it.
-No window is passed as NO_WINDOW, far past any context.
+No window is passed as NO_WINDOW, far past any context. Gemma 2's attention logit soft-capping
+(`softcap`: a score s becomes softcap * tanh(s / softcap) before the mask and the softmax) is a
+compile-time switch (SOFTCAP), so the other models' kernels stay as they were.
 
 Addresses are formed in int64 (block ids and token rows are widened before any multiply), so
 caches past 2^31 elements are safe. The launch grids depend only on tensor shapes and on
@@ -93,9 +95,19 @@ def extend_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), s and cap in the same units (the kernels' log2 ones); tanh from exp2:
+    1 - 2 / (e^2x + 1) on |x|, sign put back."""
+    x = s / cap
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # e^(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, num_splits, window,
+    scale_log2, num_splits, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -103,7 +115,7 @@ def _decode_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -149,6 +161,8 @@ def _decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, TILE_N], log2 units
+        if SOFTCAP:
+            s = _soft_cap(s, softcap_log2)
         s = tl.where(valid[None, :], s, float("-inf"))
         # The first tile of a non-empty split has a valid key, so m_new is finite from here on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -199,7 +213,7 @@ def _reduce_kernel(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    scale_log2, num_seqs, window,
+    scale_log2, num_seqs, window, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -207,7 +221,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     qblock = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -269,6 +283,8 @@ def _extend_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if SOFTCAP:
+            s = _soft_cap(s, softcap_log2)
         seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) \
             & valid[None, :] & row_valid[:, None]
         s = tl.where(seen, s, float("-inf"))
@@ -331,9 +347,11 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] (row i belongs to sequence i) -> [B, Hq, D];
-    `window`: a sliding window's size (the query sees its last `window` keys).
+    `window`: a sliding window's size (the query sees its last `window` keys); `softcap`: scores
+    s become softcap * tanh(s / softcap).
 
     A sequence with seq_len 0 (a padding lane) gets zeros."""
     _check(q, k_cache, v_cache)
@@ -358,7 +376,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits, window or NO_WINDOW,
+        scale * LOG2E, num_splits, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -366,7 +384,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=split, UPCAST=_upcast(q.dtype),
-        PRECISION=_precision(q.dtype), num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
+        PRECISION=_precision(q.dtype), SOFTCAP=bool(softcap), num_warps=DECODE_CONFIG["num_warps"],
+        num_stages=DECODE_CONFIG["num_stages"],
     )
     if split:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -379,9 +398,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Causal attention for any mix of prefill chunks and decodes: q [T, Hq, D] -> [T, Hq, D];
-    `window`: a sliding window's size (a query at p sees keys p - window + 1 .. p)."""
+    `window`: a sliding window's size (a query at p sees keys p - window + 1 .. p); `softcap`:
+    scores s become softcap * tanh(s / softcap)."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -403,7 +424,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, num_seqs, window or NO_WINDOW,
+        scale * LOG2E, num_seqs, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -411,24 +432,25 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, TILE_N=tile_n, UPCAST=_upcast(q.dtype), PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """The `ops.paged_attention` entry: pure-decode steps take the split-K decode kernel, all
     others the extend kernel. Only tensor shapes, the two host ints max_query_len and
-    max_seq_len and the layer's window are consulted, so the launch is the same on every
+    max_seq_len and the layer's window and soft-cap are consulted, so the launch is the same on every
     CUDA-graph replay."""
     del k_new, v_new  # the cache already holds this step's K/V
     if meta.max_query_len <= 1 and q.shape[0] == meta.seq_lens.shape[0]:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-                                num_splits=meta.aux.get("num_splits"), window=window)
+                                num_splits=meta.aux.get("num_splits"), window=window, softcap=softcap)
     return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                            meta.max_query_len, window=window)
+                            meta.max_query_len, window=window, softcap=softcap)
 
 
 def attention_bytes(num_seqs: int, ctx: int, num_heads: int, num_kv_heads: int, head_dim: int,

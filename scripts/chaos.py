@@ -31,8 +31,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import redis
@@ -201,6 +204,26 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
     raise SystemExit("rill serve did not become ready in time")
 
 
+@contextmanager
+def rill_serve(model: str, broker_url: str, prefix: str, port: int, args: list[str], log: IO[str],
+               stop_timeout: float = 30.0) -> Iterator[subprocess.Popen[str]]:
+    """`rill serve` on the broker, ready to serve; SIGTERMed (then killed) on the way out."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rill.services.cli", "serve", model, "--redis-url", broker_url,
+         "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        wait_ready(serve, 600)
+        time.sleep(1.0)  # every gateway replica has seen the engine live
+        yield serve
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(stop_timeout)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -227,72 +250,62 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with EmbeddedBroker() as broker, open(ns.log, "w") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "rill.services.cli", "serve", model, "--redis-url", broker.url,
-             "--prefix", "chaos", "--host", "127.0.0.1", "--port", str(port), "--dtype", ns.dtype,
-             "--max-model-len", "512", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
-             "--tokenizer-replicas", str(ns.tokenizer_replicas),
-             "--detokenizer-replicas", str(ns.detokenizer_replicas),
-             "--gateway-replicas", str(ns.gateway_replicas)],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        args = ["--dtype", ns.dtype, "--max-model-len", "512", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
+                "--tokenizer-replicas", str(ns.tokenizer_replicas),
+                "--detokenizer-replicas", str(ns.detokenizer_replicas),
+                "--gateway-replicas", str(ns.gateway_replicas)]
         killer: Killer | None = None
-        try:
-            wait_ready(serve, 600)
-            time.sleep(1.0)  # every gateway replica has seen the engine live
-            t0 = time.monotonic()
-            reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
-            bad = [o for o in reference if o.finish is None]
-            if bad:
-                raise SystemExit(f"the fault-free run failed: {bad[0]}")
-            print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
-
-            killer = Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port)
-            killer.start()
-            rows = {"requests": 0, "completed": 0, "failed": 0, "lost": 0, "dup deltas": 0, "missing": 0,
-                    "mismatches": 0}
-            errors: dict[str, int] = {}
-            start = time.monotonic()
-            rounds = 0
-            while time.monotonic() - start < ns.duration:
-                got = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
-                rounds += 1
-                for ref, out in zip(reference, got, strict=True):
-                    rows["requests"] += 1
-                    if out.lost:
-                        rows["lost"] += 1
-                    elif out.finish is not None and out.error is None:
-                        rows["completed"] += 1
-                        dup, missing = compare(ref, out)
-                        rows["dup deltas"] += dup
-                        rows["missing"] += missing
-                        rows["mismatches"] += "".join(out.chunks) != "".join(ref.chunks)
-                    else:
-                        rows["failed"] += 1
-                        key = (out.error or "no finish").split(":")[0][:60]
-                        errors[key] = errors.get(key, 0) + 1
-            killer.stop.set()
-            elapsed = time.monotonic() - start
-            print(f"\nchaos: {rounds} rounds in {elapsed:.0f}s; SIGKILLs: "
-                  + ", ".join(f"{k} x{n}" for k, n in sorted(killer.kills.items())))
-            width = max(len(k) for k in rows)
-            print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
-            for k, v in rows.items():
-                print(f"| {k:<{width}} | {v:>8} |")
-            print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
-            for key, n in sorted(errors.items(), key=lambda kv: -kv[1]):
-                print(f"  failed with: {key} ({n})")
-            alive = serve.poll() is None
-            print(f"rill serve still running: {alive}")
-            if rows["lost"] or rows["dup deltas"] or rows["missing"] or not alive:
-                raise SystemExit(1)
-        finally:
-            if killer is not None:
-                killer.stop.set()
-            serve.send_signal(signal.SIGTERM)
+        with rill_serve(model, broker.url, "chaos", port, args, log) as serve:
             try:
-                serve.wait(30)
-            except subprocess.TimeoutExpired:
-                serve.kill()
+                t0 = time.monotonic()
+                reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
+                bad = [o for o in reference if o.finish is None]
+                if bad:
+                    raise SystemExit(f"the fault-free run failed: {bad[0]}")
+                print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
+
+                killer = Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port)
+                killer.start()
+                rows = {"requests": 0, "completed": 0, "failed": 0, "lost": 0, "dup deltas": 0, "missing": 0,
+                        "mismatches": 0}
+                errors: dict[str, int] = {}
+                start = time.monotonic()
+                rounds = 0
+                while time.monotonic() - start < ns.duration:
+                    got = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
+                    rounds += 1
+                    for ref, out in zip(reference, got, strict=True):
+                        rows["requests"] += 1
+                        if out.lost:
+                            rows["lost"] += 1
+                        elif out.finish is not None and out.error is None:
+                            rows["completed"] += 1
+                            dup, missing = compare(ref, out)
+                            rows["dup deltas"] += dup
+                            rows["missing"] += missing
+                            rows["mismatches"] += "".join(out.chunks) != "".join(ref.chunks)
+                        else:
+                            rows["failed"] += 1
+                            key = (out.error or "no finish").split(":")[0][:60]
+                            errors[key] = errors.get(key, 0) + 1
+                killer.stop.set()
+                elapsed = time.monotonic() - start
+                print(f"\nchaos: {rounds} rounds in {elapsed:.0f}s; SIGKILLs: "
+                      + ", ".join(f"{k} x{n}" for k, n in sorted(killer.kills.items())))
+                width = max(len(k) for k in rows)
+                print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
+                for k, v in rows.items():
+                    print(f"| {k:<{width}} | {v:>8} |")
+                print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
+                for key, n in sorted(errors.items(), key=lambda kv: -kv[1]):
+                    print(f"  failed with: {key} ({n})")
+                alive = serve.poll() is None
+                print(f"rill serve still running: {alive}")
+                if rows["lost"] or rows["dup deltas"] or rows["missing"] or not alive:
+                    raise SystemExit(1)
+            finally:
+                if killer is not None:
+                    killer.stop.set()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ On a CUDA machine it
   (d) times a full decode step of a Llama-3-8B-shaped model with random bf16 weights at batch
       1 / 32 / 256 and context 1k / 4k, eager and from CUDA graphs, against the roofline
       (weights + KV bytes at the measured bandwidth),
+  (e) with two GPUs or more, tensor parallelism: TP=2 over NCCL (tests/tp_case.py) against
+      TP=1 on a tiny random Llama (fp32 logits through chunked prefill and decode), and the time
+      of one NCCL all-reduce of a decode step's activations ([32, 4096] bf16),
 and prints a compact table last.
 
 On a CPU machine it runs what a CPU can check: (b) on tiny shapes under the Triton interpreter
@@ -612,25 +615,33 @@ def compile_report() -> list[tuple[str, int, int, int]]:
     bf = "*bf16"
     attn_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                      out_ptr=bf, part_out_ptr="*fp32", part_lse_ptr="*fp32")
-    dec = dict(BLOCK_H=16, BLOCK_SIZE=16, TILE_N=ta.DECODE_CONFIG["tile_n"], UPCAST=False, PRECISION="tf32")
+    dec = dict(BLOCK_H=16, BLOCK_SIZE=16, TILE_N=ta.DECODE_CONFIG["tile_n"], UPCAST=False, PRECISION="tf32",
+               SOFTCAP=False)
+    sf = {"scale_log2", "softcap_log2"}
     dw, ds = ta.DECODE_CONFIG["num_warps"], ta.DECODE_CONFIG["num_stages"]
-    e128, e16 = ta.extend_config(128, 128), ta.extend_config(16, 128)
+    e128, e16, e256 = ta.extend_config(128, 128), ta.extend_config(16, 128), ta.extend_config(128, 256)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, q_out_ptr=bf, k_out_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32",
                      k_cache_ptr=bf, v_cache_ptr=bf, slot_ptr="*i64")
     variants = [
-        ("decode split  G=4 D=128", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode split  G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=True), dw, ds),
-        ("decode 1-pass G=4 D=128", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode 1-pass G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=False), dw, ds),
-        ("decode split  G=3 D=64", ta._decode_kernel, attn_ptrs, {"scale_log2"},
+        ("decode split  G=3 D=64", ta._decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=3, HEAD_DIM=64, BLOCK_D=64, SPLIT=True), dw, ds),
         ("reduce S<=64 D=128", ta._reduce_kernel, attn_ptrs, set(), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64), 4, 1),
-        ("extend M=128 G=4 D=128", ta._extend_kernel, attn_ptrs, {"scale_log2"},
+        ("extend M=128 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=128, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e128[0],
-              UPCAST=False, PRECISION="tf32"), e128[1], e128[2]),
-        ("extend M=16 G=4 D=128", ta._extend_kernel, attn_ptrs, {"scale_log2"},
+              UPCAST=False, PRECISION="tf32", SOFTCAP=False), e128[1], e128[2]),
+        ("extend M=16 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=16, BLOCK_Q=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e16[0],
-              UPCAST=False, PRECISION="tf32"), e16[1], e16[2]),
+              UPCAST=False, PRECISION="tf32", SOFTCAP=False), e16[1], e16[2]),
+        # Gemma 2's shape: head_dim 256, GQA 2, attention logit soft-capping.
+        ("decode split  G=2 D=256 softcap", ta._decode_kernel, attn_ptrs, sf,
+         dict(dec, GROUP=2, HEAD_DIM=256, BLOCK_D=256, SPLIT=True, TILE_N=32, SOFTCAP=True), dw, ds),
+        ("extend M=128 G=2 D=256 softcap", ta._extend_kernel, attn_ptrs, sf,
+         dict(GROUP=2, BLOCK_M=128, BLOCK_Q=64, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, TILE_N=e256[0],
+              UPCAST=False, PRECISION="tf32", SOFTCAP=True), e256[1], e256[2]),
         ("add+rms_norm H=4096", to._rms_norm_kernel, dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf),
          {"eps"}, dict(HAS_RES=True, BLOCK=4096), 8, 1),
         ("silu_and_mul", to._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), set(), dict(BLOCK=1024), 4, 1),
@@ -683,6 +694,41 @@ def run_compile_report_subprocess() -> None:
 # ================================================================================= main
 
 
+def check_tensor_parallel() -> None:
+    """(e): two ranks of tests/tp_case.py on GPUs 0 and 1, against TP=1 on GPU 0."""
+    import socket
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rill.services.worker.llama import LlamaModel
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from tp_case import steps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=1001, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+        LlamaForCausalLM(cfg).save_pretrained(tmp)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        procs = [subprocess.Popen([sys.executable, str(root / "tests" / "tp_case.py"), str(r), "2", address, tmp,
+                                   "cuda", tmp]) for r in range(2)]
+        codes = [p.wait(240) for p in procs]
+        if any(codes):
+            add("tp", "TP=2 over NCCL", f"ranks exited {codes}", "", "FAIL")
+            return
+        want = steps(LlamaModel.load(tmp, torch.float32, device="cuda")).cpu()
+        got = torch.load(Path(tmp) / "logits-0.pt")
+        err = float((got - want).abs().max())
+        add("tp", "TP=2 logits vs TP=1 (fp32)", f"max abs err {err:.2e}", "(< 1e-3)", "ok" if err < 1e-3 else "FAIL")
+        us = (Path(tmp) / "allreduce_us.txt").read_text()
+        add("tp", "NCCL all-reduce [32, 4096] bf16", f"{us} us")
+
+
 def print_table() -> None:
     print("\n" + "=" * 118)
     print(f"RILL GPU CHECK SUMMARY  device={torch.cuda.get_device_name(0) if CUDA else 'cpu (no CUDA)'}"
@@ -726,6 +772,10 @@ def main() -> int:
         if CUDA:
             torch.cuda.empty_cache()
             run_compile_report_subprocess()
+        if CUDA and torch.cuda.device_count() > 1:
+            check_tensor_parallel()
+        elif CUDA:
+            add("skipped", "(e) tensor parallelism", "needs two GPUs")
     else:
         print("no CUDA device: running the CPU-checkable parts (Triton interpreter, sm_90 compile)", flush=True)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -30,19 +30,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
 import httpx
 import psutil
 import redis
-from chaos import Killer, wait_ready  # scripts/chaos.py: the replica killer and the ready wait
+from chaos import Killer, rill_serve  # scripts/chaos.py: the replica killer, `rill serve` up and down
 
 from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
@@ -209,54 +205,44 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with EmbeddedBroker(password=secrets.token_urlsafe(16)) as broker, open(ns.log, "w") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "rill.services.cli", "serve", str(resolve_model(ns.model)),
-             "--redis-url", broker.url, "--prefix", "soak", "--port", str(port), "--dtype", ns.dtype,
-             "--max-model-len", "512", "--kv-cache-memory", "128MiB", "--max-num-seqs", "32",
-             "--tokenizer-replicas", "2", "--detokenizer-replicas", "2",
-             "--header-timeout", str(ns.header_timeout), "--progress-timeout", "60"],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        args = ["--dtype", ns.dtype, "--max-model-len", "512", "--kv-cache-memory", "128MiB", "--max-num-seqs", "32",
+                "--tokenizer-replicas", "2", "--detokenizer-replicas", "2",
+                "--header-timeout", str(ns.header_timeout), "--progress-timeout", "60"]
         killer: Killer | None = None
-        try:
-            wait_ready(serve, 600)
-            time.sleep(1.0)
-            mem = [memory(serve.pid, broker)]
-            killer = Killer(serve.pid, ["tokenizer", "detokenizer"], ns.kill_every, rng, broker.url, "soak", port)
-            killer.start()
-            soak = Soak(base, port, ns.max_tokens, ns.request_timeout, ns.header_timeout, rng)
-            start = time.monotonic()
-
-            async def run() -> None:
-                limits = httpx.Limits(max_connections=ns.concurrency * 2, max_keepalive_connections=0)
-                async with httpx.AsyncClient(base_url=base, timeout=ns.request_timeout, limits=limits) as client:
-                    until = start + ns.duration
-                    tasks = [asyncio.create_task(soak.client_loop(client, until)) for _ in range(ns.concurrency)]
-                    await asyncio.sleep(ns.duration / 2)
-                    mem.append(await asyncio.to_thread(memory, serve.pid, broker))
-                    await asyncio.gather(*tasks)
-
-            asyncio.run(run())
-            killer.stop.set()
-            elapsed = time.monotonic() - start
-            time.sleep(2.0)  # let the last aborts and trims land before the final sample
-            mem.append(memory(serve.pid, broker))
-            alive = serve.poll() is None
-            print_tables(soak, mem, killer.kills, elapsed)
-            expected = {"completed", "refused (4xx)", "cut by the server"}
-            odd = {k: n for k, n in soak.outcomes.items() if k[1] not in expected}
-            over = grown(mem)
-            print(f"\nrill serve still running: {alive}; other outcomes: {sum(odd.values())}; "
-                  f"grew past x{GROWTH_BOUND[0]} + {GROWTH_BOUND[1]:g} MiB from middle to end: {over or 'none'}")
-            if soak.lost_deltas or soak.dup_deltas or not alive or over or any(k[1] == "hung" for k in odd):
-                raise SystemExit(1)
-        finally:
-            if killer is not None:
-                killer.stop.set()
-            serve.send_signal(signal.SIGTERM)
+        with rill_serve(str(resolve_model(ns.model)), broker.url, "soak", port, args, log, stop_timeout=60) as serve:
             try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                serve.kill()
+                mem = [memory(serve.pid, broker)]
+                killer = Killer(serve.pid, ["tokenizer", "detokenizer"], ns.kill_every, rng, broker.url, "soak", port)
+                killer.start()
+                soak = Soak(base, port, ns.max_tokens, ns.request_timeout, ns.header_timeout, rng)
+                start = time.monotonic()
+
+                async def run() -> None:
+                    limits = httpx.Limits(max_connections=ns.concurrency * 2, max_keepalive_connections=0)
+                    async with httpx.AsyncClient(base_url=base, timeout=ns.request_timeout, limits=limits) as client:
+                        until = start + ns.duration
+                        tasks = [asyncio.create_task(soak.client_loop(client, until)) for _ in range(ns.concurrency)]
+                        await asyncio.sleep(ns.duration / 2)
+                        mem.append(await asyncio.to_thread(memory, serve.pid, broker))
+                        await asyncio.gather(*tasks)
+
+                asyncio.run(run())
+                killer.stop.set()
+                elapsed = time.monotonic() - start
+                time.sleep(2.0)  # let the last aborts and trims land before the final sample
+                mem.append(memory(serve.pid, broker))
+                alive = serve.poll() is None
+                print_tables(soak, mem, killer.kills, elapsed)
+                expected = {"completed", "refused (4xx)", "cut by the server"}
+                odd = {k: n for k, n in soak.outcomes.items() if k[1] not in expected}
+                over = grown(mem)
+                print(f"\nrill serve still running: {alive}; other outcomes: {sum(odd.values())}; "
+                      f"grew past x{GROWTH_BOUND[0]} + {GROWTH_BOUND[1]:g} MiB from middle to end: {over or 'none'}")
+                if soak.lost_deltas or soak.dup_deltas or not alive or over or any(k[1] == "hung" for k in odd):
+                    raise SystemExit(1)
+            finally:
+                if killer is not None:
+                    killer.stop.set()
 
 
 if __name__ == "__main__":

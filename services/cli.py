@@ -54,7 +54,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only; "
                         "faster GEMMs at some accuracy cost, see scripts/benchmarks.md)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
+                   help="worker processes (ranks) per engine, the model sharded over them")
+    p.add_argument("--tp-address", default=None, metavar="HOST:PORT",
+                   help="where rank 0 hosts the tensor-parallel rendezvous (default: $RILL_TP_ADDRESS; "
+                        "rill serve: a free local port)")
     p.add_argument("--engine-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20,
@@ -150,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gateway: address to listen on (default loopback only; 0.0.0.0 for every interface)")
     one.add_argument("--port", type=int, default=8000)
     one.add_argument("--replica-name", default=None, help="consumer name (default: host-pid)")
+    one.add_argument("--tp-rank", type=int, default=0,
+                     help="worker: this process's rank of --tensor-parallel-size (0 hosts --tp-address)")
     _gateway_flags(one)
     one.add_argument("--reuse-port", action="store_true",
                      help="gateway: bind with SO_REUSEPORT so several replicas share one port")
@@ -164,15 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
-    if ns.tensor_parallel_size != 1:
-        raise SystemExit("rill: --tensor-parallel-size > 1 is not supported yet (one worker per engine)")
+    tp = ns.tensor_parallel_size
+    if tp < 1:
+        raise SystemExit("rill: --tensor-parallel-size must be at least 1")
+    if tp > 1 and (getattr(ns, "role", "both") != "both" or getattr(ns, "prefill_engines", 0)):
+        raise SystemExit("rill: --tensor-parallel-size > 1 with prefill/decode engines is not supported "
+                         "(the KV hand-off does not re-shard the cache)")
+    if not 0 <= getattr(ns, "tp_rank", 0) < tp:
+        raise SystemExit(f"rill: --tp-rank must be in 0..{tp - 1}")
     if ns.quantization != "none" and ns.device == "cuda":
         raise SystemExit(f"rill: --quantization {ns.quantization} runs on CPU only; use --device cpu")
     from rill.services.worker.families import UnsupportedModel, check_checkpoint
+    from rill.services.worker.tensor_parallel import TensorParallelError, check_supported
 
     try:  # one line and a non-zero exit, before any process starts, for a model Rill would serve wrongly
-        check_checkpoint(model_dir, ns.max_model_len)
-    except UnsupportedModel as exc:
+        family = check_checkpoint(model_dir, ns.max_model_len)
+        check_supported(family.name, ns.quantization, tp)
+    except (UnsupportedModel, TensorParallelError) as exc:
         raise SystemExit(f"rill: {model_dir}: {exc}") from None
     cfg = ModelConfig.from_dir(model_dir)
     return EngineArgs(
@@ -181,7 +195,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
         dtype=ns.dtype, quantization=ns.quantization, device=ns.device,
-        tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed,
+        tensor_parallel_size=tp, tp_rank=getattr(ns, "tp_rank", 0), tp_address=ns.tp_address or "", seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
         enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"),
         async_scheduling=ns.async_scheduling)
@@ -256,6 +270,7 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
             "--gpu-memory-utilization", str(ns.gpu_memory_utilization), "--dtype", ns.dtype,
             "--quantization", ns.quantization,
             "--device", ns.device, "--engine-id", str(ns.engine_id), "--seed", str(ns.seed),
+            "--tensor-parallel-size", str(ns.tensor_parallel_size),
             "--host", ns.host, "--port", str(ns.port),
             "--long-prefill-token-threshold", str(ns.long_prefill_token_threshold),
             "--scheduling-policy", ns.scheduling_policy, "--max-logprobs", str(ns.max_logprobs),
@@ -314,11 +329,27 @@ def engine_roles(ns: argparse.Namespace) -> list[tuple[int, str]]:
     return [(e, "prefill") for e in range(n)] + [(n + e, "decode") for e in range(m)]
 
 
+def worker_ranks(ns: argparse.Namespace, model_dir: str, tag: str) -> list[Child]:
+    """The colocated engine's worker, or its --tensor-parallel-size ranks: one restart group (a
+    dead rank takes the others down, and they start again together)."""
+    n = ns.tensor_parallel_size
+    if n == 1:
+        return [Child("worker", "worker", _child_argv(ns, "worker", model_dir, f"worker-{tag}"))]
+    if not ns.tp_address:  # a free local port for the group's rendezvous
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ns.tp_address = f"127.0.0.1:{s.getsockname()[1]}"
+    return [Child(f"worker-r{r}", "worker", _child_argv(ns, "worker", model_dir, f"worker-{tag}-r{r}")
+                  + ["--tp-rank", str(r), "--tp-address", ns.tp_address], group="worker") for r in range(n)]
+
+
 def engine_children(ns: argparse.Namespace, model_dir: str, tag: str) -> list[Child]:
     """A worker and a scheduler per engine; a disaggregated engine's pair gets its id and role."""
     roles = engine_roles(ns)
     if len(roles) == 1 and roles[0][1] == "both":
-        return [Child("worker", "worker", _child_argv(ns, "worker", model_dir, f"worker-{tag}")),
+        return [*worker_ranks(ns, model_dir, tag),
                 Child("scheduler", "scheduler",
                       _child_argv(ns, "scheduler", model_dir, f"scheduler-{tag}"))]
     children: list[Child] = []

@@ -5,7 +5,9 @@ restarted with backoff: the broker redelivers what it had not acked, and a resta
 is re-fed by its scheduler. The scheduler owns the engine's request state, so its death is
 reported and ends the whole server with a non-zero status rather than limping on. So does a
 child that keeps dying: more than `max_restarts` restarts within RESTART_WINDOW_S (a child
-killed now and then, as chaos testing does, is restarted for ever).
+killed now and then, as chaos testing does, is restarted for ever). Children of one `group` (the
+ranks of a tensor-parallel worker) live and die together: when one exits, the others are killed
+and all of them start again together.
 
 Stopping goes front to back (STOP_ORDER), each stage waited for: the gateways first, given
 `drain_s` to let their requests in flight finish (they drain on SIGTERM, gateway/drain.py) while
@@ -35,6 +37,7 @@ class Child:
     name: str  # e.g. "tokenizer-1"
     kind: str  # service name
     argv: list[str]
+    group: str = ""  # children that restart together (tensor-parallel ranks); "" for none
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -85,7 +88,23 @@ class Supervisor:
             child.restarts += 1
             child.history.append(now)
             child.next_start = now + min(10.0, 0.5 * 2 ** len(child.history))
+            self._stop_group(child)
         return not self.stopping
+
+    def _stop_group(self, dead: Child) -> None:
+        """Kill the rest of a dead child's group; they all start again at its restart time."""
+        if not dead.group:
+            return
+        for other in self.children:
+            if other is dead or other.group != dead.group:
+                continue
+            if other.proc is not None:
+                if other.proc.poll() is None:
+                    other.proc.kill()
+                other.proc.wait()
+                log.warning("stopped %s with %s (one group)", other.name, dead.name)
+                other.proc = None
+            other.next_start = dead.next_start
 
     def wait(self) -> int:
         try:

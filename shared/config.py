@@ -29,6 +29,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] | None = None
+    original_max_position_embeddings: int | None = None  # pretraining context of a scaled RoPE (Phi-3)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     attention_bias: bool = False
@@ -38,6 +39,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" / "sliding_attention" (Gemma 3)
     rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # attention scores = cap * tanh(scores / cap) (Gemma 2)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -73,6 +75,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
+            original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -82,6 +85,7 @@ class ModelConfig:
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         )
 
     @classmethod
@@ -114,7 +118,9 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str = "none"  # "int8": W8A8 linear layers (CPU only); norms, embedding, KV stay in dtype
     device: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # worker ranks of the engine (services/worker/tensor_parallel.py)
+    tp_rank: int = 0  # this worker's rank
+    tp_address: str = ""  # HOST:PORT where rank 0 hosts the group's rendezvous
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True

@@ -384,7 +384,16 @@ class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=Tru
     max_model_len: int = 0
 
 
-GatewayInput = ReplyBatch | ErrorReply | TokenizeReply
+class Routed(Struct, tag_field="_t", tag="routed", array_like=True):
+    """Tokenizer -> gateway: the engine a request was sent to, so that the gateway can fail the
+    request at once if that engine dies while others live. Not sent for a prefill engine, which
+    hands the request to a decode engine (disagg.py watches that hand-off)."""
+
+    request_id: str
+    engine: int
+
+
+GatewayInput = ReplyBatch | ErrorReply | TokenizeReply | Routed
 
 # ---------------------------------------------------------------------------------------------
 # Observability

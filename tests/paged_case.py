@@ -71,9 +71,10 @@ class PagedCase:
             first = max(0, n - qn - window + 1) // self.bs
             self.tables[i, :first] = self.poison_block
 
-    def reference(self, window: int | None = None) -> torch.Tensor:
+    def reference(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """float64 attention from explicitly gathered pages, GQA by head repetition; `window`: a
-        query at p sees keys p - window + 1 .. p (transformers' sliding window)."""
+        query at p sees keys p - window + 1 .. p (transformers' sliding window); `softcap`: scores
+        s become softcap * tanh(s / softcap) before the mask (Gemma 2)."""
         q = self.q.double().cpu()
         kc, vc, tables = self.k_cache.double().cpu(), self.v_cache.double().cpu(), self.tables.cpu()
         group = self.heads // kc.shape[2]
@@ -88,6 +89,8 @@ class PagedCase:
             v = vc[blocks, pos % self.bs].repeat_interleave(group, dim=1)
             qi = q[start:start + qn]
             s = torch.einsum("thd,khd->htk", qi, k) * self.scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             hidden = pos[None, None, :] > q_pos[None, :, None]
             if window:
                 hidden |= pos[None, None, :] <= q_pos[None, :, None] - window

@@ -3,6 +3,7 @@ client tests): start them from given command lines, wait until they serve, resta
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -10,10 +11,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import openai
 import redis
 
+from rill.shared.broker import free_port
 from rill.shared.bus import Streams
 from rill.shared.schema import EngineStats
 
@@ -28,9 +32,27 @@ def rill_executable() -> list[str]:
 
 def fast_flags(model_dir: str, redis_url: str, prefix: str, port: int) -> list[str]:
     """Settings that make a test stack start and answer quickly on a small CPU."""
-    return [model_dir, "--redis-url", redis_url, "--prefix", prefix, "--port", str(port), "--host", "127.0.0.1",
-            "--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
-            "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+    return [model_dir, "--redis-url", redis_url, *stack_flags(prefix, port)]
+
+
+def stack_flags(prefix: str, port: int) -> list[str]:
+    """fast_flags without the model and the broker (for commands that already name them)."""
+    return ["--prefix", prefix, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+            "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--max-num-batched-tokens", "256",
+            "--max-num-seqs", "16"]
+
+
+async def count_chats(base_url: str, api_key: str = "none", counts: tuple[int, ...] = (3, 4, 5, 6)) -> list[Any]:
+    """Concurrent short greedy chats ("Count to N.") through the OpenAI client: what the
+    deployment tests send to a freshly started stack."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
+    try:
+        model = (await client.models.list()).data[0].id
+        return await asyncio.gather(*[client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Count to {n}."}], temperature=0,
+            max_tokens=6) for n in counts])
+    finally:
+        await client.close()
 
 
 @dataclass
@@ -140,3 +162,14 @@ def standard_stack(redis_url: str, model_dir: str, prefix: str, port: int,
     flags = flags if flags is not None else fast_flags(model_dir, redis_url, prefix, port)
     return ServiceStack(redis_url, prefix, port, {
         name: [*rill_executable(), "service", name, *flags, "--replica-name", f"{name}-0"] for name in SERVICES})
+
+
+def fresh_stack(redis_url: str, model_dir: str, tag: str, extra: list[str] | None = None) -> ServiceStack:
+    """A standard stack on its own prefix and port, with fast_flags plus `extra` (later flags win)."""
+    prefix, port = f"rill{tag}-{os.getpid()}-{time.time_ns() % 10**8}", free_port()
+    return standard_stack(redis_url, model_dir, prefix, port,
+                          [*fast_flags(model_dir, redis_url, prefix, port), *(extra or [])])
+
+
+def openai_client(stack: ServiceStack, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout)

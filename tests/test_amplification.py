@@ -5,26 +5,20 @@ even for n at its cap with the longest stop lists, and other requests are served
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from service_stack import ServiceStack, fast_flags, standard_stack
+from service_stack import ServiceStack, fresh_stack
 
-from rill.services.gateway.requests import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, MAX_TOKEN_CHARS
-from rill.shared.broker import free_port
+from rill.services.gateway.bodies import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, MAX_TOKEN_CHARS
 
 ENTRY_BOUND = 1 << 20  # bytes: the largest entry any stream may hold during the run
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    prefix = f"rillamp-{os.getpid()}-{time.time_ns() % 10**8}"
-    port = free_port()
-    flags = [*fast_flags(smollm2_dir, redis_url, prefix, port), "--max-num-seqs", str(MAX_N)]
-    with standard_stack(redis_url, smollm2_dir, prefix, port, flags) as s:
+    with fresh_stack(redis_url, smollm2_dir, "amp", ["--max-num-seqs", str(MAX_N)]) as s:
         yield s
 
 

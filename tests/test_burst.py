@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from service_stack import ServiceStack, fast_flags, standard_stack
-
-from rill.shared.broker import free_port
+from service_stack import ServiceStack, fresh_stack
 
 HTTP_CLIENTS = 768
 WS_CLIENTS = 256
@@ -26,10 +23,7 @@ BROKER_CONNECTIONS_BOUND = 16  # the gateway's pooled and reader connections, wh
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    prefix = f"rillburst-{os.getpid()}-{time.time_ns() % 10**8}"
-    port = free_port()
-    flags = [*fast_flags(smollm2_dir, redis_url, prefix, port), "--max-num-seqs", "256"]
-    with standard_stack(redis_url, smollm2_dir, prefix, port, flags) as s:
+    with fresh_stack(redis_url, smollm2_dir, "burst", ["--max-num-seqs", "256"]) as s:
         yield s
 
 

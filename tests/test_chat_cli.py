@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from service_stack import ServiceStack, rill_executable, standard_stack
+from service_stack import ServiceStack, fresh_stack, rill_executable
 
 from rill.services.chat_client import ws_url
 from rill.shared.broker import free_port
@@ -88,8 +88,7 @@ class Terminal:
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    with standard_stack(redis_url, smollm2_dir, f"rillcli-{os.getpid()}-{time.time_ns() % 10**8}",
-                        free_port()) as st:
+    with fresh_stack(redis_url, smollm2_dir, "cli") as st:
         yield st
 
 

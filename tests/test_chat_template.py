@@ -208,6 +208,7 @@ def test_chat_body_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> Non
     """A chat body with tools, a tool call (null content) and a tool result, parsed by the gateway,
     tokenizes as transformers renders the same conversation."""
     from rill.services.gateway import requests
+    from rill.services.gateway.bodies import ChatCompletionRequest
 
     body = {"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
@@ -217,7 +218,7 @@ def test_chat_body_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> Non
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
         "tools": [WEATHER], "chat_template_kwargs": {"unused": True}}
     gate = requests.Admission(model_name="m")
-    req = requests.generate_request(requests.parse(json.dumps(body), requests.ChatCompletionRequest, gate), "r", "x")
+    req = requests.generate_request(requests.parse(json.dumps(body), ChatCompletionRequest, gate), "r", "x")
     assert isinstance(req, GenerateRequest) and req.tools == [WEATHER]
     tok = tokenizers["qwen_tools.jinja"]
     got = tok(req).prompt_token_ids
@@ -231,12 +232,12 @@ def test_chat_body_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> Non
                                                                "function": {"name": "f"}}]}],
                         "messages[0].tool_calls[0].function.arguments")):
         with pytest.raises(APIError) as err:
-            requests.parse(json.dumps({"messages": bad}), requests.ChatCompletionRequest, gate)
+            requests.parse(json.dumps({"messages": bad}), ChatCompletionRequest, gate)
         assert err.value.param == param
     with pytest.raises(APIError) as err:
         requests.parse(json.dumps({"messages": [{"role": "user", "content": "x"}],
                                    "tools": [{"type": "custom", "custom": {"name": "x"}}]}),
-                       requests.ChatCompletionRequest, gate)
+                       ChatCompletionRequest, gate)
     assert err.value.param == "tools[0].type"
 
 

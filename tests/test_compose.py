@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import openai
 import yaml
-from service_stack import ServiceStack, rill_executable
+from service_stack import ServiceStack, count_chats, rill_executable
 
 from rill.services.cli import SERVICES, build_parser
 from rill.shared.broker import free_port
@@ -115,17 +114,7 @@ def test_compose_commands_serve_a_chat(redis_url: str, smollm2_dir: str) -> None
             commands[f"{name}-{i}"] = local_argv(command(services[name], {}), redis_url, prefix, port)
     stack = ServiceStack(redis_url, prefix, port, commands).start()
     try:
-        async def chats() -> list[Any]:
-            client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
-            try:
-                model = (await client.models.list()).data[0].id
-                return await asyncio.gather(*[client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": f"Count to {n}."}], temperature=0,
-                    max_tokens=6) for n in (3, 4, 5, 6)])
-            finally:
-                await client.close()
-
-        for resp in asyncio.run(chats()):
+        for resp in asyncio.run(count_chats(stack.base_url)):
             assert resp.choices[0].message.content.strip()
             assert resp.usage.completion_tokens <= 6 and resp.choices[0].finish_reason in ("stop", "length")
         # Both replicas of each stateless stage joined their consumer group.

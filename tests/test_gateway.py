@@ -29,7 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 
-from rill.services.gateway.app import DeltaSequencer, RequestTracker, create_app
+from rill.services.gateway.app import create_app
+from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
 from rill.shared.bus import FIELD, Streams
 from rill.shared.schema import (
     EngineStats,

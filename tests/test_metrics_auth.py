@@ -26,9 +26,10 @@ from websockets.exceptions import InvalidStatus
 from rill.services.gateway.app import create_app
 from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
-from rill.services.scheduler.scheduler import QUEUE_TIME_BOUNDS, Scheduler, SchedulerConfig
+from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from rill.services.scheduler.step_stats import QUEUE_TIME_BOUNDS
 from rill.shared.broker import free_port
-from rill.shared.bus import FIELD, Streams
+from rill.shared.bus import DETOKENIZER_GROUP, FIELD, Streams
 from rill.shared.schema import (
     EngineStats,
     ErrorReply,
@@ -222,6 +223,11 @@ async def test_metrics_match_a_known_workload(make_server, down_of) -> None:
     await r.sadd(s.engines_key(), "0", "1")
     await r.set(s.stats_key(0), encode(EngineStats(engine_id=0, num_running=7, kv_usage=0.5)))
     await r.set(s.stats_key(1), encode(queue))
+    # Replica backlog: 3 entries on the detokenizers' stream, one delivered and not acked.
+    await r.xgroup_create(s.detok, DETOKENIZER_GROUP, id="0", mkstream=True)
+    for _ in range(3):
+        await r.xadd(s.detok, {FIELD: b"x"})
+    await r.xreadgroup(DETOKENIZER_GROUP, "detok-a", {s.detok: ">"}, count=1)
     await r.aclose()
 
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
@@ -261,6 +267,8 @@ async def test_metrics_match_a_known_workload(make_server, down_of) -> None:
     assert value(m, "rill:kv_transfer_failures_total", **e1) == 1
     assert value(m, "rill:kv_handoff_seconds_count", **e1) == 6
     assert value(m, "rill:kv_handoff_seconds_sum", **e1) == 0.9
+    assert value(m, "rill:consumer_group_lag", group=DETOKENIZER_GROUP) == 2
+    assert value(m, "rill:consumer_group_pending", group=DETOKENIZER_GROUP) == 1
     # Engine 0 published no queue histogram: no series rather than a made-up one.
     assert ("rill:request_queue_time_seconds_count", frozenset({"model_name": MODEL, **e0}.items())) not in m
 

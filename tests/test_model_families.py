@@ -14,8 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_model_parity import TOL, check_prefill_then_decode
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -34,6 +38,11 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
             tie_word_embeddings=False)
 
+# head_dim 16: 8 factors each, distinct so that short and long differ everywhere.
+LONGROPE = dict(sliding_window=None, rope_parameters=dict(
+    rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.05 * i for i in range(8)],
+    long_factor=[1.5 + 0.6 * i for i in range(8)]))
+
 CASES = {
     # Qwen2: q/k/v biases (and no o bias), its RoPE base.
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(rope_theta=1e6)),
@@ -51,15 +60,27 @@ CASES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
+    # Gemma 2: as Gemma 3 without q/k norms or a local RoPE base, plus attention logit
+    # soft-capping (a cap low enough to bite at this scale); layers 0 and 2 slide, over a window
+    # shorter than the prompt.
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=1.5,
+        final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window over every layer.
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=16, pad_token_id=0)),
+    # Phi-3 128k-style LongRoPE: the prompt starts past original_max_position_embeddings, so
+    # transformers takes the long factors throughout, as Rill does serving more than it.
+    "phi3-longrope": (Phi3ForCausalLM, Phi3Config, dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=16)),
+    # Dynamic NTK within the original context: the plain base, as transformers computes it there.
+    "llama-dynamic": (LlamaForCausalLM, LlamaConfig, dict(rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=4.0))),
 }
 
 
-def build(tmp: Path, name: str, seed: int = 0):
+def build(tmp: Path, name: str, seed: int = 0, **overrides):
     cls, cfg_cls, extra = CASES[name]
     torch.manual_seed(seed)
-    model = cls(cfg_cls(**{**TINY, **extra})).eval()
+    model = cls(cfg_cls(**{**TINY, **extra, **overrides})).eval()
     model.save_pretrained(tmp)
     return tmp, model
 
@@ -73,6 +94,44 @@ def test_family_matches_transformers(tmp_path: Path, name: str) -> None:
     assert worst < TOL, f"{name}: max |logit diff| {worst}"
     if name == "qwen2":  # the biases are really there and used
         assert model.layers[0].qkv.bias is not None or getattr(model.layers[0].qkv, "f32_bias", None) is not None
+
+
+def test_longrope_short_factors_within_the_original_context(tmp_path: Path) -> None:
+    """Served no longer than original_max_position_embeddings, LongRoPE takes the short factors,
+    as transformers does for every sequence within it (test_scaled_rope_tables for the rule)."""
+    path, ref = build(tmp_path, "phi3-longrope", original_max_position_embeddings=64)
+    model = LlamaModel.load(path, torch.float32, "cpu", max_positions=64)
+    prompt = [int(t) for t in torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(2))]
+    assert check_prefill_then_decode(model, ref, prompt, block_size=8, steps=8) < TOL
+
+
+@pytest.mark.parametrize("kind,served", [("dynamic", 256), ("dynamic", 1000), ("longrope", 16), ("longrope", 256)])
+def test_scaled_rope_tables(kind: str, served: int) -> None:
+    """A table served for `served` positions holds transformers' frequencies and attention factor
+    for a sequence of that length: dynamic NTK's base grows past max_position_embeddings (256),
+    LongRoPE switches to its long factors past original_max_position_embeddings (16)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from rill.services.worker.llama import inv_frequencies, rope_attention_factor
+    from rill.shared.config import ModelConfig
+
+    _, cfg_cls, extra = CASES["llama-dynamic" if kind == "dynamic" else "phi3-longrope"]
+    hf = cfg_cls(**{**TINY, **extra})
+    want, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=served)
+    cfg = ModelConfig.from_dict(hf.to_dict())
+    torch.testing.assert_close(inv_frequencies(cfg, served), want, rtol=1e-6, atol=0)
+    assert rope_attention_factor(cfg) == pytest.approx(factor, rel=1e-9)
+    if served > 256 or (kind == "longrope" and served > 16):  # the scaled regime really differs
+        assert not torch.allclose(inv_frequencies(cfg, 16), want)
+
+
+def test_phi3_longrope_under_an_old_name_is_refused() -> None:
+    """transformers reads a Phi-3 config's "su" or "yarn" as LongRoPE; served as YaRN it would be wrong."""
+    _, cfg_cls, extra = CASES["phi3-longrope"]
+    cfg = cfg_cls(**{**TINY, **extra}).to_dict()
+    cfg["rope_parameters"]["rope_type"] = "yarn"
+    with pytest.raises(families.UnsupportedModel, match="'yarn' \\(longrope under an old name\\)"):
+        families.check_config(cfg)
 
 
 def _edit_config(path: Path, **changes) -> None:
@@ -97,9 +156,8 @@ REFUSALS = [
      "tensor model.layers.0.mlp.gate.weight would be left unused"),
     ("missing tensor", lambda p: _edit_tensors(p, drop="model.layers.1.self_attn.k_proj.weight"),
      "lacks model.layers.1.self_attn.k_proj.weight"),
-    ("longrope", lambda p: _edit_config(p, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                                          "long_factor": [2.0] * 8}),
-     "RoPE scaling type 'longrope' is not supported"),
+    ("rope type", lambda p: _edit_config(p, rope_scaling={"rope_type": "proportional", "factor": 2.0}),
+     "RoPE scaling type 'proportional' is not supported"),
     ("activation", lambda p: _edit_config(p, hidden_act="gelu"), "activation 'gelu' is not supported"),
     ("bidirectional", lambda p: _edit_config(p, use_bidirectional_attention=True),
      "bidirectional attention (an embedding model) is not supported"),

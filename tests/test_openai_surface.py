@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from service_stack import ServiceStack, rill_executable, standard_stack
-
-from rill.shared.broker import free_port
+from service_stack import ServiceStack, fresh_stack, openai_client, rill_executable
 
 AsyncFactory = Callable[[], openai.AsyncOpenAI]
 NEAR_TIE = 2e-3
@@ -30,14 +26,13 @@ PROMPT = "The three most important inventions in history are"
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    prefix = f"rilloai-{os.getpid()}-{time.time_ns() % 10**8}"
-    with standard_stack(redis_url, smollm2_dir, prefix, free_port()) as s:
+    with fresh_stack(redis_url, smollm2_dir, "oai") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack: ServiceStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from schemathesis.config import SchemathesisConfig
 from service_stack import ServiceStack, standard_stack
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.openapi_spec import build_spec
-from rill.services.gateway.requests import DEFAULT_MAX_LOGPROBS
 from rill.shared.broker import free_port
 
 MAX_MODEL_LEN = 128

@@ -1,4 +1,4 @@
-"""The request schema (services/gateway/requests.py) through a real gateway: every field Rill does
+"""The request schema (services/gateway/bodies.py, requests.py) through a real gateway: every field Rill does
 not honour yet is refused by name, unknown fields are refused as OpenAI refuses them unless
 --ignore-unknown-fields, hostile bodies are a 400 (an error frame on the WebSocket, whose other
 requests carry on), and /openapi.json is generated from the same Structs.
@@ -33,20 +33,17 @@ from test_gateway import (
 )
 from websockets.asyncio.client import connect
 
-from rill.services.gateway.openapi_spec import build_spec
-from rill.services.gateway.requests import (
+from rill.services.gateway.bodies import (
     DEFAULT_MAX_LOGPROBS,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP,
     MAX_TOOLS,
-    Admission,
     ChatCompletionRequest,
     CompletionRequest,
-    generate_request,
-    not_yet_fields,
-    parse,
 )
+from rill.services.gateway.openapi_spec import build_spec
+from rill.services.gateway.requests import Admission, generate_request, not_yet_fields, parse
 from rill.shared.bus import FIELD
 from rill.shared.schema import ChatMessage, TokenizeReply, encode, tokenizer_input_decoder
 
@@ -359,15 +356,15 @@ async def test_openapi_is_generated_from_the_structs(gw: LiveServer) -> None:
 
 
 def test_each_limit_has_one_home() -> None:
-    """Request limits are declared once, in requests.py: no second definition in the gateway and
+    """Request limits are declared once, in bodies.py: no second definition in the gateway and
     no hand-written request schema or field check beside it."""
     sources = {p.name: p.read_text() for p in GATEWAY.glob("*.py")}
     for const in ("MAX_STOP", "MAX_N", "MAX_LOGIT_BIAS", "MAX_TOKEN_ID", "MAX_REPETITION_PENALTY",
                   "DEFAULT_MAX_LOGPROBS", "INT64_MAX", "MAX_WS_ID_LEN", "MAX_TOOLS"):
         homes = [name for name, text in sources.items() if re.search(rf"^{const}\s*[:=]", text, re.M)]
-        assert homes == ["requests.py"], (const, homes)
+        assert homes == ["bodies.py"], (const, homes)
     for name, text in sources.items():
-        if name != "requests.py":
+        if name != "bodies.py":
             assert not re.search(r"2\s*\*\*\s*(31|63)|2147483647|\b128\b", text), name
     spec = sources["openapi_spec.py"]
     assert not re.search(r'"(temperature|top_p|top_k|logit_bias|stop|messages|seed|n)":\s*[{_]', spec)  # by hand

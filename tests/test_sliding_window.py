@@ -59,6 +59,9 @@ def test_layer_windows_follow_transformers() -> None:
                                   families.family_of({"architectures": ["MistralForCausalLM"]})) == [8] * 4
     gemma = families.family_of({"architectures": ["Gemma3ForCausalLM"]})
     assert families.layer_windows({**cfg, "sliding_window_pattern": 2}, gemma) == [8, None, 8, None]
+    assert families.layer_windows(cfg, gemma) == [8, 8, 8, 8]  # every 6th is global
+    gemma2 = families.family_of({"architectures": ["Gemma2ForCausalLM"]})
+    assert families.layer_windows(cfg, gemma2) == [8, None, 8, None]
     qwen2 = families.family_of({"architectures": ["Qwen2ForCausalLM"]})
     assert families.layer_windows({**cfg, "use_sliding_window": False}, qwen2) == [None] * 4
     assert families.layer_windows({**cfg, "use_sliding_window": True, "max_window_layers": 3}, qwen2) \

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import time
 from collections.abc import Iterator
 
 import jsonschema
@@ -18,13 +16,12 @@ import pydantic
 import pytest
 import torch
 import websockets
-from service_stack import ServiceStack, standard_stack
+from service_stack import ServiceStack, fresh_stack, openai_client
 
 from rill.kernels import cpu_native
 from rill.services.gateway.structured import _from_json
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.structured import apply_bitmask
-from rill.shared.broker import free_port
 from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
@@ -53,14 +50,13 @@ ASK = {"person": "Describe a user of a web shop as JSON.", "order": "Write an ex
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    prefix = f"rillso-{os.getpid()}-{time.time_ns() % 10**8}"
-    with standard_stack(redis_url, smollm2_dir, prefix, free_port()) as s:
+    with fresh_stack(redis_url, smollm2_dir, "so") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack: ServiceStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(stack, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import jsonschema
 import msgspec
 import pytest
 
+from rill.services.gateway.bodies import ChatCompletionRequest
 from rill.services.gateway.chat_tools import FunctionTool
-from rill.services.gateway.requests import ChatCompletionRequest
 from rill.services.gateway.tool_calls import (
     Hermes,
     Llama3Json,

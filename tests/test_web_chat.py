@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,9 +21,8 @@ from typing import Any
 
 import pytest
 import websockets.sync.client
-from service_stack import ServiceStack, standard_stack
+from service_stack import ServiceStack, fresh_stack
 
-from rill.shared.broker import free_port
 from rill.shared.bus import FIELD
 from rill.shared.schema import GenerateRequest, generate_decoder
 
@@ -74,8 +72,7 @@ class Page:
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    with standard_stack(redis_url, smollm2_dir, f"rillweb-{os.getpid()}-{time.time_ns() % 10**8}",
-                        free_port()) as st:
+    with fresh_stack(redis_url, smollm2_dir, "web") as st:
         yield st
 
 

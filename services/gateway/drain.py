@@ -18,7 +18,7 @@ from rill.services.gateway.errors import json_response
 from rill.shared.schema import ErrorReply
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway
+    from rill.services.gateway.gateway import Gateway
 
 log = logging.getLogger("rill.gateway")
 

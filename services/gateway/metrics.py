@@ -24,6 +24,11 @@ preemptions, queue time) are read at scrape time from every engine's EngineStats
 labelled `engine` as well; queue time is known only to the scheduler, which keeps it as a
 cumulative histogram in EngineStats.
 
+Replica backlog (rill:consumer_group_lag, rill:consumer_group_pending, by `group`): per consumer
+group of the replicated stages (tokenizers, detokenizers), the entries of its stream not yet
+delivered to any replica and those delivered but not acked, read from XINFO GROUPS at scrape time.
+A growing lag means the stage needs replicas (an autoscaler can act on it).
+
 Counters are per process: each gateway replica counts the requests it served (and exports every
 engine's series, identical across replicas). Prometheus sums the replicas' frontend counters;
 engine series should be read from one replica (or with max by engine).
@@ -31,9 +36,11 @@ engine series should be read from one replica (or with max by engine).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -49,10 +56,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rill.shared.bus import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 from rill.shared.schema import EngineStats, ErrorReply, TextDelta
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway
+    from rill.services.gateway.gateway import Gateway
 
 log = logging.getLogger("rill.gateway.metrics")
 
@@ -92,6 +100,8 @@ class GatewayMetrics:
             success.labels(model_name, reason)
         self.engines = EngineCollector(model_name)
         reg.register(self.engines)
+        self.backlogs = BacklogCollector(model_name)
+        reg.register(self.backlogs)
 
     def request(self, n: int = 1) -> RequestMetrics:
         return RequestMetrics(self, n)
@@ -102,10 +112,12 @@ class GatewayMetrics:
         self.generation_tokens.inc(generation_tokens)
         self.e2e.observe(e2e_s)
 
-    def render(self, engine_stats: Sequence[EngineStats]) -> bytes:
-        """The exposition text, with the engine series taken from `engine_stats`."""
+    def render(self, engine_stats: Sequence[EngineStats], backlogs: Sequence[GroupBacklog] = ()) -> bytes:
+        """The exposition text, with the engine series taken from `engine_stats` and the replica
+        backlog series from `backlogs`."""
         # Set and generate without an await in between: concurrent scrapes cannot interleave.
         self.engines.snapshot = list(engine_stats)
+        self.backlogs.snapshot = list(backlogs)
         return generate_latest(self.registry)
 
 
@@ -241,14 +253,71 @@ def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:
     return [(floatToGoString(b), c) for b, c in zip(bounds, counts[:-1], strict=True)] + [("+Inf", counts[-1])]
 
 
+@dataclass(frozen=True)
+class GroupBacklog:
+    """One consumer group's backlog: entries not yet delivered (None: the broker cannot tell)
+    and entries delivered but not acked."""
+
+    group: str
+    lag: int | None
+    pending: int
+
+
+class BacklogCollector:
+    """Replica backlog series, from the snapshot read just before each scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: list[GroupBacklog] = []
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.snapshot)
+
+    def _families(self, backlogs: list[GroupBacklog]) -> Iterator[Metric]:
+        lab = ["model_name", "group"]
+        lag = GaugeMetricFamily("rill:consumer_group_lag",
+                                "Entries of a replicated stage's stream not yet delivered to a replica.", labels=lab)
+        pending = GaugeMetricFamily("rill:consumer_group_pending",
+                                    "Entries delivered to a replica and not yet acked.", labels=lab)
+        for b in backlogs:
+            if b.lag is not None:
+                lag.add_metric([self.model_name, b.group], b.lag)
+            pending.add_metric([self.model_name, b.group], b.pending)
+        yield from (lag, pending)
+
+
+def replica_groups(streams: Streams) -> list[tuple[str, str]]:
+    """(stream, consumer group) of every replicated stage: what an autoscaler watches."""
+    return [(streams.requests, TOKENIZER_GROUP), (streams.detok, DETOKENIZER_GROUP)]
+
+
+async def read_backlogs(gw: Gateway) -> list[GroupBacklog]:
+    """XINFO GROUPS of the replicated stages' streams (a stream not created yet has no series)."""
+    assert gw.bus is not None
+    pairs = replica_groups(gw.bus.streams)
+    replies = await asyncio.gather(*(gw.bus.r.xinfo_groups(stream) for stream, _ in pairs), return_exceptions=True)
+    out = []
+    for (_, group), groups in zip(pairs, replies, strict=True):
+        if isinstance(groups, BaseException):
+            continue  # no such stream yet
+        for g in groups:
+            if g["name"] in (group, group.encode()):
+                out.append(GroupBacklog(group, g.get("lag"), int(g["pending"])))
+    return out
+
+
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         stats = await gw.engine_stats()
+        backlogs = await read_backlogs(gw)
     except Exception as exc:  # the broker is away: still serve the gateway's own series
         log.debug("engine stats unavailable for /metrics: %r", exc)
-        stats = []
-    return Response(gw.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        stats, backlogs = [], []
+    return Response(gw.metrics.render(stats, backlogs), media_type=CONTENT_TYPE_LATEST)
 
 
 def routes() -> list[Route]:

@@ -20,15 +20,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rill.services.gateway import requests
-from rill.services.gateway.chat_tools import tool_definitions
-from rill.services.gateway.errors import APIError, json_response
-from rill.services.gateway.requests import (
+from rill.services.gateway.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
     GenerateBody,
     TokenizeBody,
 )
+from rill.services.gateway.chat_tools import tool_definitions
+from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.responses import (
     GENERATION_FAILED,
     ChunkFormatter,
@@ -41,7 +41,8 @@ from rill.services.gateway.tool_calls import tool_mode
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway, RequestStream
+    from rill.services.gateway.gateway import Gateway
+    from rill.services.gateway.request_tracker import RequestStream
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """GET /openapi.json: the gateway's HTTP API as OpenAPI 3.1.
 
-The request bodies are generated from the Structs that validate them (requests.py), so the
+The request bodies are generated from the Structs that validate them (bodies.py), so the
 document states exactly the ranges the gateway enforces; tests fuzz the running stack against
 it (schemathesis). The responses are still written here by hand: responses.py builds them as
 plain dicts on the hot path, not as Structs. The served model's name, the context length,
@@ -17,17 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rill.services.gateway import requests
-from rill.services.gateway.requests import (
+from rill.services.gateway import bodies
+from rill.services.gateway.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
     TokenizeBody,
-    not_yet_fields,
 )
+from rill.services.gateway.requests import not_yet_fields
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway
+    from rill.services.gateway.gateway import Gateway
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -65,8 +65,8 @@ def _value_schema(prop: dict[str, Any]) -> dict[str, Any]:
 
 def _mark_not_yet(name: str, schema: dict[str, Any]) -> None:
     """Fields and content parts Rill refuses: the values it accepts, and why the others fail."""
-    cls = getattr(requests, name, None)
-    if cls is None:  # a Struct from a module of its own (chat_tools.py, ...): NotYet marks live in requests.py
+    cls = getattr(bodies, name, None)
+    if cls is None:  # a Struct bodies.py does not import (chat_tools.py, ...): no NotYet marks
         return
     if getattr(cls, "why", None):
         schema["description"] = f"Not supported yet ({cls.why}): refused with 400."

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -140,3 +141,14 @@ class DrainingServer(uvicorn.Server):
             await self._drain()
         finally:
             self.should_exit = True
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise SystemExit("rill: several gateway replicas on one port need SO_REUSEPORT (Linux)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock

@@ -11,7 +11,7 @@ otherwise can fill max_tokens with blank lines inside an object.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 from msgspec import Meta
 
@@ -103,16 +103,24 @@ def _from_regex(regex: str) -> str:
     return LLMatcher.grammar_from_regex(regex)
 
 
-def _requested(req: Any) -> list[tuple[str, str]]:
-    """(field, grammar) for every constraint the request sets (valid requests set at most one)."""
-    out: list[tuple[str, str]] = []
+class _Constraint(NamedTuple):
+    field: str  # the request field that sets it
+    param: str  # the field a 400 about its content names
+    kind: str  # json, json_object, regex, choice or grammar
+    value: Any
+
+
+def _requested(req: Any) -> list[_Constraint]:
+    """Every constraint the request sets (valid requests set at most one); naming them is cheap,
+    so conflicts are refused before any grammar is built."""
+    out: list[_Constraint] = []
     rf = getattr(req, "response_format", None)
     if isinstance(rf, JsonObjectFormat):
-        out.append(("response_format", _from_json(ANY_OBJECT, "response_format")))
+        out.append(_Constraint("response_format", "response_format", "json_object", None))
     elif isinstance(rf, JsonSchemaResponseFormat):
         schema = rf.json_schema.schema
-        out.append(("response_format", _from_json(ANY_OBJECT if schema is None else schema,
-                                                  "response_format.json_schema.schema")))
+        out.append(_Constraint("response_format", "response_format.json_schema.schema", "json",
+                               ANY_OBJECT if schema is None else schema))
     so: StructuredOutputs | None = getattr(req, "structured_outputs", None)
     if so is not None:
         kinds = [(name, value) for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice),
@@ -121,14 +129,15 @@ def _requested(req: Any) -> list[tuple[str, str]]:
         if len(kinds) != 1:
             raise _bad("structured_outputs takes exactly one of json, regex, choice, grammar and json_object.",
                        "structured_outputs")
-        out.append(_one(f"structured_outputs.{kinds[0][0]}", kinds[0][0], kinds[0][1]))
+        param = f"structured_outputs.{kinds[0][0]}"
+        out.append(_Constraint(param, param, kinds[0][0], kinds[0][1]))
     forced = _forced_calls(req)
     if forced is not None:
-        out.append(("tool_choice", _from_json(forced, "tool_choice")))
+        out.append(_Constraint("tool_choice", "tool_choice", "json", forced))
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         value = getattr(req, name, None)
         if value is not None:
-            out.append(_one(name, name.removeprefix("guided_"), value))
+            out.append(_Constraint(name, name, name.removeprefix("guided_"), value))
     return out
 
 
@@ -143,13 +152,13 @@ def _forced_calls(req: Any) -> dict[str, Any] | None:
     return forced_schema(tools, tool_choice_name(req.tool_choice, tools), req.parallel_tool_calls is not False)
 
 
-def _one(param: str, kind: str, value: Any) -> tuple[str, str]:
+def _build(c: _Constraint) -> str:
     try:
-        return param, _grammar(param, kind, value)
+        return _grammar(c.param, c.kind, c.value)
     except APIError:
         raise
     except Exception as exc:  # llguidance's converters raise bare Exceptions on bad input
-        raise _bad(f"Invalid {param}: {exc}", param) from None
+        raise _bad(f"Invalid {c.param}: {exc}", c.param) from None
 
 
 def _grammar(param: str, kind: str, value: Any) -> str:
@@ -164,27 +173,14 @@ def _grammar(param: str, kind: str, value: Any) -> str:
     return _from_grammar(value)
 
 
-def grammar_of(req: Any) -> str | None:
-    """The request's constraint as an llguidance grammar (`check` has validated it), or None."""
-    found = _requested(req)
-    return found[0][1] if found else None
-
-
 def check(req: Any) -> None:
-    """A 400 naming the field for a constraint that cannot run, or that conflicts."""
-    from llguidance import LLMatcher
-
+    """The 400s that need no grammar: two constraints at once, or one with fields it overrides."""
     found = _requested(req)
     if not found:
         return
     if len(found) > 1:
-        raise _bad(f"Give one structured output constraint, not {found[0][0]} and {found[1][0]}.", found[1][0])
-    param, grammar = found[0]
-    if len(grammar) > MAX_GRAMMAR_BYTES:
-        raise _bad(f"{param} is too large: {len(grammar)} bytes as a grammar, at most {MAX_GRAMMAR_BYTES}.", param)
-    why = LLMatcher.validate_grammar(grammar)
-    if why:
-        raise _bad(f"Invalid {param}: {why.strip()}", param)
+        raise _bad(f"Give one structured output constraint, not {found[0].field} and {found[1].field}.",
+                   found[1].field)
     # The grammar decides where the output ends.
     if getattr(req, "min_tokens", None):
         raise _bad("min_tokens cannot be combined with structured outputs (the grammar decides where the "
@@ -193,3 +189,20 @@ def check(req: Any) -> None:
         raise _bad("ignore_eos cannot be combined with structured outputs (the grammar decides where the "
                    "output ends).", "ignore_eos")
 
+
+def grammar_of(req: Any) -> str | None:
+    """The request's constraint (`check` has passed) as an llguidance grammar, built once and
+    validated: a 400 naming the field when it cannot run."""
+    from llguidance import LLMatcher
+
+    found = _requested(req)
+    if not found:
+        return None
+    param = found[0].field
+    grammar = _build(found[0])
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise _bad(f"{param} is too large: {len(grammar)} bytes as a grammar, at most {MAX_GRAMMAR_BYTES}.", param)
+    why = LLMatcher.validate_grammar(grammar)
+    if why:
+        raise _bad(f"Invalid {param}: {why.strip()}", param)
+    return grammar

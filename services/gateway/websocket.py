@@ -32,14 +32,15 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from rill.services.gateway import requests
+from rill.services.gateway.bodies import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.requests import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
 from rill.services.gateway.tool_calls import ToolStream, tool_mode
 from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
-    from rill.services.gateway.app import Gateway, RequestStream
+    from rill.services.gateway.gateway import Gateway
+    from rill.services.gateway.request_tracker import RequestStream
 
 log = logging.getLogger("rill.gateway.ws")
 

@@ -25,117 +25,24 @@ the batch once the KV is in them.
 from __future__ import annotations
 
 import bisect
-import enum
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-import msgspec
-
-from rill.services.scheduler.kv_cache_manager import KVCacheManager, block_hashes, blocks_for
-from rill.shared.config import detok_context_len
+from rill.services.scheduler.detok_rows import DetokRows
+from rill.services.scheduler.kv_cache_manager import KVCacheManager, blocks_for
+from rill.services.scheduler.request import Refusal, Request, Status
+from rill.services.scheduler.step_stats import QueueTimeHistogram, StepCounters
 from rill.shared.schema import (
     DetokBatch,
     NewRequestData,
-    SamplingParams,
     StepPlan,
     StepResult,
     TokenizedRequest,
-    TokenLogprobs,
-    sample_request_id,
 )
 
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PARKED = "parked"  # holds blocks, never scheduled: its KV is on its way to or from another engine
-    FINISHED = "finished"
-
-
-_arrivals = itertools.count()
-
-
-@dataclass(eq=False, slots=True)
-class Request:
-    request_id: str
-    reply_to: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: frozenset[int]
-    arrival_time: float
-    max_tokens: int
-    priority: int = 0
-    group_id: str = ""  # the client's request id; several samples share it when n > 1
-    share_prompt_with: str | None = None  # sample 0 of the group, whose prompt blocks we reuse
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # KV computed, as far as results that came back say
-    num_inflight_tokens: int = 0  # scheduled in plans whose results are not back yet
-    num_inflight_samples: int = 0  # tokens those plans will sample: placeholders, not yet known
-    status: Status = Status.WAITING
-    known_to_worker: bool = False
-    num_blocks_sent: int = 0
-    num_preemptions: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-    seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
-    detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)
-    worker_params: SamplingParams | None = None  # params without what only detokenizers read
-
-    def __post_init__(self) -> None:
-        if self.worker_params is None:
-            self.worker_params = msgspec.structs.replace(self.params, stop=[]) if self.params.stop else self.params
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_known_tokens(self) -> int:
-        """Its tokens as the worker will know them once the plans in flight have run."""
-        return self.num_tokens + self.num_inflight_samples
-
-    @property
-    def num_planned_tokens(self) -> int:
-        """Tokens whose KV is computed or scheduled in a plan in flight."""
-        return self.num_computed_tokens + self.num_inflight_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
-        """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
-        if len(self.block_hashes) < num_tokens // block_size:
-            self.block_hashes = block_hashes(self.all_token_ids[:num_tokens], block_size, self.block_hashes)
-        return self.block_hashes
-
-    @classmethod
-    def from_message(cls, msg: TokenizedRequest) -> list[Request]:
-        """One Request per sample; samples after the first share the first one's prompt blocks."""
-        p = msg.params
-        stop_ids = set(p.stop_token_ids)
-        eos = frozenset((set() if p.ignore_eos else set(msg.eos_token_ids)) | stop_ids)
-        out: list[Request] = []
-        for i in range(p.n):
-            params = p if p.n == 1 else msgspec.structs.replace(
-                p, n=1, seed=None if p.seed is None else p.seed + i)
-            out.append(cls(request_id=sample_request_id(msg.request_id, i, p.n), reply_to=msg.reply_to,
-                           prompt_token_ids=list(msg.prompt_token_ids), params=params, eos_token_ids=eos,
-                           arrival_time=msg.arrival_time, max_tokens=p.max_tokens or 16,
-                           priority=msg.priority, group_id=msg.request_id,
-                           share_prompt_with=out[0].request_id if i else None,
-                           detok_context=detok_context_len(p.stop)))
-        return out
-
-
-class Refusal(NamedTuple):
-    """A request that can never run on this engine: the message for the client, the field at fault."""
-
-    message: str
-    param: str | None
+__all__ = ["Refusal", "Request", "Scheduler", "SchedulerConfig", "Status", "StepOutcome"]
 
 
 @dataclass(frozen=True)
@@ -147,43 +54,6 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
     role: str = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
-
-
-@dataclass
-class StepCounters:
-    steps: int = 0
-    mixed_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    max_step_tokens: int = 0
-    last_step_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-    preemptions: int = 0
-
-
-# Bucket bounds (seconds) of the queue-time histogram; fixed, so every scrape of every engine
-# lines up, and the gateway exports them as they come (rill:request_queue_time_seconds).
-QUEUE_TIME_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-                     120.0, 300.0, 600.0, 1800.0)
-
-
-class QueueTimeHistogram:
-    """Counts per bucket and the sum of observed queue times, since this scheduler started."""
-
-    def __init__(self, bounds: tuple[float, ...] = QUEUE_TIME_BOUNDS) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        seconds = max(seconds, 0.0)  # the gateway's clock may run a little ahead of ours
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
-
-    def cumulative(self) -> list[int]:
-        """Prometheus' shape: requests with a queue time <= each bound, then the total."""
-        return list(itertools.accumulate(self.counts))
 
 
 @dataclass(slots=True)
@@ -534,7 +404,7 @@ class Scheduler:
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
         prompt_lps = dict(zip(result.request_ids, result.prompt_logprobs, strict=True)) \
             if result.prompt_logprobs else {}
-        rows = _DetokRows()
+        rows = DetokRows()
         finished: list[Request] = []
         parked: list[Request] = []
         failed: list[tuple[Request, str]] = []
@@ -696,51 +566,3 @@ class Scheduler:
             assert (len(self.kv.block_ids(r.request_id)) * self.kv.block_size
                     >= r.num_computed_tokens + r.num_inflight_tokens)
             assert r.num_inflight_tokens >= 0 and 0 <= r.num_inflight_samples <= len(self._in_flight)
-
-
-class _DetokRows:
-    """Columnar builder for one step's DetokBatch."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.reply_to: list[str] = []
-        self.offsets: list[int] = []
-        self.new: list[list[int]] = []
-        self.context: list[list[int]] = []
-        self.reasons: list[str | None] = []
-        self.prompt_tokens: list[int] = []
-        self.stop: list[list[str]] = []
-        self.skip_special: list[bool] = []
-        self.include_stop: list[bool] = []
-        self.logprobs: list[list[TokenLogprobs]] = []
-        self.prompt_logprobs: list[list[TokenLogprobs]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.ids)
-
-    def add(self, req: Request, offset: int, new: list[int], reason: str | None,
-            logprobs: list[TokenLogprobs], prompt_logprobs: list[TokenLogprobs]) -> None:
-        p = req.params
-        ctx = req.detok_context
-        self.ids.append(req.request_id)
-        self.reply_to.append(req.reply_to)
-        self.offsets.append(offset)
-        self.new.append(new)
-        self.context.append(req.output_token_ids[max(0, offset - ctx):offset])
-        self.reasons.append(reason)
-        self.prompt_tokens.append(len(req.prompt_token_ids))
-        self.stop.append(p.stop)
-        self.skip_special.append(p.skip_special_tokens)
-        self.include_stop.append(p.include_stop_str_in_output)
-        self.logprobs.append(logprobs)
-        self.prompt_logprobs.append(prompt_logprobs)
-
-    def batch(self, engine_id: int, step_id: int) -> DetokBatch:
-        return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
-                          reply_to=self.reply_to, offsets=self.offsets, new_token_ids=self.new,
-                          context_ids=self.context, finish_reasons=self.reasons,
-                          prompt_tokens=self.prompt_tokens, stop=self.stop,
-                          skip_special_tokens=self.skip_special, include_stop_str=self.include_stop,
-                          # Columns nobody asked for stay empty, so they cost nothing on the wire.
-                          logprobs=self.logprobs if any(self.logprobs) else [],
-                          prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [])

@@ -116,10 +116,11 @@ class SchedulerService:
                            sliding_window=ready.sliding_window or None))
         self.disagg.configure(ready)
         log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
-                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s)", self.e, self.args.role,
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s, %d tensor-parallel "
+                 "ranks)", self.e, self.args.role,
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
                  self.args.max_num_seqs, budget, ready.worker_id,
-                 ready.device, ready.dtype, ready.quantization)
+                 ready.device, ready.dtype, ready.quantization, self.args.tensor_parallel_size)
 
     # ------------------------------------------------------------------------- main loop
 

@@ -32,6 +32,7 @@ from rill.shared.schema import (
     DetokenizeRequest,
     ErrorReply,
     GenerateRequest,
+    Routed,
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
@@ -154,7 +155,9 @@ class Router:
     "prefill"; a "decode" engine gets its requests from prefill engines, with their KV), the least
     loaded by its stats key (running + waiting + in transfer) plus what this replica sent it since
     it last read them. Stats are read at most every REFRESH_S. Engines that have published no stats
-    yet (role unknown) are used only when no engine's role is known to run prompts.
+    yet (role unknown) are used only when no engine's role is known to run prompts. An engine whose
+    scheduler or worker heartbeat is missing (killed, or not started) is skipped while another one
+    beats; with none beating, every listed engine stays a candidate (its requests wait for it).
     """
 
     REFRESH_S = 0.25
@@ -168,15 +171,24 @@ class Router:
     def _refresh(self) -> None:
         s = self.bus.streams
         ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
-        raw = self.bus.r.mget([s.stats_key(e) for e in ids]) if ids else []
+        beats = [s.heartbeat(role, e) for e in ids for role in ("scheduler", "worker")]
+        raw = self.bus.r.mget([s.stats_key(e) for e in ids] + beats) if ids else []
+        live = [e for i, e in enumerate(ids) if raw[len(ids) + 2 * i] is not None
+                and raw[len(ids) + 2 * i + 1] is not None]
         loads: dict[int, tuple[str | None, int]] = {}
-        for e, payload in zip(ids, raw, strict=True):
+        for e, payload in zip(ids, raw[:len(ids)], strict=True):
+            if live and e not in live:
+                continue
             try:
                 st = stats_decoder.decode(payload) if payload is not None else None
             except msgspec.DecodeError:
                 st = None
             loads[e] = (None, 0) if st is None else (st.role, st.num_running + st.num_waiting + st.num_transferring)
         self.loads, self.sent, self._read_at = loads, {}, time.monotonic()
+
+    def role(self, engine: int) -> str | None:
+        """The engine's role as of the last read (None: not known yet)."""
+        return self.loads.get(engine, (None, 0))[0]
 
     def pick(self) -> int:
         if time.monotonic() - self._read_at >= self.REFRESH_S:
@@ -240,4 +252,8 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
                                           status=500, type="server_error"), MAXLEN["reply"])]
-    return [(bus.streams.engine_in(router.pick()), out, MAXLEN["engine_in"])]
+    engine = router.pick()
+    sends: list[tuple[str, Struct, int]] = [(bus.streams.engine_in(engine), out, MAXLEN["engine_in"])]
+    if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
+        sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine), MAXLEN["reply"]))
+    return sends

@@ -18,7 +18,7 @@ from typing import Any
 
 from rill.shared.config import ModelConfig
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what llama.inv_frequencies implements
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # what llama.inv_frequencies implements
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
 
 
@@ -35,9 +35,11 @@ class Family:
     window_key: str | None = None  # config key of a sliding-window size
     window_switch: str | None = None  # config key that turns the window on (else it is on when set)
     # Which layers slide, as transformers decides: "all" (Mistral ignores layer_types), "types"
-    # (config.layer_types, else every `sliding_window_pattern`-th layer is global: Gemma 3),
-    # "upper" (config.layer_types, else layers from max_window_layers on: Qwen2/3).
+    # (config.layer_types, else every `sliding_window_pattern`-th layer is global, by default
+    # every `window_pattern`-th: Gemma 3's 6, Gemma 2's 2), "upper" (config.layer_types, else
+    # layers from max_window_layers on: Qwen2/3).
     window_layers: str = "all"
+    window_pattern: int = 6
     # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden); attention and MLP
     # outputs are normed before their residual add (post_attention_layernorm is that norm, and
     # pre_feedforward_layernorm the MLP's input norm).
@@ -75,6 +77,10 @@ FAMILIES = (
            window_switch="use_sliding_window", window_layers="upper"),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_key="sliding_window",
            window_switch="use_sliding_window", window_layers="upper"),
+    # Gemma 2: GeGLU, query_pre_attn_scalar, attention logit soft-capping, every other layer
+    # sliding (the first one included), no q/k norms.
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), window_key="sliding_window", gemma=True,
+           window_layers="types", window_pattern=2),
     # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
            gemma=True, window_layers="types"),
@@ -112,7 +118,7 @@ def layer_windows(cfg: dict[str, Any], fam: Family) -> list[int | None]:
     if fam.window_layers == "all" or (not types and fam.window_layers not in ("types", "upper")):
         return [int(window)] * n
     if not types and fam.window_layers == "types":
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = int(cfg.get("sliding_window_pattern", fam.window_pattern))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif not types:  # "upper"
         first = int(cfg.get("max_window_layers", 28))
@@ -130,11 +136,15 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if act not in ACTIVATIONS:
         raise UnsupportedModel(f"{fam.name}: activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise UnsupportedModel(f"{fam.name}: attention logit soft-capping is not supported yet")
+    cap = cfg.get("attn_logit_softcapping")
+    if cap is not None and not float(cap) > 0:
+        raise UnsupportedModel(f"{fam.name}: attention logit soft-capping {cap} must be positive")
     parsed = ModelConfig.from_dict(cfg)
     scaling = parsed.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if fam.name == "phi3" and kind in ("su", "yarn"):  # transformers reads these as longrope
+        raise UnsupportedModel(f"{fam.name}: RoPE scaling type {kind!r} (longrope under an old name) is not "
+                               "supported; name it 'longrope'")
     if kind not in ROPE_TYPES:
         raise UnsupportedModel(f"{fam.name}: RoPE scaling type {kind!r} is not supported "
                                f"(supported: {', '.join(ROPE_TYPES)})")
@@ -218,14 +228,18 @@ def family_of_gguf(architecture: str) -> Family:
 def supported_table() -> str:
     """The supported families as a Markdown table (for the README)."""
     rows = ["| family | architectures | differences over Llama |", "|---|---|---|"]
-    notes = {"llama": "RoPE default, linear, llama3, yarn; optional biases; tied or separate LM head",
+    notes = {"llama": "RoPE default, linear, dynamic, llama3, yarn, longrope; optional biases; tied or "
+                      "separate LM head",
              "mistral": "as Llama; sliding-window attention, KV blocks behind the window released",
              "qwen2": "q/k/v biases; sliding window as Mistral",
              "qwen3": "RMSNorm per head on q and k before RoPE",
+             "gemma2": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, "
+                       "query_pre_attn_scalar, attention and final logit soft-capping; every other layer "
+                       "sliding-window",
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
-             "phi3": "fused qkv and gate_up weights; sliding window as Mistral (longrope refused)"}
+             "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope"}
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.architectures)} | {notes[f.name]} |")
     return "\n".join(rows)

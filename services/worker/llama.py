@@ -1,7 +1,7 @@
 """Llama-family forward pass over a flattened batch and a paged KV cache.
 
-Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear
-and Llama-3 frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
+Our own implementation (transformers is only a test reference): RMSNorm, RoPE (default, linear,
+dynamic NTK, Llama-3, YaRN and LongRoPE frequency scaling), GQA attention through `rill.kernels.ops`, SwiGLU MLP, optional
 biases, tied embeddings, and per-head q/k norms; which families those serve, and the checks that
 refuse the rest at load, are in families.py. Q/K/V and gate/up weights are concatenated at load time so each layer
 runs three GEMMs plus the output projection. With int8 quantization, SmoothQuant factors are folded
@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,22 +24,48 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
-from rill.services.worker import families
+from rill.services.worker import families, tensor_parallel
 from rill.shared.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] (fp32), with the config's frequency scaling."""
+def _rope_kind(cfg: ModelConfig) -> str:
+    scaling = cfg.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def inv_frequencies(cfg: ModelConfig, served: int | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] (fp32), with the config's frequency scaling.
+
+    `served`: the longest sequence the table serves (max_model_len; default the model's
+    max_position_embeddings). transformers recomputes `dynamic` and `longrope` frequencies in
+    every forward from the sequence's current length, so a cached key keeps the rotation of the
+    step that wrote it while later queries get another. Rill, like vLLM, fixes one table for
+    the whole context instead (so cached keys stay valid), sized by what it serves: `dynamic`
+    takes the NTK base of a sequence of `served` tokens, the plain base within the original
+    context (the default), which is transformers' there; `longrope` takes the long factors when
+    `served` exceeds original_max_position_embeddings (vLLM's rule), else the short ones. That
+    is transformers' choice for a sequence that stays within the original context, or starts
+    beyond it; one that crosses it mid-way gets the long factors from its first token here."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _rope_kind(cfg)
+    served = served or cfg.max_position_embeddings
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "dynamic":
+        factor, old_len = float(scaling["factor"]), cfg.max_position_embeddings
+        length = max(served, old_len)
+        base = cfg.rope_theta * ((factor * length / old_len) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "longrope":
+        long = served > _longrope_original(cfg, scaling)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -53,6 +80,12 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     if kind == "yarn":
         return _yarn_inv_frequencies(cfg, scaling, inv_freq)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def _longrope_original(cfg: ModelConfig, scaling: dict) -> int:
+    """LongRoPE's pretraining context (Phi-3 keeps it beside rope_scaling, not in it)."""
+    return int(scaling.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+               or cfg.max_position_embeddings)
 
 
 def _yarn_inv_frequencies(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -79,9 +112,17 @@ def _yarn_inv_frequencies(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tenso
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by: 1, except YaRN's attention temperature."""
+    """What cos and sin are multiplied by: 1, except YaRN's attention temperature and LongRoPE's
+    attention factor (for the short and the long factors alike, as transformers applies it)."""
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = _rope_kind(cfg)
+    if kind == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = _longrope_original(cfg, scaling)
+        factor = float(scaling.get("factor") or cfg.max_position_embeddings / original)
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -101,7 +142,7 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
     `local`: the sliding-attention layers' table (their own base, no scaling; Gemma 3)."""
     if local:
         cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg)[None, :]
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg, max_positions)[None, :]
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)).to(device)
 
 
@@ -182,6 +223,14 @@ class _Checkpoint:
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self._where else None
 
+    def part(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        """Only rows (and cols) of a tensor, read without the rest (a tensor-parallel shard)."""
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            return view[rows] if cols is None else view[rows, cols]
+
 
 def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if all(p is None for p in parts):
@@ -202,6 +251,8 @@ class LlamaModel:
         `embed_scale`: the embedding's multiplier (Gemma: sqrt(hidden))."""
         self.cfg = cfg
         self.embed = embed
+        # ids -> rows of the embedding (tensor_parallel.shard_model swaps in a vocab-parallel lookup)
+        self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = partial(F.embedding, weight=embed)
         self.layers = layers
         self.norm = norm
         self.tied = lm_head is embed if tied is None else tied
@@ -223,12 +274,14 @@ class LlamaModel:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
              max_positions: int | None = None, quantization: str = "none",
-             smoothquant_alpha: float | dict[str, float] | None = None) -> LlamaModel:
+             smoothquant_alpha: float | dict[str, float] | None = None,
+             tp: tensor_parallel.TPGroup | None = None) -> LlamaModel:
         """quantization "int8": every linear layer and the LM head as W8A8 int8 GEMMs (CPU only);
         norms, the embedding and the KV cache stay in `dtype`. Before quantizing, activation
         outliers are smoothed into the weights (smoothquant.py) with `smoothquant_alpha`, by
         default RILL_SMOOTHQUANT_ALPHA or the measured default; 0 turns that off. An alpha given
-        with quantization "none" smooths the float model (the fold is exact up to rounding)."""
+        with quantization "none" smooths the float model (the fold is exact up to rounding).
+        `tp`: load this rank's shard only (tensor_parallel.py)."""
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
         family = families.check_config(raw, max_positions)  # refuses what the forward would get wrong
@@ -236,6 +289,11 @@ class LlamaModel:
         ckpt = _Checkpoint(model_dir)
         families.check_tensors(ckpt.names(), raw, family)
         windows = families.layer_windows(raw, family)
+        shard = None
+        if tp is not None:
+            tensor_parallel.check_supported(family.name, quantization, tp.size, bool(smoothquant_alpha))
+            shard = tensor_parallel.Shard.plan(cfg, tp.rank, tp.size)
+            ckpt = tensor_parallel.ShardedCheckpoint(ckpt, cfg, shard)  # type: ignore[assignment]
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype=dtype).to(device).contiguous()
@@ -284,8 +342,12 @@ class LlamaModel:
         # the prepared (pre-packed or int8) copies replace them, so the load peaks near one model.
         layers = [tensors.pop(0).prepare(lambda w, b: ops.make_linear(w, b, quantization))
                   for _ in range(cfg.num_hidden_layers)]
-        return cls(cfg, embed, layers, norm, lm_head, max_positions or cfg.max_position_embeddings, quantization,
-                   tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+        model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, lm_head,
+                    max_positions or cfg.max_position_embeddings, quantization,
+                    tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+        if shard is not None and tp is not None:
+            tensor_parallel.shard_model(model, shard, cfg, tp)
+        return model
 
     @property
     def sliding_window(self) -> int | None:
@@ -320,7 +382,7 @@ class LlamaModel:
         c = self.cfg
         eps = c.rms_norm_eps
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_lookup(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual: torch.Tensor | None = None
@@ -341,7 +403,8 @@ class LlamaModel:
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
                                          self.cos_sin_local if layer.local_rope else self.cos_sin,
                                          k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window,
+                                       softcap=c.attn_logit_softcapping)
             h = layer.o(attn.reshape(t, self.q_size))
             if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
                 h = ops.rms_norm(h, layer.attn_out_norm, eps)

@@ -26,6 +26,7 @@ from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, check_params
 from rill.services.worker.structured import GrammarError, Grammars
+from rill.services.worker.tensor_parallel import Shard, TPGroup
 from rill.shared.config import ModelConfig, kv_cache_blocks
 from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -55,10 +56,11 @@ def num_blocks_for(model_cfg: ModelConfig, dtype: str, block_size: int, memory_b
     return kv_cache_blocks(model_cfg, dtype, block_size, memory_bytes)
 
 
-def configure_cpu_threads() -> int:
-    """Intra-op threads for the CPU forward: RILL_WORKER_THREADS, else every core we may run on."""
+def configure_cpu_threads(ranks: int = 1) -> int:
+    """Intra-op threads for the CPU forward: RILL_WORKER_THREADS, else every core we may run on
+    (shared among the `ranks` tensor-parallel processes of one machine)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = int(os.environ.get("RILL_WORKER_THREADS") or usable or 1)
+    n = int(os.environ.get("RILL_WORKER_THREADS") or (usable or 1) // ranks or 1)
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
 
@@ -116,21 +118,25 @@ Sampled = tuple[list[str], list[int], list[TokenLogprobs | None]]
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto", num_blocks: int = 256,
                  block_size: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 model: LlamaModel | None = None, quantization: str = "none") -> None:
+                 model: LlamaModel | None = None, quantization: str = "none", tp: TPGroup | None = None) -> None:
         """quantization: "none" or "int8" (W8A8 linear layers, CPU only; see LlamaModel.load). A
-        `model` passed in is used as loaded, its own quantization included."""
+        `model` passed in is used as loaded, its own quantization included. `tp`: this process is
+        one rank of a tensor-parallel group; it loads its shard, and only rank 0 samples."""
         self.device = resolve_device(device)
+        self.tp = tp
         if self.device == "cpu":
-            configure_cpu_threads()  # first: "auto" measures GEMMs with the threads that will serve
+            # first: "auto" measures GEMMs with the threads that will serve
+            configure_cpu_threads(tp.size if tp else 1)
             _keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
         if self.device == "cpu" and model is None:
             # Before the layers are built: each one reads its measured GEMM choice when built.
-            choose_cpu_kernels(cfg, TORCH_DTYPES[self.dtype], quantization)
+            choose_cpu_kernels(Shard.plan(cfg, tp.rank, tp.size).kernel_config(cfg) if tp else cfg,
+                               TORCH_DTYPES[self.dtype], quantization)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,
-                                              max_positions=self.max_model_len, quantization=quantization)
+                                              max_positions=self.max_model_len, quantization=quantization, tp=tp)
         self.quantization = self.model.quantization
         if self.quantization == "int8" and self.device == "cpu" and not cpu_has_int8_dot():
             log.warning("--quantization int8 on a CPU without VNNI/AMX int8 instructions: its int8 GEMMs "
@@ -188,6 +194,8 @@ class ModelRunner:
             self._apply_diffs(plan)
             ids, tokens, logprobs = self._run(plan)
         except Exception as exc:  # one bad step must not take the worker down
+            if self.tp is not None:  # ...but a rank that failed has left its peers mid-collective
+                raise
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[],
                               error=f"{type(exc).__name__}: {exc}")
@@ -317,7 +325,10 @@ class ModelRunner:
         assert s.prompt_lps is not None and s.params.prompt_logprobs is not None
         top = min(s.params.prompt_logprobs, self.cfg.vocab_size)
         for lo in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
-            lp = torch.log_softmax(self.model.logits(hidden[lo:lo + PROMPT_LOGPROB_ROWS]), dim=-1)
+            logits = self.model.logits(hidden[lo:lo + PROMPT_LOGPROB_ROWS])
+            if self.tp is not None and not self.tp.lead:
+                continue  # its part of the gather; rank 0 scores
+            lp = torch.log_softmax(logits, dim=-1)
             targets = s.token_ids[start + lo + 1:start + lo + 1 + lp.shape[0]]
             chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
             top_lp, top_ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
@@ -342,9 +353,15 @@ class ModelRunner:
 
     def _sample(self, states: list[RequestState], sampled: list[int], logits: torch.Tensor) -> Sampled:
         """Sample one token for each row of `logits` (the states at `sampled`) and append it."""
+        if self.tp is not None and not self.tp.lead:  # rank 0 samples; the others append its tokens
+            for i, tok in zip(sampled, self.tp.broadcast_tokens(None, len(sampled)), strict=True):
+                states[i].token_ids.append(tok)
+            return [], [], []
         rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
                           states[i].generator, states[i].history_slot) for i in sampled]
         out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled]))
+        if self.tp is not None:
+            self.tp.broadcast_tokens(out.token_ids, len(sampled))
         self.last_logits = logits  # raw: the sampler never writes into them
         for i, tok in zip(sampled, out.token_ids, strict=True):
             s = states[i]
@@ -389,6 +406,6 @@ class ModelRunner:
         self.last_logits = None
         if result.error:
             raise RuntimeError(f"warm-up step failed: {result.error}")
-        if self.graphs is None and graphs_wanted(self.device, self.model):
+        if self.graphs is None and self.tp is None and graphs_wanted(self.device, self.model):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len)
             self.graphs.capture()

@@ -13,6 +13,10 @@ The worker announces itself with WorkerReady at start and again after
 every Hello, so the handshake works whichever of scheduler and worker starts first. Once ready
 it keeps a heartbeat key alive (shared/heartbeat.py), by which the scheduler and the gateways
 learn that it died; broker errors are retried with backoff.
+
+With tensor parallelism the worker is N processes (tensor_parallel.py). Every rank reads the
+plan stream itself, from the id rank 0 hands out at start (a broadcast of each plan instead
+cost more: scripts/benchmarks.md); rank 0 alone announces, beats, samples and posts results.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
+from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
 from rill.shared.bus import MAXLEN, Backoff, Bus
 from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
 from rill.shared.heartbeat import Heartbeat
@@ -54,27 +59,48 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
     return max(0, int(total * args.gpu_memory_utilization) - (used - cache_now))
 
 
-def build_runner(args: EngineArgs) -> ModelRunner:
+def join_group(args: EngineArgs) -> TPGroup | None:
+    """This worker's tensor-parallel group (None with one rank); a group that does not form
+    ends start-up with one line naming why."""
+    if args.tensor_parallel_size <= 1:
+        return None
+    address = args.tp_address or os.environ.get("RILL_TP_ADDRESS", "")
+    try:
+        return TPGroup.join(args.tp_rank, args.tensor_parallel_size, address, resolve_device(args.device))
+    except TensorParallelError as exc:
+        raise SystemExit(f"rill worker: {exc}") from None
+
+
+def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     device = resolve_device(args.device)
     cfg = ModelConfig.from_dir(args.model_dir)
     max_len = args.max_model_len or cfg.max_position_embeddings
     # Enough blocks for the warm-up step; the real cache replaces it once sized.
     probe_tokens = max(16, min(args.step_token_budget(device), max_len))
     # The runner resolves "auto" (after setting its CPU threads, which the probe should use).
+    rss = resident_bytes()
     runner = ModelRunner(args.model_dir, dtype=args.dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
-                         max_model_len=max_len, seed=args.seed, quantization=args.quantization)
+                         max_model_len=max_len, seed=args.seed, quantization=args.quantization, tp=tp)
+    if tp is None or tp.rank == 0:  # the rank that samples; overlaps the cache sizing and warm-up below
+        runner.grammars.prepare_in_background()
+    rank = f"rank {tp.rank}/{tp.size} " if tp else ""
+    log.info("%sweights: %d MiB held (process resident +%d MiB since before the load)", rank,
+             weight_bytes(runner.model) >> 20, (resident_bytes() - rss) >> 20)
     dtype = runner.dtype
+    cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
     num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
+    if tp is not None:  # one block table for every rank: the smallest cache sets it
+        num_blocks = tp.all_reduce_min(num_blocks)
     if num_blocks < 1:
         raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens")
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
-    runner.grammars.prepare_in_background()
+    runner.grammars.wait_prepared()
     tokens = num_blocks * args.block_size
-    log.info("kv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
-             "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)",
+    log.info("%skv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
+             "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)", rank,
              num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype,
              runner.quantization, device, cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim,
              DTYPE_BYTES[dtype])
@@ -83,12 +109,29 @@ def build_runner(args: EngineArgs) -> ModelRunner:
 
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
     stop = stop if stop is not None else StopFlag()
-    runner = build_runner(args)
-    bus = Bus(redis_url, prefix, name=f"worker-{args.engine_id}-{os.getpid()}")
+    tp = join_group(args)
+    try:
+        _serve(redis_url, prefix, args, stop, tp)
+    except (RuntimeError, ValueError) as exc:
+        if tp is None:
+            raise
+        # A peer died mid-collective, or this rank failed where its peers cannot follow: either
+        # way the engine is gone; exiting lets the supervisor restart every rank together.
+        log.error("tensor-parallel rank %d of %d stopped, and the engine with it: %s: %s", tp.rank, tp.size,
+                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        raise SystemExit(1) from None
+
+
+def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TPGroup | None) -> None:
+    runner = build_runner(args, tp)
+    lead = tp is None or tp.lead  # announces, beats and posts results
+    me = f"worker-{args.engine_id}-{os.getpid()}" if tp is None else \
+        f"worker-{args.engine_id}-r{tp.rank}-{os.getpid()}"
+    bus = Bus(redis_url, prefix, name=me)
     plan_stream = bus.streams.plan(args.engine_id)
     result_stream = bus.streams.result(args.engine_id)
     result_maxlen = MAXLEN["result"]
-    ready = WorkerReady(worker_id=f"worker-{args.engine_id}-{os.getpid()}", num_blocks=runner.num_blocks,
+    ready = WorkerReady(worker_id=me, num_blocks=runner.num_blocks,
                         block_size=runner.block_size, max_model_len=runner.max_model_len,
                         dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
                         sliding_window=runner.model.sliding_window or 0)
@@ -98,7 +141,7 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
     backoff = Backoff()
     last_id: bytes | None = None  # None until announced
     server = ""  # the broker we announced ourselves to
-    plans = RespConnection(redis_url, name=f"worker-{args.engine_id}-{os.getpid()}-plans")
+    plans = RespConnection(redis_url, name=f"{me}-plans")
     results = bus.hot  # results are posted here; their replies are taken with the next post
     unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
     reconnected = False
@@ -120,13 +163,17 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                 if last_id is None:
                     # Read from the newest entry before announcing: a Hello sent in answer is not
                     # missed, and plans meant for a previous worker are not replayed.
-                    last_id = bus.last_id(plan_stream)
+                    last_id = bus.last_id(plan_stream) if lead else None
+                    if tp is not None:  # every rank reads the same plans from here on
+                        last_id = tp.share(last_id)
                     server = bus.server_id()
-                    # Beat before announcing, so the scheduler never sees us ready yet "dead".
-                    heartbeat = heartbeat or Heartbeat(
-                        redis_url, bus.streams.heartbeat("worker", args.engine_id)).start()
-                    bus.send(result_stream, ready, maxlen=result_maxlen)
-                    log.info("worker ready: engine=%d plan_stream=%s", args.engine_id, plan_stream)
+                    if lead:
+                        # Beat before announcing, so the scheduler never sees us ready yet "dead".
+                        heartbeat = heartbeat or Heartbeat(
+                            redis_url, bus.streams.heartbeat("worker", args.engine_id)).start()
+                        bus.send(result_stream, ready, maxlen=result_maxlen)
+                    log.info("worker ready: engine=%d plan_stream=%s%s", args.engine_id, plan_stream,
+                             f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp else "")
                 elif reconnected:
                     # Same broker: the scheduler may still wait for results whose post was not
                     # confirmed (a duplicate is ignored). A restarted broker lost the plans too;
@@ -151,13 +198,15 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                     if isinstance(msg, StepPlan):
                         post_read()  # the next plan's read waits in the socket while this step runs
                         result = runner.execute(msg)
-                        transfers.run(msg, result)
-                        post_result(result)
+                        if lead:
+                            transfers.run(msg, result)
+                            post_result(result)
                     elif isinstance(msg, Hello):
                         log.info("hello from scheduler %s: state reset", msg.scheduler_id)
                         runner.reset()
                         unconfirmed = []
-                        bus.send(result_stream, ready, maxlen=result_maxlen)
+                        if lead:
+                            bus.send(result_stream, ready, maxlen=result_maxlen)
                     elif isinstance(msg, Shutdown):
                         log.info("shutdown requested: %s", msg.reason or "no reason given")
                         return

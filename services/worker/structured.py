@@ -46,11 +46,19 @@ class Grammars:
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._failed: str | None = None  # why the tokenizer could not be built
+        self._preparing: threading.Thread | None = None
 
     def prepare_in_background(self) -> None:
-        """Build the tokenizer's token tables now (off the step loop), not at the first
-        constrained request, which would stall its whole batch for them."""
-        threading.Thread(target=self._prepare, name="grammar-tokenizer", daemon=True).start()
+        """Start building the tokenizer's token tables (seconds for a large vocabulary) while
+        the worker loads and warms up; `wait_prepared` before serving, so that no constrained
+        request stalls its whole batch for them."""
+        self._preparing = threading.Thread(target=self._prepare, name="grammar-tokenizer", daemon=True)
+        self._preparing.start()
+
+    def wait_prepared(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     def _prepare(self) -> None:
         try:

@@ -1,0 +1,302 @@
+"""The OpenAI request bodies as typed msgspec Structs: the one home of every request rule.
+
+Each field's type and range is declared once, on the field (a `Meta` constraint); msgspec checks
+them while it decodes the raw body, and /openapi.json is generated from the same Structs
+(openapi_spec.py). The rules that span fields or depend on this gateway (the model name,
+--max-logprobs) live in requests.py's `check`. Downstream services may assert what is
+guaranteed here; they need not check it again.
+
+Every field OpenAI or vLLM defines is either honoured, or declared `NotYet` and refused with a
+400 naming it (any value but null and the field's listed no-op values, which ask for exactly what
+Rill does anyway). A field nobody defines is refused as OpenAI refuses it ("Unrecognized request
+argument supplied"), unless the gateway runs with --ignore-unknown-fields; then the unknown
+top-level fields are dropped and each name is logged once per process. Unknown keys inside
+nested objects (messages, content parts, stream_options) are always refused.
+
+Accepted and ignored, because they are pure metadata that cannot change the output:
+- `user`, `safety_identifier`: an end-user id OpenAI uses for abuse monitoring.
+- `metadata`: tags for OpenAI's dashboard (with `store`, which is refused unless false).
+- `prompt_cache_key`: a routing hint for OpenAI's prompt cache; Rill's prefix cache matches
+  prompts by content, so the hint has nothing to add.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, ClassVar
+
+from msgspec import Meta, Struct
+
+from rill.services.gateway.chat_tools import (
+    FunctionTool,
+    ToolCall,
+    ToolChoice,
+)
+from rill.services.gateway.fields import Body as _Body
+from rill.services.gateway.fields import NotYet
+from rill.services.gateway.structured import ResponseFormat, StructuredOutputs
+
+log = logging.getLogger("rill.gateway.requests")
+
+INT64_MAX = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP = 16
+# A request's stop strings ride with each of its rows to the detokenizer every step (any replica
+# may decode any row); these bounds keep that, and the worker's min_tokens bans, small.
+MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 128
+MAX_TOKEN_CHARS = 256  # longer than any vocabulary's longest token (SmolLM2's: 81 characters)
+MAX_N = 128  # OpenAI's bound on parallel samples
+MAX_LOGIT_BIAS = 1024
+MAX_REPETITION_PENALTY = 100.0
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
+MAX_WS_ID_LEN = 128
+MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
+
+Int64 = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+Text = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_LEN)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Logprobs = Annotated[int, Meta(ge=0, description="At most the server's --max-logprobs.")]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT64_MAX, description="Most tokens to generate; the prompt plus "
+                                                                "max_tokens must fit the context window.")]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY, description="1 is off.")]
+# JSON object keys are strings: the pattern tells generators (schemathesis) what TokenId then checks.
+LogitBias = Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(
+    max_length=MAX_LOGIT_BIAS, description="Token id (as a string) to a bias added to its logit.",
+    extra_json_schema={"propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"}})]
+Priority = Annotated[Int64, Meta(description="Lower runs first under --scheduling-policy priority.")]
+WsId = Annotated[str, Meta(min_length=1, max_length=MAX_WS_ID_LEN)] | Int64
+Tools = Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)]
+
+
+FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
+TEMPLATES = "a per-request chat template is not supported; the server's --chat-template applies"
+BEAM = "Rill has no beam search"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat messages
+
+
+class TextPart(_Body, tag_field="type", tag="text"):
+    text: str
+
+
+class UnreadPart(Struct, tag_field="type"):
+    """A non-text content part: recognised so that the 400 can say so, never read."""
+
+    why: ClassVar[str] = "Rill serves text-only models"
+
+
+class ImageURLPart(UnreadPart, tag="image_url"):
+    pass
+
+
+class InputAudioPart(UnreadPart, tag="input_audio"):
+    pass
+
+
+class FilePart(UnreadPart, tag="file"):
+    pass
+
+
+class RefusalPart(UnreadPart, tag="refusal"):
+    why: ClassVar[str] = "no refusal turns in the chat template"
+
+
+Content = str | list[TextPart | ImageURLPart | InputAudioPart | FilePart | RefusalPart]
+
+
+class _Message(_Body, tag_field="role"):
+    content: Content | None = None  # null only in assistant turns (that carried tool calls)
+    name: str | None = None  # passed to the chat template (few templates read it)
+
+
+class SystemMessage(_Message, tag="system"):
+    pass
+
+
+class DeveloperMessage(_Message, tag="developer"):
+    pass
+
+
+class UserMessage(_Message, tag="user"):
+    pass
+
+
+class AssistantMessage(_Message, tag="assistant"):
+    tool_calls: list[ToolCall] | None = None
+    function_call: Annotated[Any, NotYet(FUNCTIONS)] = None
+    refusal: Annotated[Any, NotYet("no refusal turns in the chat template")] = None
+    audio: Annotated[Any, NotYet("text-only models")] = None
+
+
+class ToolMessage(_Message, tag="tool", kw_only=True):
+    tool_call_id: str  # required, as in OpenAI
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+Messages = Annotated[list[Message], Meta(min_length=1)]
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    continuous_usage_stats: Annotated[Any, NotYet("usage comes in the last chunk", False)] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+class _Sampling(_Body):
+    """What chat and completions share: sampling as vLLM takes it (its extras at top level,
+    where the openai client's `extra_body` puts them)."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="0 is greedy.")] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX, description="-1 or 0 disables top-k.")] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    seed: Int64 | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX, description="At most max_tokens.")] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = None
+    stream_options: Annotated[StreamOptions, Meta(description="Only with stream: true.")] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: Priority | None = None
+    user: str | None = None  # metadata (module docstring)
+
+    # Structured outputs (structured.py): at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Annotated[str | dict[str, Any], Meta(description="vLLM's older name for "
+                                                                  "structured_outputs.json.")] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Text], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Annotated[Any, NotYet("one backend, llguidance", "auto", "guidance")] = None
+    guided_whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
+    structural_tag: Annotated[Any, NotYet("no structural tags")] = None
+    bad_words: Annotated[Any, NotYet("no banned-word filter", [])] = None
+    allowed_token_ids: Annotated[Any, NotYet("no allowed-token filter")] = None
+    logits_processors: Annotated[Any, NotYet("no custom logits processors")] = None
+    use_beam_search: Annotated[Any, NotYet(BEAM, False)] = None
+    length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None
+    prompt_logprobs: Annotated[Any, NotYet("on /v1/completions, echo with logprobs "
+                                           "scores the prompt")] = None
+    truncate_prompt_tokens: Annotated[Any, NotYet("no prompt truncation")] = None
+    spaces_between_special_tokens: Annotated[Any, NotYet("the detokenizer's spacing is fixed")] = None
+    return_token_ids: Annotated[Any, NotYet("return_tokens_as_token_ids with logprobs "
+                                            "gives the ids", False)] = None
+    request_id: Annotated[Any, NotYet("the gateway names requests")] = None
+    cache_salt: Annotated[Any, NotYet("no prefix-cache salts")] = None
+    kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None
+    vllm_xargs: Annotated[Any, NotYet("no extension arguments")] = None
+    mm_processor_kwargs: Annotated[Any, NotYet("text-only models")] = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Messages
+    max_completion_tokens: Annotated[MaxTokens, Meta(description="Wins over max_tokens.")] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[Logprobs, Meta(description="Needs logprobs: true.")] | None = None
+    metadata: dict[str, str] | None = None  # metadata (module docstring)
+    safety_identifier: str | None = None  # metadata
+    prompt_cache_key: str | None = None  # metadata
+
+    tools: Tools | None = None  # passed to the chat template
+    tool_choice: ToolChoice | None = None  # tool_calls.py: forced through the grammar, or parsed
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    functions: Annotated[Any, NotYet(FUNCTIONS)] = None
+    function_call: Annotated[Any, NotYet(FUNCTIONS, "none")] = None
+    chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the ones the template reads reach it
+    add_generation_prompt: Annotated[Any, NotYet(TEMPLATES, True)] = None
+    continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
+    documents: Annotated[Any, NotYet(TEMPLATES)] = None
+    add_special_tokens: Annotated[Any, NotYet(TEMPLATES, False)] = None  # the template brings its own
+    echo: Annotated[Any, NotYet("no echo on chat", False)] = None
+    reasoning_effort: Annotated[Any, NotYet("no reasoning models")] = None
+    include_reasoning: Annotated[Any, NotYet("no reasoning models")] = None
+    verbosity: Annotated[Any, NotYet("no verbosity control")] = None
+    modalities: Annotated[Any, NotYet("text-only models", ["text"])] = None
+    audio: Annotated[Any, NotYet("text-only models")] = None
+    prediction: Annotated[Any, NotYet("no predicted outputs")] = None
+    web_search_options: Annotated[Any, NotYet("no web search")] = None
+    store: Annotated[Any, NotYet("Rill stores no completions", False)] = None
+    service_tier: Annotated[Any, NotYet("one service tier", "auto", "default")] = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: Annotated[Text | Annotated[list[TokenId | Text | TokenIds], Meta(min_length=1)],
+                      Meta(description="Text, token ids, or a list of one of those.")]
+    logprobs: Annotated[Logprobs, Meta(description="Top logprobs per output token (the sampled token's "
+                                                   "always).")] | None = None
+    echo: Annotated[bool, Meta(description="Prepend the prompt to the text.")] | None = None
+
+    suffix: Annotated[Any, NotYet("no fill-in-the-middle", "")] = None
+    best_of: Annotated[Any, NotYet("vLLM V1 dropped it too; use n", 1)] = None
+    prompt_embeds: Annotated[Any, NotYet("no prompt embeddings")] = None
+    add_special_tokens: Annotated[Any, NotYet("text prompts always get the special tokens", True)] = None
+
+
+class ChatFrame(ChatCompletionRequest, tag_field="type", tag="chat", kw_only=True):
+    """A WebSocket chat frame: the chat body plus `type` and the client's `id`."""
+
+    id: WsId
+
+
+class CompletionFrame(CompletionRequest, tag_field="type", tag="completion", kw_only=True):
+    """A WebSocket completion frame: the completion body plus `type` and the client's `id`."""
+
+    id: WsId
+
+
+class FrameHead(Struct):
+    """What every frame starts with, read first so an error frame can name the request."""
+
+    id: WsId | None = None
+    type: str | None = None
+
+
+class TokenizeBody(_Body):
+    """POST /tokenize: a text prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Messages | None = None
+    add_special_tokens: Annotated[bool, Meta(description="Text prompts only.")] | None = None
+    add_generation_prompt: Annotated[bool, Meta(description="Messages only.")] | None = None
+    return_token_strs: Annotated[Any, NotYet("no token strings", False)] = None
+    continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
+    chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Tools | None = None
+
+
+class DetokenizeBody(_Body, kw_only=True):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+GenerateBody = ChatCompletionRequest | CompletionRequest
