@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -46,6 +48,12 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     # Per-head q/k norms, a head_dim that is not hidden / heads, sliding upper layers.
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
                                                   max_window_layers=1, tie_word_embeddings=False)),
+    # Gemma 2: as Gemma 3 without q/k norms or a local RoPE base, plus attention logit
+    # soft-capping; every other layer slides, the first included. A separate LM head: tied, this
+    # tiny random model repeats a few tokens (Gemma 3's row keeps the tied head).
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=1.5,
+        final_logit_softcapping=30.0, tie_word_embeddings=False)),
     # (1 + w) norms, GeGLU, scaled embedding, q/k norms, query_pre_attn_scalar, sliding layers
     # around a global one on their own RoPE base, final logit soft-capping, tied head.
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(

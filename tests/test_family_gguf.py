@@ -29,11 +29,14 @@ from rill.shared.model_files import convert_gguf
 VOCAB = 512
 # Family -> (general.architecture, general.name, config values a GGUF cannot carry, set to what
 # transformers assumes when it reads one back: llama.cpp stores no Qwen2/3 window switch, no
-# Phi-3 window, no Gemma 3 layer pattern or query scalar).
+# Phi-3 window, no Gemma 2 LM head of its own; transformers reads no Gemma layer pattern, query
+# scalar or soft-caps).
 GGUF_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("llama", "tiny-llama", dict(rope_scaling=None)),
     "qwen2": ("qwen2", "tiny-qwen2", dict(use_sliding_window=False)),
     "qwen3": ("qwen3", "tiny-qwen3", dict(use_sliding_window=False, head_dim=128)),
+    "gemma2": ("gemma2", "tiny-gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=256,
+                                             attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
     "gemma3": ("gemma3", "tiny-gemma3", dict(query_pre_attn_scalar=256, final_logit_softcapping=None,
                                              sliding_window_pattern=6)),
     "phi3": ("phi3", "tiny-phi3", dict(sliding_window=None)),
@@ -82,7 +85,7 @@ def write_gguf(model: PreTrainedModel, arch: str, name: str, tok: dict[str, Any]
     else:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "gemma3":
+    if arch.startswith("gemma"):
         w.add_sliding_window(cfg.sliding_window)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
