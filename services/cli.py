@@ -202,8 +202,25 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         async_scheduling=ns.async_scheduling)
 
 
+def resolve_checked(model: str | None) -> str:
+    """The checkpoint folder of `model`; a GGUF of an architecture no family serves is refused
+    with one line before anything converts it."""
+    from rill.services.worker.families import UnsupportedModel, family_of_gguf
+    from rill.shared.model_files import gguf_architecture, gguf_source, resolve_model
+
+    source = gguf_source(model)
+    if source is not None:
+        try:
+            family_of_gguf(gguf_architecture(source))
+        except (UnsupportedModel, ValueError) as exc:
+            raise SystemExit(f"rill: {source}: {exc}") from None
+    return str(resolve_model(model))
+
+
 def run_service(ns: argparse.Namespace) -> None:
-    from rill.shared.model_files import model_name, resolve_model
+    from pathlib import Path
+
+    from rill.shared.model_files import model_name
 
     setup_logging(ns.name if ns.replica_name is None else ns.replica_name, ns.log_level)
     if ns.name == "worker":
@@ -216,10 +233,10 @@ def run_service(ns: argparse.Namespace) -> None:
     if not ns.redis_url:
         raise SystemExit(f"rill service: --redis-url (or ${REDIS_URL_ENV}) is required "
                          "(rill serve starts a broker for you)")
-    model_dir = str(resolve_model(ns.model))
+    model_dir = resolve_checked(ns.model)
     args = engine_args(ns, model_dir)
     consumer = ns.replica_name or f"{ns.name}-{os.uname().nodename}-{os.getpid()}"
-    name = ns.served_model_name or model_name(resolve_model(ns.model))
+    name = ns.served_model_name or model_name(Path(model_dir))
     if ns.name == "worker":
         from rill.services.worker.service import run
         run(ns.redis_url, ns.prefix, args)
@@ -353,12 +370,11 @@ def kernel_report(ns: argparse.Namespace) -> int:
     from rill.kernels.cpu_tuning import ModelShapes, tune_model
     from rill.services.worker.dtype_choice import resolve_dtype
     from rill.services.worker.model_runner import configure_cpu_threads
-    from rill.shared.model_files import resolve_model
 
     setup_logging("serve", ns.log_level)
     if ns.device == "cuda":
         raise SystemExit("rill: --kernel-report is about CPU kernels; CUDA runs the Triton kernels")
-    model_dir = str(resolve_model(ns.model))
+    model_dir = resolve_checked(ns.model)
     configure_cpu_threads()
     dtype = resolve_dtype(ns.dtype, "cpu")
     table, keys = tune_model(ModelShapes.of(ModelConfig.from_dir(model_dir)), getattr(torch, dtype),
@@ -374,10 +390,9 @@ def kernel_report(ns: argparse.Namespace) -> int:
 def serve(ns: argparse.Namespace) -> int:
     from rill.services.supervisor import Supervisor
     from rill.shared.broker import EmbeddedBroker
-    from rill.shared.model_files import resolve_model
 
     setup_logging("serve", ns.log_level)
-    model_dir = str(resolve_model(ns.model))  # converts a GGUF once, with a progress bar
+    model_dir = resolve_checked(ns.model)  # converts a GGUF once, with a progress bar
     engine_args(ns, model_dir)  # validate flags before starting anything
     engine_roles(ns)
     broker = None

@@ -45,21 +45,70 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def resolve_model(model: str | None = None) -> Path:
-    """Return a checkpoint folder for `model`: None (the default GGUF), a .gguf file, or a folder."""
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file `resolve_model` converts for `model`; None for a checkpoint folder."""
     if not model:
-        return convert_gguf(default_gguf())
+        return default_gguf()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path.is_dir():
-        if _is_checkpoint_dir(path):
-            return path.resolve()
+        return path
+    if path.is_dir() and not _is_checkpoint_dir(path):
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
-            return convert_gguf(ggufs[0])
+            return ggufs[0]
+    return None
+
+
+def resolve_model(model: str | None = None) -> Path:
+    """Return a checkpoint folder for `model`: None (the default GGUF), a .gguf file, or a folder."""
+    gguf = gguf_source(model)
+    if gguf is not None:
+        return convert_gguf(gguf)
+    path = Path(str(model)).expanduser()
+    if path.is_dir() and _is_checkpoint_dir(path):
+        return path.resolve()
+    if path.is_dir():
         raise FileNotFoundError(f"{path} has no config.json + *.safetensors and no .gguf file")
     raise FileNotFoundError(f"model not found: {model} (give a checkpoint folder or a .gguf file)")
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """`general.architecture` from a GGUF's header, without reading the rest of the file (gguf's
+    reader parses every field, a whole vocabulary included)."""
+    with open(gguf, "rb") as f:
+        def u32() -> int:
+            return int.from_bytes(f.read(4), "little")
+
+        def u64() -> int:
+            return int.from_bytes(f.read(8), "little")
+
+        def skip(kind: int) -> None:
+            if kind == _GGUF_STRING:
+                f.seek(u64(), 1)
+            elif kind == _GGUF_ARRAY:
+                item, count = u32(), u64()
+                if item in _GGUF_SCALARS:
+                    f.seek(_GGUF_SCALARS[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                f.seek(_GGUF_SCALARS[kind], 1)
+
+        if f.read(4) != b"GGUF" or u32() < 2:
+            raise ValueError(f"{gguf} is not a GGUF file (version 2 or later)")
+        u64()  # tensor count
+        for _ in range(u64()):
+            key = f.read(u64()).decode()
+            kind = u32()
+            if key == "general.architecture" and kind == _GGUF_STRING:
+                return f.read(u64()).decode()
+            skip(kind)
+    raise ValueError(f"{gguf} names no general.architecture")
 
 
 def model_name(model_dir: Path) -> str:

@@ -419,6 +419,7 @@ class EngineStats(Struct, omit_defaults=True):
     preemptions: int = 0
     kv_usage: float = 0.0  # fraction of blocks owned by requests
     num_cached_blocks: int = 0  # unowned blocks still holding reusable prefix-cache data
+    released_blocks: int = 0  # blocks given back from behind a sliding window, ever
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     updated_at: float = 0.0

@@ -77,9 +77,15 @@ class ServiceStack:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/ws"
 
-    def start(self, timeout: float = 240.0) -> ServiceStack:
+    def launch(self) -> ServiceStack:
+        """Start the processes without waiting for them (wait_ready does), so that several
+        stacks can start side by side."""
         for name, argv in self.commands.items():
             self.procs[name] = subprocess.Popen(argv, env=self.env)
+        return self
+
+    def start(self, timeout: float = 240.0) -> ServiceStack:
+        self.launch()
         try:
             self.wait_ready(timeout)
         except BaseException:

@@ -6,6 +6,7 @@ back to the pool as it generates. Kernel-level cases: tests/test_window_kernels.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from family_cases import build  # noqa: E402
 from test_model_parity import TOL, check_prefill_then_decode  # noqa: E402
 from test_scheduler_engine import drive, greedy  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM  # noqa: E402
 
+from rill.kernels import ops  # noqa: E402
 from rill.services.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from rill.services.worker import families  # noqa: E402
@@ -125,16 +128,38 @@ def test_greedy_engine_matches_generate_and_releases_blocks(tiny) -> None:
         assert kv.hits > 0
 
 
-def test_model_steps_triton_equal_torch_with_windows(tiny) -> None:
-    """Whole model steps (prompts past the window, a mixed step, a decode step) through the
-    Triton kernels under the interpreter equal the torch path's, windowed layers included."""
-    from test_kernels_triton import _three_steps
+def _steps(model: LlamaModel, backend: str) -> list[torch.Tensor]:
+    """Two prompts (one past a 4-token window), then a mixed step (a decode, a prompt's last
+    chunk, a new prompt), then a decode step: each step's last-row logits. Block size 4."""
+    ops.set_backend(backend)
+    try:
+        kv = model.allocate_kv_cache(16, 4)
+        blocks = [[9, 2, 14, 5], [0, 11, 7, 3], [12, 6, 1, 15]]
+        steps = [([0, 1], [0, 0], [9, 1]), ([0, 1, 2], [9, 1, 0], [1, 2, 3]), ([0, 1, 2], [10, 3, 3], [1, 1, 1])]
+        logits = []
+        for seqs, computed, qlens in steps:
+            positions, meta = ops.make_attention_metadata([blocks[s] for s in seqs], computed, qlens, 4)
+            ids = torch.tensor([(7 * p + 3 * s) % 300 for s, c, n in zip(seqs, computed, qlens, strict=True)
+                                for p in range(c, c + n)])
+            last = torch.tensor(meta.query_start_loc_host[1:]) - 1
+            with torch.inference_mode():
+                logits.append(model.forward(ids, positions, meta, kv, last))
+        return logits
+    finally:
+        ops.set_backend(None)
 
-    name, path, _ = tiny
-    if name != "gemma3":  # Gemma 3 has both layer kinds; one model keeps the interpreter run short
-        pytest.skip("covered by the gemma3 case")
-    model = LlamaModel.load(path, torch.float32, "cpu")
-    want, _ = _three_steps(model, "torch", 16)
-    got, _ = _three_steps(model, "triton", 16)
+
+@pytest.mark.parametrize("name", [f.name for f in families.FAMILIES])
+def test_model_steps_triton_equal_torch_per_family(tmp_path: Path, name: str) -> None:
+    """Whole model steps of every family through the Triton kernels under the interpreter equal
+    the torch path's, windowed layers included (tiny: two layers, a 4-token window)."""
+    build(name, tmp_path, vocab_size=300, initializer_range=0.1, num_hidden_layers=2, sliding_window=4)
+    model = LlamaModel.load(tmp_path, torch.float32, "cpu")
+    if families.check_checkpoint(tmp_path).window_key:  # the family slides: a layer does here
+        assert 4 in [layer.window for layer in model.layers], name
+    want = _steps(model, "torch")
+    got = _steps(model, "triton")
     for a, b in zip(got, want, strict=True):
-        assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item(), name
+        scale = b.abs().max().item()
+        assert scale > 1.0  # logits that differ by whole units, so the tolerance means something
+        assert (a - b).abs().max().item() <= 1e-4 * scale, name

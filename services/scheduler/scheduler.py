@@ -545,7 +545,8 @@ class Scheduler:
                     max_step_tokens=c.max_step_tokens, last_step_tokens=c.last_step_tokens,
                     finished_requests=c.finished_requests, aborted_requests=c.aborted_requests,
                     preemptions=c.preemptions, kv_usage=round(self.kv.usage, 4),
-                    num_cached_blocks=len(self.kv.cached), prefix_cache_queries=self.kv.queries,
+                    num_cached_blocks=len(self.kv.cached), released_blocks=self.kv.released_total,
+                    prefix_cache_queries=self.kv.queries,
                     prefix_cache_hits=self.kv.hits, queue_time_bounds=list(self.queue_time.bounds),
                     queue_time_counts=self.queue_time.cumulative(), queue_time_sum=self.queue_time.sum,
                     num_transferring=len(self.parked))

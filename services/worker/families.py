@@ -302,6 +302,20 @@ def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None, qu
     return fam
 
 
+# GGUF `general.architecture` names (llama.cpp's) that are not the transformers model_type.
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def family_of_gguf(architecture: str) -> Family:
+    """The family of a GGUF's `general.architecture`, checked before the file is converted."""
+    fam = _BY_TYPE.get(_GGUF_MODEL_TYPES.get(architecture, architecture))
+    if fam is None:
+        back = {t: a for a, t in _GGUF_MODEL_TYPES.items()}
+        supported = ", ".join(sorted(back.get(t, t) for t in _BY_TYPE))
+        raise UnsupportedModel(f"GGUF architecture {architecture!r} is not supported (supported: {supported})")
+    return fam
+
+
 def supported_table() -> str:
     """The supported families as a Markdown table (for the README)."""
     rows = ["| family | architectures | differences over Llama |", "|---|---|---|"]
