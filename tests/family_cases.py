@@ -19,6 +19,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
@@ -27,6 +29,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 WINDOW = 16  # sliding windows shorter than the prompts
@@ -61,6 +65,13 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
         sliding_window_pattern=2, tie_word_embeddings=True)),
     # Fused qkv_proj and gate_up_proj, every layer slides.
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, tie_word_embeddings=False)),
+    # Qwen3-MoE: 8 experts, top-2 renormalised, the middle layer dense (mlp_only_layers), q/k norms.
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+        mlp_only_layers=[1], tie_word_embeddings=False)),
+    # Mixtral: top-2 of 4 experts in every layer, every layer sliding.
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                        sliding_window=WINDOW, tie_word_embeddings=False)),
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

@@ -5,6 +5,7 @@ back to the pool as it generates. Kernel-level cases: tests/test_window_kernels.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -155,7 +156,8 @@ def test_model_steps_triton_equal_torch_per_family(tmp_path: Path, name: str) ->
     the torch path's, windowed layers included (tiny: two layers, a 4-token window)."""
     build(name, tmp_path, vocab_size=300, initializer_range=0.1, num_hidden_layers=2, sliding_window=4)
     model = LlamaModel.load(tmp_path, torch.float32, "cpu")
-    if families.check_checkpoint(tmp_path).window_key:  # the family slides: a layer does here
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    if any(families.layer_windows(cfg, families.check_checkpoint(tmp_path))):  # the config slides a layer
         assert 4 in [layer.window for layer in model.layers], name
     want = _steps(model, "torch")
     got = _steps(model, "triton")
