@@ -306,12 +306,23 @@ def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None, qu
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 
+# GGUF architectures of a served family that transformers' reader would turn into a wrong config.
+_GGUF_MISREAD = {
+    # llama.cpp keeps no norm_topk_prob (its graph always renormalises) and transformers maps no
+    # expert width, so both would come back as Qwen3MoeConfig's defaults.
+    "qwen3moe": "a Qwen3-MoE GGUF carries neither norm_topk_prob nor moe_intermediate_size; serve its "
+                "safetensors checkpoint",
+}
+
+
 def family_of_gguf(architecture: str) -> Family:
     """The family of a GGUF's `general.architecture`, checked before the file is converted."""
+    if architecture in _GGUF_MISREAD:
+        raise UnsupportedModel(f"GGUF architecture {architecture!r} is not supported: {_GGUF_MISREAD[architecture]}")
     fam = _BY_TYPE.get(_GGUF_MODEL_TYPES.get(architecture, architecture))
     if fam is None:
         back = {t: a for a, t in _GGUF_MODEL_TYPES.items()}
-        supported = ", ".join(sorted(back.get(t, t) for t in _BY_TYPE))
+        supported = ", ".join(sorted(a for a in (back.get(t, t) for t in _BY_TYPE) if a not in _GGUF_MISREAD))
         raise UnsupportedModel(f"GGUF architecture {architecture!r} is not supported (supported: {supported})")
     return fam
 
