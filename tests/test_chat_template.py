@@ -326,7 +326,8 @@ def test_bench_replicas_reports_lean_replicas(redis_url: str, tmp_path: Path) ->
 
 
 def test_chat_template_flag_reaches_the_tokenizers_only(tmp_path: Path) -> None:
-    from rill.services.cli import _child_argv, build_parser
+    from rill.services.cli import build_parser
+    from rill.services.launcher import _child_argv
 
     template = TEMPLATES / "qwen_tools.jinja"
     for argv in (["serve", "--chat-template", str(template)],

@@ -296,7 +296,8 @@ def test_router_sends_new_requests_to_the_least_loaded_prompt_engine(redis_url: 
 
 
 def test_serve_flags_start_prefill_and_decode_engines() -> None:
-    from rill.services.cli import build_parser, engine_children, engine_roles
+    from rill.services.cli import build_parser
+    from rill.services.launcher import engine_children, engine_roles
 
     ns = build_parser().parse_args(["serve", "--prefill-engines", "1", "--decode-engines", "2"])
     assert engine_roles(ns) == [(0, "prefill"), (1, "decode"), (2, "decode")]

@@ -26,7 +26,8 @@ import msgspec
 import pytest
 import redis
 
-from rill.services.cli import build_children, build_parser
+from rill.services.cli import build_parser
+from rill.services.launcher import build_children
 from rill.shared.broker import EmbeddedBroker, free_port
 from rill.shared.bus import CLAIM_IDLE_MS, FIELD, Bus
 from rill.shared.schema import EngineStats, ErrorReply

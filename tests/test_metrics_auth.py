@@ -391,7 +391,8 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_flags_reach_the_gateway_but_the_key_stays_off_command_lines(smollm2_dir: str) -> None:
-    from rill.services.cli import build_children, build_parser
+    from rill.services.cli import build_parser
+    from rill.services.launcher import build_children
 
     ns = build_parser().parse_args(["serve", smollm2_dir, "--api-key", KEY, "--max-request-body-bytes", "4MiB"])
     assert (ns.api_key, ns.max_request_body_bytes) == (KEY, 4 << 20)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from rill.kernels import ops
 from rill.kernels.ops import make_attention_metadata
 from rill.kernels.torch_ops import Int8Linear
-from rill.services.cli import build_children, build_parser, engine_args
+from rill.services.cli import build_parser, engine_args
+from rill.services.launcher import build_children
 from rill.services.worker import smoothquant
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.model_runner import ModelRunner

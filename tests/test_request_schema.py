@@ -373,7 +373,8 @@ def test_each_limit_has_one_home() -> None:
 
 
 def test_ignore_unknown_fields_flag_reaches_the_gateway_only() -> None:
-    from rill.services.cli import _child_argv, build_parser
+    from rill.services.cli import build_parser
+    from rill.services.launcher import _child_argv
 
     for argv, on in ((["serve"], False), (["serve", "--ignore-unknown-fields"], True)):
         ns = build_parser().parse_args(argv)

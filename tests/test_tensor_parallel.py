@@ -31,7 +31,8 @@ from rill.kernels import ops
 from rill.services.cli import build_parser, engine_args
 from rill.services.supervisor import children_of
 from rill.services.worker.llama import LlamaModel
-from rill.services.worker.tensor_parallel import Shard, TensorParallelError, TPGroup, check_supported
+from rill.services.worker.tensor_parallel import Shard, TPGroup
+from rill.services.worker.tp_support import TensorParallelError, check_supported
 from rill.shared.broker import free_port
 from rill.shared.config import ModelConfig
 from rill.shared.schema import EngineStats

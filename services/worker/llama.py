@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from rill.kernels import ops
 from rill.kernels.ops import AttentionMetadata
-from rill.services.worker import families, tensor_parallel
+from rill.services.worker import families, tensor_parallel, tp_support
 from rill.services.worker.experts import SparseMoe, read_sparse_moe
 from rill.shared.config import ModelConfig
 
@@ -299,7 +299,7 @@ class LlamaModel:
         windows = families.layer_windows(raw, family)
         shard = None
         if tp is not None:
-            tensor_parallel.check_supported(family.name, quantization, tp.size, bool(smoothquant_alpha))
+            tp_support.check_supported(family.name, quantization, tp.size, bool(smoothquant_alpha))
             shard = tensor_parallel.Shard.plan(cfg, tp.rank, tp.size)
             ckpt = tensor_parallel.ShardedCheckpoint(ckpt, cfg, shard)  # type: ignore[assignment]
         sparse = families.sparse_layers(raw, family)

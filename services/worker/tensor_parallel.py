@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rill.services.worker.tp_support import TensorParallelError
 from rill.shared import envs
 from rill.shared.config import ModelConfig
 
@@ -39,27 +40,6 @@ JOIN_TIMEOUT_ENV = "RILL_TP_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 60.0
 # A collective waits this long for a peer that is alive but stuck; a dead peer fails it at once.
 COLLECTIVE_TIMEOUT_S = 600.0
-# The families whose weights `ShardedCheckpoint` knows how to slice; any other (a MoE family,
-# say) is refused with TP > 1 rather than served wrong.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
-
-
-class TensorParallelError(RuntimeError):
-    """A model or setting tensor parallelism cannot serve, or a group that did not form."""
-
-
-def check_supported(family: str, quantization: str, size: int, smoothed: bool = False) -> None:
-    """Refuse, by name, what TP > 1 does not shard."""
-    if size <= 1:
-        return
-    if smoothed:
-        raise TensorParallelError("SmoothQuant smoothing with --tensor-parallel-size > 1 is not supported")
-    if family not in FAMILIES:
-        raise TensorParallelError(f"tensor parallelism does not support the {family} family "
-                                  f"(supported: {', '.join(FAMILIES)})")
-    if quantization != "none":
-        raise TensorParallelError(f"--quantization {quantization} with --tensor-parallel-size {size} is not "
-                                  "supported (SmoothQuant calibrates the whole model in one process)")
 
 
 def _balanced(n: int, parts: int, i: int) -> range:
