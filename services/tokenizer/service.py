@@ -74,7 +74,7 @@ class Tokenizer:
         if not messages:
             raise RequestError("messages must be a non-empty list", "messages")
         if not self.templates:
-            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+            raise RequestError("this model has no chat template; start the server with --chat-template FILE, or use /v1/completions", "messages")
         try:
             template = self.templates.pick(tools is not None)
             extra = template_kwargs(template, kwargs or {})
