@@ -269,9 +269,9 @@ class Gateway:
         """Stateless roles with no live replica for a while (their requests wait in the stream)."""
         return [role for role, gone in self._replicas_gone.items() if gone.lost] if self.watch_engine else []
 
-    def fail_in_flight(self, message: str) -> None:
-        """End every request in flight with a 503 error, and tell the engines to drop them."""
-        ids = self.tracker.ids()
+    def fail_in_flight(self, message: str, ids: list[str] | None = None) -> None:
+        """End the requests in flight (`ids`, else all) with a 503 error, and tell the engines to drop them."""
+        ids = self.tracker.ids() if ids is None else ids
         if not ids:
             return
         for rid in ids:
@@ -281,13 +281,9 @@ class Gateway:
     def fail_engine_requests(self, engine: int) -> None:
         """End the requests sent to a lost engine with a 503 error (the others run on)."""
         ids = [s.request_id for s in self.tracker.streams() if s.engine == engine]
-        if not ids:
-            return
-        log.warning("engine %d lost: failing its %d requests in flight", engine, len(ids))
-        message = ONE_ENGINE_LOST.format(engine=engine)
-        for rid in ids:
-            self.tracker.dispatch(ErrorReply(request_id=rid, message=message, status=503, type="server_error"))
-        self.abort_soon(ids)
+        if ids:
+            log.warning("engine %d lost: failing its %d requests in flight", engine, len(ids))
+            self.fail_in_flight(ONE_ENGINE_LOST.format(engine=engine), ids)
 
     async def _trim_reply_stream(self) -> None:
         """Everything up to our cursor was read: drop it (XTRIM MINID ~)."""

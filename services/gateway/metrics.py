@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -184,18 +184,28 @@ class RequestMetrics:
         self.m.finished(reason, self.prompt_tokens, sum(self.completion_tokens), time.monotonic() - self.arrival)
 
 
-class EngineCollector:
-    """Engine-side series, from the EngineStats snapshot read just before each scrape."""
+S = TypeVar("S")  # a snapshot row
+
+
+class _SnapshotCollector(Generic[S]):
+    """Series built from a snapshot the gateway reads just before each scrape."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: list[EngineStats] = []
+        self.snapshot: list[S] = []
 
     def describe(self) -> Iterator[Metric]:
         return self._families([])
 
     def collect(self) -> Iterator[Metric]:
         return self._families(self.snapshot)
+
+    def _families(self, rows: list[S]) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class EngineCollector(_SnapshotCollector[EngineStats]):
+    """Engine-side series, from the engines' EngineStats."""
 
     def _families(self, stats: list[EngineStats]) -> Iterator[Metric]:
         lab = ["model_name", "engine", "role"]  # role: both | prefill | decode (disaggregation)
@@ -263,18 +273,8 @@ class GroupBacklog:
     pending: int
 
 
-class BacklogCollector:
-    """Replica backlog series, from the snapshot read just before each scrape."""
-
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.snapshot: list[GroupBacklog] = []
-
-    def describe(self) -> Iterator[Metric]:
-        return self._families([])
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self.snapshot)
+class BacklogCollector(_SnapshotCollector[GroupBacklog]):
+    """Replica backlog series, from the consumer groups' state."""
 
     def _families(self, backlogs: list[GroupBacklog]) -> Iterator[Metric]:
         lab = ["model_name", "group"]
