@@ -48,7 +48,6 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 CHUNK_BYTES = 4 << 20  # a few MB per key: large enough to be cheap per byte, small enough to pipeline
 CHUNK_TTL_S = 300  # chunks outlive any transfer timeout; the importer deletes them at once
-TEST_DELAY_ENV = "RILL_TEST_KV_IMPORT_DELAY_S"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}

@@ -36,7 +36,6 @@ from rill.shared.config import ModelConfig
 log = logging.getLogger("rill.worker")
 
 ADDRESS_ENV = "RILL_TP_ADDRESS"
-JOIN_TIMEOUT_ENV = "RILL_TP_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 60.0
 # A collective waits this long for a peer that is alive but stuck; a dead peer fails it at once.
 COLLECTIVE_TIMEOUT_S = 600.0
