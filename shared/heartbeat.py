@@ -103,6 +103,19 @@ def replica_heartbeat(url: str, prefix: str, role: str, consumer: str) -> Heartb
     return Heartbeat(url, s.heartbeat(role, consumer), members=[(s.replicas_key(role), consumer)]).start()
 
 
+ENGINE_ROLES = ("scheduler", "worker")  # an engine lives while both of its processes beat
+
+
+def engine_beat_keys(streams: Streams, engines: Sequence[int]) -> list[str]:
+    """The heartbeat keys of each engine's scheduler and worker, two per engine, in order."""
+    return [streams.heartbeat(role, e) for e in engines for role in ENGINE_ROLES]
+
+
+def engines_alive(beats: Sequence[object], count: int) -> list[bool]:
+    """Per engine, from the values read for its engine_beat_keys (first in `beats`): both beat."""
+    return [beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(count)]
+
+
 class Absence:
     """Turns periodic "is it there?" observations into "gone for at least grace_s"."""
 

@@ -38,7 +38,7 @@ from rill.services.gateway.request_tracker import RequestStream, RequestTracker
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 from rill.shared.bus import FIELD, AsyncBus, Backoff, server_id_of
-from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
+from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engines_alive
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
@@ -219,13 +219,13 @@ class Gateway:
             if self.watch_engine:
                 engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
                 s = self.bus.streams
-                keys = [k for e in engines for k in (s.heartbeat("scheduler", e), s.heartbeat("worker", e))]
+                keys = engine_beat_keys(s, engines)
                 spans = []  # each role's slice of the keys: every heartbeat in one MGET
                 for role, names in zip(REPLICA_ROLES, replicas, strict=True):
                     spans.append((role, len(keys), len(keys) + len(names)))
                     keys += [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]
                 beats = await self.bus.r.mget(keys)
-                alive = [beats[2 * i] is not None and beats[2 * i + 1] is not None for i in range(len(engines))]
+                alive = engines_alive(beats, len(engines))
                 live = any(alive)
                 lost = [e for e, up in zip(engines, alive, strict=True)
                         if self._engines_gone.setdefault(e, Absence()).observe(up, now)]

@@ -48,7 +48,7 @@ from rill.services.scheduler.scheduler import Request, Scheduler
 from rill.shared import envs
 from rill.shared.bus import Bus
 from rill.shared.config import detok_context_len
-from rill.shared.heartbeat import Absence
+from rill.shared.heartbeat import Absence, engine_beat_keys, engines_alive
 from rill.shared.schema import (
     AbortRequest,
     ErrorReply,
@@ -125,18 +125,17 @@ class EngineDirectory:
             return {}
         pipe = self.bus.r.pipeline(transaction=False)
         pipe.mget([s.stats_key(e) for e in ids])
-        pipe.mget([k for e in ids for k in (s.heartbeat("scheduler", e), s.heartbeat("worker", e))])
+        pipe.mget(engine_beat_keys(s, ids))
         raw_stats, beats = pipe.execute()
         out: dict[int, EngineView] = {}
-        for i, (e, raw) in enumerate(zip(ids, raw_stats, strict=True)):
+        for e, raw, alive in zip(ids, raw_stats, engines_alive(beats, len(ids)), strict=True):
             if raw is None:
                 continue  # not configured yet: its role is unknown
             try:
                 st = stats_decoder.decode(raw)
             except msgspec.DecodeError:
                 continue
-            out[e] = EngineView(e, st.role, st.num_running + st.num_waiting + st.num_transferring,
-                                beats[2 * i] is not None and beats[2 * i + 1] is not None)
+            out[e] = EngineView(e, st.role, st.num_running + st.num_waiting + st.num_transferring, alive)
         return out
 
     def decode_engines(self, exclude: int) -> list[EngineView]:

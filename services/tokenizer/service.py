@@ -26,7 +26,7 @@ from rill.services.tokenizer.chat_template import (
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_group
-from rill.shared.heartbeat import replica_heartbeat
+from rill.shared.heartbeat import engine_beat_keys, engines_alive, replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
     ChatMessage,
@@ -173,10 +173,8 @@ class Router:
     def _refresh(self) -> None:
         s = self.bus.streams
         ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
-        beats = [s.heartbeat(role, e) for e in ids for role in ("scheduler", "worker")]
-        raw = self.bus.r.mget([s.stats_key(e) for e in ids] + beats) if ids else []
-        live = [e for i, e in enumerate(ids) if raw[len(ids) + 2 * i] is not None
-                and raw[len(ids) + 2 * i + 1] is not None]
+        raw = self.bus.r.mget([s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)) if ids else []
+        live = [e for e, up in zip(ids, engines_alive(raw[len(ids):], len(ids)), strict=True) if up]
         loads: dict[int, tuple[str | None, int]] = {}
         for e, payload in zip(ids, raw[:len(ids)], strict=True):
             if live and e not in live:
