@@ -1,0 +1,150 @@
+"""GGUF (ggml) block-quantized weight formats: their sizes, and a vectorized torch dequantizer
+that gives the same float32 values as `gguf.quants.dequantize`, bit for bit.
+
+A quantized weight row is a run of blocks; each block holds `elements` weights in `nbytes`
+bytes: fp16 scales (at `halves`, byte offsets) and packed integers. The layouts are ggml's
+(ggml-common.h). The dequantizer repeats the reference's float operations in the same order
+(fp16 -> fp32, then one multiply and at most one add or subtract per step), so the results are
+equal, not just close; the native GEMM (cpu_gguf.c) reads the same blocks without unpacking them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # ggml type ids
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    elements: int  # weights per block
+    nbytes: int  # bytes per block
+    halves: tuple[int, ...]  # byte offsets of the block's fp16 scale fields
+
+
+FORMATS: dict[int, BlockFormat] = {
+    Q4_0: BlockFormat("Q4_0", 32, 18, (0,)),
+    Q4_1: BlockFormat("Q4_1", 32, 20, (0, 2)),
+    Q5_0: BlockFormat("Q5_0", 32, 22, (0,)),
+    Q5_1: BlockFormat("Q5_1", 32, 24, (0, 2)),
+    Q8_0: BlockFormat("Q8_0", 32, 34, (0,)),
+    Q4_K: BlockFormat("Q4_K", 256, 144, (0, 2)),
+    Q5_K: BlockFormat("Q5_K", 256, 176, (0, 2)),
+    Q6_K: BlockFormat("Q6_K", 256, 210, (208,)),
+}
+SUPPORTED: frozenset[int] = frozenset(FORMATS)
+
+
+def name(qtype: int) -> str:
+    return FORMATS[qtype].name if qtype in FORMATS else f"ggml type {qtype}"
+
+
+def block_format(qtype: int) -> BlockFormat:
+    if qtype not in FORMATS:
+        raise ValueError(f"unsupported GGUF block format: {name(qtype)}")
+    return FORMATS[qtype]
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one weight row of k elements; ValueError unless k is a whole number of blocks."""
+    fmt = block_format(qtype)
+    if k <= 0 or k % fmt.elements:
+        raise ValueError(f"{fmt.name} rows hold a multiple of {fmt.elements} elements, not {k}")
+    return k // fmt.elements * fmt.nbytes
+
+
+def _half(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of each block, as float32 [blocks, 1]."""
+    return b[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(q: torch.Tensor, group: int) -> torch.Tensor:
+    """Per `group` bytes: their low nibbles, then their high nibbles ([blocks, 2 * bytes])."""
+    q = q.reshape(q.shape[0], -1, 1, group)
+    return torch.cat([q & 15, q >> 4], dim=2).reshape(q.shape[0], -1)
+
+
+def _bits(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Fields of `width` bits, lowest first, of each byte: [blocks, bytes] -> [blocks, bytes, 8 / width]."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+    return (q.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b, 0)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int16) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * _nibbles(b[:, 4:], 16).float() + _half(b, 2)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32) as 0 or 16 per element."""
+    return _bits(qh, 1).reshape(qh.shape[0], 32) << 4
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6])
+    return _half(b, 0) * (q.to(torch.int16) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8])
+    return _half(b, 0) * q.float() + _half(b, 2)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
+    return sc, mn
+
+
+def _k_apply(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """d * sc * q - dmin * m per 32-element sub-block, in the reference's order of roundings."""
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_half(b, 0) * sc.float()).unsqueeze(-1)
+    dm = (_half(b, 2) * mn.float()).unsqueeze(-1)
+    return (d * q.reshape(b.shape[0], 8, 32).float() - dm).reshape(b.shape[0], 256)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _k_apply(b, _nibbles(b[:, 16:], 32))
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    high = _bits(b[:, 16:48], 1).transpose(1, 2).reshape(b.shape[0], 256) << 4  # sub-block s: bit s
+    return _k_apply(b, _nibbles(b[:, 48:], 32) | high)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    low = _nibbles(b[:, :128], 64)  # per 128-element half: 4 runs of 32
+    high = _bits(b[:, 128:192].reshape(nb, 2, 32), 2).permute(0, 1, 3, 2).reshape(nb, 256) << 4
+    q = ((low | high).to(torch.int16) - 32).float().reshape(nb, 16, 16)
+    d = (_half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
+    return (d * q).reshape(nb, 256)
+
+
+_DEQUANTIZE: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+}
+
+
+def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Raw blocks uint8 [n, row_bytes(qtype, k)] -> float32 [n, k], equal to gguf's dequantizer."""
+    fmt = block_format(qtype)
+    rb = row_bytes(qtype, k)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
+        raise ValueError(f"{fmt.name} weight of {k} columns: want uint8 [n, {rb}], got {raw.dtype} {list(raw.shape)}")
+    blocks = raw.contiguous().reshape(-1, fmt.nbytes)
+    return _DEQUANTIZE[qtype](blocks).reshape(raw.shape[0], k)
