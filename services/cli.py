@@ -9,8 +9,16 @@ import os
 
 from rill.shared import envs
 from rill.shared.broker import DEFAULT_MAXMEMORY
-from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, QUANTIZATIONS, EngineArgs, ModelConfig, parse_size
+from rill.shared.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    QUANTIZATIONS,
+    EngineArgs,
+    ModelConfig,
+    parse_size,
+    resolve_quantization,
+)
 from rill.shared.logs import setup_logging
+from rill.shared.model_files import converted_from
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 REDIS_URL_ENV = "RILL_REDIS_URL"  # how rill serve hands its children the broker (see _child_argv)
@@ -46,9 +54,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: fraction of GPU memory for weights + activations + KV cache")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only; "
-                        "faster GEMMs at some accuracy cost, see scripts/benchmarks.md)")
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="gguf: keep a .gguf model's quantized blocks (CPU; auto picks it for a .gguf on CPU); "
+                        "int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only); "
+                        "none: float weights in --dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="worker processes (ranks) per engine, the model sharded over them")
@@ -174,14 +183,18 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
                          "(the KV hand-off does not re-shard the cache)")
     if not 0 <= getattr(ns, "tp_rank", 0) < tp:
         raise SystemExit(f"rill: --tp-rank must be in 0..{tp - 1}")
-    if ns.quantization != "none" and ns.device == "cuda":
-        raise SystemExit(f"rill: --quantization {ns.quantization} runs on CPU only; use --device cpu")
+    quantization = resolve_quantization(ns.quantization, model_dir, ns.device, tp)
+    if quantization != "none" and ns.device == "cuda":
+        raise SystemExit(f"rill: --quantization {quantization} runs on CPU only; use --device cpu")
+    if quantization == "gguf" and converted_from(model_dir) is None:
+        raise SystemExit(f"rill: --quantization gguf serves a .gguf model's own blocks; {model_dir} is not a "
+                         "GGUF (use --quantization none or int8)")
     from rill.services.worker.families import UnsupportedModel, check_checkpoint
     from rill.services.worker.tp_support import TensorParallelError, check_supported
 
     try:  # one line and a non-zero exit, before any process starts, for a model Rill would serve wrongly
-        family = check_checkpoint(model_dir, ns.max_model_len, ns.quantization)
-        check_supported(family.name, ns.quantization, tp)
+        family = check_checkpoint(model_dir, ns.max_model_len, quantization)
+        check_supported(family.name, quantization, tp)
     except (UnsupportedModel, TensorParallelError) as exc:
         raise SystemExit(f"rill: {model_dir}: {exc}") from None
     cfg = ModelConfig.from_dir(model_dir)
@@ -190,7 +203,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
-        dtype=ns.dtype, quantization=ns.quantization, device=ns.device,
+        dtype=ns.dtype, quantization=quantization, device=ns.device,
         tensor_parallel_size=tp, tp_rank=getattr(ns, "tp_rank", 0), tp_address=ns.tp_address or "", seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
         enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"),
@@ -272,13 +285,14 @@ def kernel_report(ns: argparse.Namespace) -> int:
     model_dir = resolve_checked(ns.model)
     configure_cpu_threads()
     dtype = resolve_dtype(ns.dtype, "cpu")
+    quantization = resolve_quantization(ns.quantization, model_dir, "cpu")
     table, keys = tune_model(ModelShapes.of(ModelConfig.from_dir(model_dir)), getattr(torch, dtype),
-                             ns.quantization, remeasure=ns.remeasure_kernels)
+                             quantization, remeasure=ns.remeasure_kernels)
     if not keys:
         print("rill: native CPU kernels are off or unavailable: every op runs its torch implementation")
         return 0
     print(chooser.report(table, keys))
-    print(f"(dtype {dtype}, quantization {ns.quantization}; cached in {chooser.table_path()})")
+    print(f"(dtype {dtype}, quantization {quantization}; cached in {chooser.table_path()})")
     return 0
 
 

@@ -9,8 +9,21 @@ from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --quantization: none keeps every GEMM in the model dtype; int8 is W8A8 dynamic quantization of the
-# linear layers (CPU only, see kernels/torch_ops.Int8Linear).
-QUANTIZATIONS = ("none", "int8")
+# linear layers (CPU only, see kernels/torch_ops.Int8Linear); gguf keeps a .gguf model's own
+# quantized blocks (CPU only, services/worker/gguf_weights.py); auto is gguf for a .gguf model on
+# CPU, else none.
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+
+
+def resolve_quantization(requested: str, model_dir: str, device: str, tp_size: int = 1) -> str:
+    """--quantization as it will run (see QUANTIZATIONS); auto stays float where the GGUF blocks
+    cannot run (CUDA, or sharded over tensor-parallel ranks)."""
+    from rill.shared.model_files import converted_from
+
+    if requested != "auto":
+        return requested
+    gguf = converted_from(model_dir) is not None
+    return "gguf" if gguf and device != "cuda" and tp_size == 1 else "none"
 
 
 @dataclass(frozen=True)

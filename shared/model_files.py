@@ -72,51 +72,34 @@ def resolve_model(model: str | None = None) -> Path:
     raise FileNotFoundError(f"model not found: {model} (give a checkpoint folder or a .gguf file)")
 
 
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 def gguf_architecture(gguf: Path) -> str:
-    """`general.architecture` from a GGUF's header, without reading the rest of the file (gguf's
-    reader parses every field, a whole vocabulary included)."""
-    with open(gguf, "rb") as f:
-        def u32() -> int:
-            return int.from_bytes(f.read(4), "little")
+    """`general.architecture` from a GGUF's header."""
+    from rill.shared.gguf_header import read_header
 
-        def u64() -> int:
-            return int.from_bytes(f.read(8), "little")
+    arch = read_header(gguf).metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{gguf} names no general.architecture")
+    return arch
 
-        def skip(kind: int) -> None:
-            if kind == _GGUF_STRING:
-                f.seek(u64(), 1)
-            elif kind == _GGUF_ARRAY:
-                item, count = u32(), u64()
-                if item in _GGUF_SCALARS:
-                    f.seek(_GGUF_SCALARS[item] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(item)
-            else:
-                f.seek(_GGUF_SCALARS[kind], 1)
 
-        if f.read(4) != b"GGUF" or u32() < 2:
-            raise ValueError(f"{gguf} is not a GGUF file (version 2 or later)")
-        u64()  # tensor count
-        for _ in range(u64()):
-            key = f.read(u64()).decode()
-            kind = u32()
-            if key == "general.architecture" and kind == _GGUF_STRING:
-                return f.read(u64()).decode()
-            skip(kind)
-    raise ValueError(f"{gguf} names no general.architecture")
+_SOURCE_MARKER = "rill_source.txt"  # in a converted folder: the GGUF it came from
 
 
 def model_name(model_dir: Path) -> str:
     """A display name: the GGUF stem for converted files, else the folder name."""
-    marker = model_dir / "rill_source.txt"
+    marker = model_dir / _SOURCE_MARKER
     if marker.is_file():
         return Path(marker.read_text().strip()).stem.split(".")[0]
     return model_dir.name
+
+
+def converted_from(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted checkpoint folder came from, if it is still there."""
+    marker = Path(model_dir) / _SOURCE_MARKER
+    if not marker.is_file():
+        return None
+    path = Path(marker.read_text().strip())
+    return path if path.is_file() else None
 
 
 def _cache_dir_for(gguf: Path) -> Path:
@@ -127,7 +110,7 @@ def _cache_dir_for(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     out = _cache_dir_for(gguf)
-    done = out / "rill_source.txt"
+    done = out / _SOURCE_MARKER
     if done.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

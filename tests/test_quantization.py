@@ -306,7 +306,7 @@ def test_cli_passes_quantization_to_the_worker(smollm2_dir: str) -> None:
     worker = next(c for c in build_children(ns, smollm2_dir) if c.kind == "worker")
     child = build_parser().parse_args(worker.argv[worker.argv.index("service"):])
     assert child.name == "worker" and engine_args(child, smollm2_dir).quantization == "int8"
-    assert build_parser().parse_args(["serve", smollm2_dir]).quantization == "none"
+    assert build_parser().parse_args(["serve", smollm2_dir]).quantization == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", smollm2_dir, "--quantization", "fp8"])
     with pytest.raises(SystemExit, match="CPU only"):

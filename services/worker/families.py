@@ -83,9 +83,9 @@ def renormalises(cfg: dict[str, Any], fam: Family) -> bool:
 
 def check_quantization(fam: Family, quantization: str) -> None:
     """Refuse what the quantized paths cannot serve: int8 (SmoothQuant) has no expert GEMMs."""
-    if fam.experts is not None and quantization not in ("none", None):
+    if fam.experts is not None and quantization not in ("none", "auto", None):
         raise UnsupportedModel(f"{fam.name}: --quantization {quantization} is not supported for mixture-of-experts "
-                               "models (the experts have no int8 path); serve with --quantization none")
+                               f"models (the experts have no {quantization} path); serve with --quantization none")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +25,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from rill.kernels import ops
+from rill.kernels.gguf_linear import QuantLinear
 from rill.kernels.ops import AttentionMetadata
-from rill.services.worker import families, tensor_parallel, tp_support
+from rill.services.worker import families, gguf_weights, tensor_parallel, tp_support
 from rill.services.worker.experts import SparseMoe, read_sparse_moe
 from rill.shared.config import ModelConfig
+
+log = logging.getLogger("rill.worker")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -192,12 +196,13 @@ class LayerTensors:
     window: int | None = None
     moe: SparseMoe | None = None  # already prepared (no quantized experts)
 
-    def prepare(self, linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
+    def prepare(self, linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
+        """`linear(field, weight, bias)` builds each linear layer (field: qkv, o, gate_up, down)."""
         dense = self.moe is None
-        return LayerWeights(input_norm=self.input_norm, qkv=linear(self.qkv, self.qkv_bias),
-                            o=linear(self.o, self.o_bias), post_norm=self.post_norm,
-                            gate_up=linear(self.gate_up, self.gate_up_bias) if dense else None,
-                            down=linear(self.down, self.down_bias) if dense else None,
+        return LayerWeights(input_norm=self.input_norm, qkv=linear("qkv", self.qkv, self.qkv_bias),
+                            o=linear("o", self.o, self.o_bias), post_norm=self.post_norm,
+                            gate_up=linear("gate_up", self.gate_up, self.gate_up_bias) if dense else None,
+                            down=linear("down", self.down, self.down_bias) if dense else None,
                             q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
                             mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window,
                             moe=self.moe)
@@ -251,7 +256,7 @@ class LlamaModel:
     """Weights plus the forward pass. Not an nn.Module: no hooks or autograd on the hot path."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor | None, max_positions: int, quantization: str = "none",
+                 lm_head: torch.Tensor | QuantLinear | None, max_positions: int, quantization: str = "none",
                  tied: bool | None = None, embed_scale: float | None = None) -> None:
         """lm_head None: a headless model, final_hidden only (calibration). `tied` defaults to
         whether lm_head is the embedding (a smoothed tied head is a scaled copy of it).
@@ -264,7 +269,9 @@ class LlamaModel:
         self.norm = norm
         self.tied = lm_head is embed if tied is None else tied
         # Quantized, a tied head gets its own int8 copy; the embedding lookup keeps the model dtype.
-        self.lm_head = None if lm_head is None else ops.make_linear(lm_head, quantization=quantization, logits=True)
+        float_quant = "none" if quantization == "gguf" else quantization  # a GGUF head comes prepared
+        self.lm_head = lm_head if lm_head is None or not isinstance(lm_head, torch.Tensor) \
+            else ops.make_linear(lm_head, quantization=float_quant, logits=True)
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
@@ -353,11 +360,22 @@ class LlamaModel:
         # int8 is quantized from the `dtype` weights, as the tied LM head must be (its rounding to
         # bf16 first is far below the int8 step). Layer by layer, each dropping its read tensors as
         # the prepared (pre-packed or int8) copies replace them, so the load peaks near one model.
-        layers = [tensors.pop(0).prepare(lambda w, b: ops.make_linear(w, b, quantization))
-                  for _ in range(cfg.num_hidden_layers)]
-        model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, lm_head,
+        def float_linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+            return ops.make_linear(w, b, "none" if quantization == "gguf" else quantization)
+
+        source = gguf_weights.GGUFSource.of(model_dir, cfg) if quantization == "gguf" else None
+        layers = [tensors.pop(0).prepare(source.layer_linears(i, float_linear) if source
+                                         else lambda _, w, b: float_linear(w, b))
+                  for i in range(cfg.num_hidden_layers)]
+        head = source.lm_head(lm_head, tied) if source and lm_head is not None else None
+        model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, head or lm_head,
                     max_positions or cfg.max_position_embeddings, quantization,
                     tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+        lookup = source.embedding(embed) if source is not None else None
+        if lookup is not None:  # the quantized table replaces the float one
+            model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
+        if source is not None:
+            log.info("%s", source.report.line())
         if shard is not None and tp is not None:
             tensor_parallel.shard_model(model, shard, cfg, tp)
         return model

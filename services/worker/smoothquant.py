@@ -168,7 +168,7 @@ class Stats:
 def calibrate(cfg: ModelConfig, tensors: list[LayerTensors], embed: torch.Tensor, norm: torch.Tensor,
               seqs: list[list[int]]) -> Stats:
     """Run `seqs` (each from position 0, side by side in one step) through the float model."""
-    layers = [t.prepare(Probe) for t in tensors]
+    layers = [t.prepare(lambda _, w, b: Probe(w, b)) for t in tensors]
     model = LlamaModel(cfg, embed, layers, norm, None, max(map(len, seqs)))
     block = 16
     per = [-(-len(s) // block) for s in seqs]

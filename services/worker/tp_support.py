@@ -21,6 +21,8 @@ def check_supported(family: str, quantization: str, size: int, smoothed: bool = 
     if family not in FAMILIES:
         raise TensorParallelError(f"tensor parallelism does not support the {family} family "
                                   f"(supported: {', '.join(FAMILIES)})")
-    if quantization != "none":
+    why = {"int8": "SmoothQuant calibrates the whole model in one process",
+           "gguf": "the GGUF blocks are not sharded; serve the .gguf with --quantization none"}
+    if quantization not in ("none", "auto"):
         raise TensorParallelError(f"--quantization {quantization} with --tensor-parallel-size {size} is not "
-                                  "supported (SmoothQuant calibrates the whole model in one process)")
+                                  f"supported ({why.get(quantization, 'not sharded')})")

@@ -1,0 +1,169 @@
+"""GGUF weights served in the file's own quantization (`--quantization gguf`).
+
+A GGUF is still converted once into a float checkpoint (model_files.py): that gives the config,
+the tokenizer, the norms and a reference for every weight. Here each linear layer's raw GGUF blocks
+(Q4_1, Q5_0, Q4_K, ...) are read from the file itself and replace the float weight, kept quantized
+in memory and multiplied by kernels/gguf_linear.QuantLinear. A block set is used only when it
+dequantizes to exactly the converted weight, rows permuted as llama.cpp's converter permuted
+them; anything else (a float tensor in the file, an unknown layout) keeps the float weight, so a
+mismatch costs memory, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rill.kernels import gguf_blocks
+from rill.kernels.gguf_linear import QuantLinear
+from rill.shared.config import ModelConfig
+from rill.shared.gguf_header import read_header
+from rill.shared.model_files import converted_from
+
+log = logging.getLogger("rill.worker")
+
+MakeLinear = Callable[[torch.Tensor, torch.Tensor | None], object]
+
+# A fused linear layer -> the GGUF tensors stacked in it, in order; the first spelling present wins
+# (Phi-3 files hold one attn_qkv and a fused gate/up under ffn_up).
+_PARTS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "qkv": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+    "o": (("attn_output",),),
+    "gate_up": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+    "down": (("ffn_down",),),
+}
+
+
+def llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (its converter interleaves each
+    head's rotary halves; transformers' GGUF reader applies the same reverse)."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+@dataclass
+class Report:
+    """What the load kept quantized, for the start-up log line (a tied head and the embedding
+    share their blocks: counted once, by tensor name)."""
+
+    formats: Counter = field(default_factory=Counter)
+    quantized_bytes: dict[str, int] = field(default_factory=dict)
+    float_params: dict[str, int] = field(default_factory=dict)  # the same tensors, counted as floats
+    kept_float: int = 0  # linear layers that stayed float
+
+    def add(self, name: str, qtype: int, blocks: torch.Tensor, params: int) -> None:
+        if name not in self.quantized_bytes:
+            self.formats[gguf_blocks.name(qtype)] += 1
+        self.quantized_bytes[name] = int(blocks.numel())
+        self.float_params[name] = params
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{n}x{k}" for k, n in sorted(self.formats.items()))
+        mib, held, params = 2 ** 20, sum(self.quantized_bytes.values()), sum(self.float_params.values())
+        return (f"gguf: weights kept quantized ({kinds}; {self.kept_float} linear layers kept float): "
+                f"{held / mib:.0f} MiB against {params * 4 / mib:.0f} MiB fp32 / {params * 2 / mib:.0f} MiB bf16")
+
+
+class GGUFSource:
+    """The raw blocks of one GGUF file, by tensor name (memory-mapped)."""
+
+    def __init__(self, path: Path, cfg: ModelConfig) -> None:
+        self.path = path
+        self.cfg = cfg
+        self.tensors = read_header(path).tensors
+        self.report = Report()
+        self._parts: dict[str, tuple[int, torch.Tensor]] = {}  # checked blocks, shared by a tied head
+
+    @classmethod
+    def of(cls, model_dir: Path, cfg: ModelConfig) -> GGUFSource:
+        """The GGUF behind a converted checkpoint folder; refused by name for any other folder."""
+        path = converted_from(model_dir)
+        if path is None:
+            raise ValueError(f"--quantization gguf serves a .gguf model's own blocks; {model_dir} was not "
+                             "converted from one (serve the .gguf file, or --quantization none)")
+        return cls(path, cfg)
+
+    def blocks(self, name: str) -> tuple[int, np.ndarray] | None:
+        """(ggml type, raw rows [n, row bytes]) of a block-quantized 2-D tensor the kernels serve."""
+        t = self.tensors.get(name)
+        if t is None or t.qtype not in gguf_blocks.SUPPORTED or len(t.dims) != 2:
+            return None
+        shape = (t.dims[1], gguf_blocks.row_bytes(t.qtype, t.dims[0]))
+        return t.qtype, np.memmap(self.path, np.uint8, mode="r", offset=t.offset, shape=shape)
+
+    def _part(self, name: str, want: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """This tensor's blocks, rows in the checkpoint's order, if they dequantize to `want`."""
+        if name in self._parts:
+            return self._parts[name]
+        found = self.blocks(name)
+        if found is None:
+            return None
+        qtype, raw = found
+        rows, k = want.shape
+        if raw.shape[0] != rows:
+            return None
+        blocks = torch.from_numpy(np.array(raw))  # read out of the map: the file may change later
+        values = gguf_blocks.dequantize(blocks, qtype, k).to(want.dtype)
+        heads = {self.cfg.num_attention_heads, self.cfg.num_key_value_heads}
+        orders = [None, *(llama_row_order(rows, h) for h in sorted(heads) if rows % (2 * h) == 0)]
+        for order in orders:
+            if torch.equal(values if order is None else values[order], want):
+                self._parts[name] = qtype, blocks if order is None else blocks[order].contiguous()
+                self.report.add(name, qtype, self._parts[name][1], want.numel())
+                return self._parts[name]
+        return None
+
+    def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear | None:
+        """A QuantLinear over the named tensors stacked in `weight`'s rows, or None (stay float)."""
+        parts: list[tuple[int, torch.Tensor]] = []
+        start = 0
+        for name in names:
+            t = self.tensors.get(name)
+            rows = t.dims[1] if t is not None and len(t.dims) == 2 else 0
+            part = self._part(name, weight[start:start + rows]) if rows else None
+            if part is None:
+                self.report.kept_float += 1
+                return None
+            parts.append(part)
+            start += rows
+        if start != weight.shape[0]:
+            self.report.kept_float += 1
+            return None
+        return QuantLinear(parts, weight.shape[1], bias, weight.dtype)
+
+    def layer_linears(self, layer: int, fallback: MakeLinear) -> Callable[[str, torch.Tensor, torch.Tensor | None],
+                                                                       object]:
+        """For `LayerTensors.prepare`: each fused field of `layer` from its GGUF blocks where they
+        serve it, else `fallback(weight, bias)`."""
+        def make(field: str, weight: torch.Tensor, bias: torch.Tensor | None) -> object:
+            for spelling in _PARTS[field]:
+                names = [f"blk.{layer}.{n}.weight" for n in spelling]
+                if all(n in self.tensors for n in names):
+                    quantized = self.linear(names, weight, bias)
+                    return quantized if quantized is not None else fallback(weight, bias)
+            self.report.kept_float += 1
+            return fallback(weight, bias)
+        return make
+
+    def embedding(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """ids -> embedding rows dequantized from token_embd's blocks (the same values as
+        `weight`, checked here), or None; the float table can then be dropped."""
+        part = self._part("token_embd.weight", weight)
+        if part is None:
+            return None
+        qtype, blocks = part
+        k, dtype = weight.shape[1], weight.dtype
+
+        def lookup(ids: torch.Tensor) -> torch.Tensor:
+            return gguf_blocks.dequantize(blocks.index_select(0, ids.reshape(-1)), qtype, k).to(dtype) \
+                .reshape(*ids.shape, k)
+        return lookup
+
+    def lm_head(self, weight: torch.Tensor, tied: bool) -> QuantLinear | None:
+        return self.linear(["token_embd.weight" if tied or "output.weight" not in self.tensors
+                            else "output.weight"], weight, None)

@@ -1,0 +1,82 @@
+"""--quantization gguf: a .gguf model served from its own blocks (services/worker/gguf_weights.py).
+
+The float model these are checked against is the same file dequantized (model_files.convert_gguf),
+so the weights are equal and the only difference is the kernels' 8-bit rounding of activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quantization import CHATS, chat_ids, quality, run_rows
+
+from rill.kernels.gguf_linear import QuantLinear
+from rill.services.cli import build_parser, engine_args
+from rill.services.worker.llama import LlamaModel
+from rill.shared.config import resolve_quantization
+
+# Teacher-forced over the texts of test_quantization.CHATS (126 positions), against the float model
+# of the same file. Measured on an AMD EPYC (AVX-512 VNNI/BF16, no AMX): SmolLM2 Q4_1 top-1
+# agreement 0.968, mean |delta logprob| of the float argmax 0.036; Gemma 3 270M Q4_K_M 0.937 and
+# 0.048 (llama.cpp rounds activations the same way). A wrong row order or scale fails both by far
+# (agreement near 0); the bounds leave room for another CPU's rounding.
+MIN_TOP1_AGREEMENT = 0.9
+MAX_MEAN_LOGPROB_DIFF = 0.08
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def pair(request: pytest.FixtureRequest) -> tuple[str, LlamaModel, LlamaModel]:
+    """(model dir, its float model, the same served from its GGUF blocks)."""
+    model_dir = request.getfixturevalue(f"{request.param}_dir")
+    return (model_dir, LlamaModel.load(model_dir, torch.float32),
+            LlamaModel.load(model_dir, torch.float32, quantization="gguf"))
+
+
+def linears(model: LlamaModel) -> list[object]:
+    return [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+
+
+def test_every_linear_and_the_embedding_stay_in_the_files_blocks(pair: tuple[str, LlamaModel, LlamaModel]) -> None:
+    """Gemma 3 270M Q4_K_M mixes Q5_0 (q, k, gate, up), Q8_0 (v, embedding), Q4_K and Q6_K: one
+    fused QKV holds two formats. Both models tie their head to the embedding's blocks."""
+    _, ref, model = pair
+    assert all(isinstance(lin, QuantLinear) for lin in linears(model))
+    assert model.embed.numel() == 0, "the float embedding should have been dropped for its blocks"
+    ids = torch.tensor([0, 5, ref.embed.shape[0] - 1, 1234])
+    assert torch.equal(model.embed_lookup(ids), ref.embed[ids])
+    held = sum(lin.nbytes for lin in linears(model))  # the head's blocks are the embedding's
+    floats = 4 * sum(lin.out_features * lin.in_features for lin in linears(model))
+    assert held < 0.3 * floats  # 4-6 bits a weight where fp32 has 32; the embedding 8.5
+
+
+def test_served_from_its_blocks_agrees_with_the_float_model(pair: tuple[str, LlamaModel, LlamaModel]) -> None:
+    from transformers import AutoTokenizer
+
+    model_dir, ref, model = pair
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    seqs = [tok(" ".join(text for _, text in chat))["input_ids"] for chat in CHATS]
+    agreement, mean_diff, total = quality(ref, model, seqs)
+    print(f"\n{model_dir}: GGUF blocks vs the float model over {total} positions: top-1 agreement "
+          f"{agreement:.3f}, mean |delta logprob| {mean_diff:.3f}")
+    assert total >= 100
+    assert agreement >= MIN_TOP1_AGREEMENT and mean_diff <= MAX_MEAN_LOGPROB_DIFF
+
+
+def test_a_prompts_logits_do_not_depend_on_what_shares_the_step(smollm2_dir: str) -> None:
+    """Activations are rounded per row: a prompt's logits are the same whatever else runs with it."""
+    model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+    prompt = chat_ids(smollm2_dir)[0]
+    loud = [int(t) for t in torch.randint(1000, 20000, (23,), generator=torch.Generator().manual_seed(1))]
+    alone = run_rows(model, [prompt])
+    assert torch.equal(alone, run_rows(model, [prompt, loud])[:len(prompt)])
+
+
+def test_auto_keeps_a_gguf_quantized_on_cpu_only(smollm2_dir: str, tiny_llama) -> None:
+    assert build_parser().parse_args(["serve", smollm2_dir]).quantization == "auto"
+    assert resolve_quantization("auto", smollm2_dir, "cpu") == "gguf"
+    assert resolve_quantization("auto", smollm2_dir, "cuda") == "none"
+    assert resolve_quantization("auto", smollm2_dir, "cpu", tp_size=2) == "none"
+    assert resolve_quantization("auto", str(tiny_llama[0]), "cpu") == "none"
+    assert engine_args(build_parser().parse_args(["serve", smollm2_dir]), smollm2_dir).quantization == "gguf"
+    path = str(tiny_llama[0])
+    with pytest.raises(SystemExit, match=r"--quantization gguf serves a \.gguf model's own blocks"):
+        engine_args(build_parser().parse_args(["serve", path, "--quantization", "gguf"]), path)
