@@ -233,12 +233,12 @@ def test_quant_linear_dequant_route(native_lib: ctypes.CDLL, dtype: torch.dtype,
 
 
 def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unmeasured: blocks up to 4 rows, dequant above; a table's choice per part and bucket wins."""
+    """Unmeasured: blocks up to 16 rows, dequant above; a table's choice per part and bucket wins."""
     monkeypatch.setattr(chooser, "_installed", KernelTable())
     calls = counting(monkeypatch)
     raw = random_blocks(gguf_blocks.Q8_0, 24, 64)
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
-    for rows in (1, 4, 5, 64):
+    for rows in (1, 16, 17, 64):
         layer(torch.randn(rows, 64))
     assert calls == {"blocks": 2, "dequant": 2}
     key = gguf_linear.gguf_key(24, 64, gguf_blocks.Q8_0, torch.float32)
