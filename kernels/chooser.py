@@ -15,6 +15,9 @@ Ops and their candidates (the first is the incumbent: a challenger must win by `
   fp32 GEMM on an fp32 copy of the weight: faster where the bf16 units are slower than the FMAs).
 - `gemm_int8` (`--quantization int8`), per shape and row bucket: `int_mm` (oneDNN's s8 GEMM:
   VNNI / AMX-INT8) and `fp32` (the same int8 values multiplied in fp32).
+- `gguf_gemm` (GGUF models), per weight part's shape, format and row bucket: `blocks` (the native
+  integer-dot GEMM on the blocks) and `dequant` (tiles dequantized, then torch's GEMM); see
+  gguf_linear.py. The incumbent is `blocks` up to 16 rows, `dequant` above.
 - `prefill`, per head layout and context bucket: `amx`, `dot`, `vector` (native kernels reading
   the paged cache in place) and `sdpa` (torch's attention over gathered keys).
 - `decode`, per head layout: `native` (registers-only path where the shape allows), `generic`

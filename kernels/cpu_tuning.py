@@ -1,6 +1,7 @@
 """What the kernel chooser (chooser.py) times for one model on this machine: every op that has
 more than one CPU implementation, on the model's own shapes, at each bucket where the choice
-may differ. `tune_model` measures what the cache lacks and installs the table.
+may differ. `tune_model` measures what the cache lacks and installs the table; `tune_gguf` does
+the same for the GGUF block-quantized layers (gguf_linear.QuantLinear) of a GGUF model.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rill.kernels import chooser, cpu_native, torch_ops
+from rill.kernels import chooser, cpu_native, gguf_blocks, gguf_linear, gguf_native, torch_ops
 from rill.kernels.chooser import KernelTable, Probe
 from rill.kernels.ops import make_attention_metadata
 
@@ -198,5 +199,77 @@ def tune_model(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
     finally:
         _gemm_weights.cache_clear()
         _int8_layer.cache_clear()
+    chooser.install(table)
+    return table, keys
+
+
+# ------------------------------------------------------------------------------ GGUF layers
+
+GgufShape = tuple[int, int, int]  # (out features n, in features k, ggml type id) of one weight part
+
+
+def _random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """Random raw blocks uint8 [n, row_bytes], their fp16 scales small and finite."""
+    fmt = gguf_blocks.block_format(qtype)
+    g = _gen()
+    blocks = torch.randint(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=torch.uint8, generator=g)
+    for at in fmt.halves:
+        scale = (torch.rand(blocks.shape[0], 1, generator=g) * 0.02 - 0.01).half()
+        blocks[:, at:at + 2] = scale.view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_layer(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -> gguf_linear.QuantLinear | None:
+    """A random one-part QuantLinear, once per shape for all its row buckets; None where the
+    native library cannot run both routes (nothing to choose)."""
+    if not (gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype)):
+        return None
+    return gguf_linear.QuantLinear([(qtype, _random_blocks(qtype, n, k))], k, None, dtype, logits)
+
+
+def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
+    """QuantLinear's two routes ("blocks", "dequant") on one part shape at `rows` rows, the
+    unmeasured choice of that bucket first."""
+    lin = _gguf_layer(n, k, qtype, dtype, logits)
+    if lin is None:
+        return None
+    x = torch.randn(rows, k, generator=_gen()).to(dtype)
+
+    def run(name: str) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            lin.force(name)
+            return lin.float_out(x) if logits else lin(x)
+        return call
+
+    first = gguf_linear.incumbent(rows)
+    order = [first, *(r for r in gguf_linear.ROUTES if r != first)]
+    return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows, {m: run(m) for m in order})
+
+
+def _gguf_cases(shapes: list[GgufShape], logits: GgufShape | None) -> list[tuple[GgufShape, bool, int]]:
+    cases = [(s, False, rows) for s in dict.fromkeys(shapes) for rows in chooser.ROW_BUCKETS]
+    if logits is not None:
+        cases += [(logits, True, rows) for rows in chooser.LOGIT_BUCKETS]
+    return cases
+
+
+def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | None = None,
+              remeasure: bool = False) -> tuple[KernelTable, list[str]]:
+    """Measure QuantLinear's route per part shape and row bucket where the cache lacks it (once per
+    machine key), install the table (with every entry cached before, e.g. tune_model's) and
+    return it with these keys. `shapes`: each weight part's (n, k, qtype) (a fused QKV of two
+    formats is two parts); `logits`: the LM head's, when it is a QuantLinear. Build the layers after."""
+    if not cpu_native.enabled():
+        return KernelTable(), []
+    cases = _gguf_cases(shapes, logits)
+    keys = [KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), rows)
+            for (n, k, q), lg, rows in cases]
+    makers = [lambda n=n, k=k, q=q, lg=lg, rows=rows: gguf_probe(n, k, q, dtype, rows, lg)
+              for (n, k, q), lg, rows in cases]
+    try:
+        table, _ = chooser.tune(makers, keys, remeasure=remeasure)
+    finally:
+        _gguf_layer.cache_clear()
     chooser.install(table)
     return table, keys

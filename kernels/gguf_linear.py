@@ -1,5 +1,15 @@
-"""A linear layer whose weight stays in the GGUF's block-quantized form (gguf_blocks.py), multiplied
-by the native kernel (cpu_gguf.c through gguf_native.py) without dequantizing it.
+"""A linear layer whose weight stays in the GGUF's block-quantized form (gguf_blocks.py).
+
+Two routes multiply it, chosen per part and per call by the number of rows m (the kernel
+chooser's "gguf_gemm" op, measured per part shape, format and row bucket on the serving
+machine; see cpu_tuning.tune_gguf):
+- "blocks": the native integer-dot GEMM on the blocks (cpu_gguf.c), for decode: few rows are bound
+  by how fast the weight streams from memory, and the blocks are 3.5-7x smaller than bf16.
+- "dequant": a tile of weight rows (TILE_ELEMS values) at a time is dequantized
+  (cpu_gguf_dequant.c) into a reused scratch buffer and multiplied by torch's GEMM in the
+  layer's dtype (fp32 or bf16) into a slice of the output, for prompt chunks and batched
+  decode: the blocks route unpacks every weight block again for each 4 activation rows.
+Unmeasured, a part takes "blocks" up to BLOCKS_ROWS (16) rows and "dequant" above.
 
 The weight may be several parts stacked along the output dimension, each in its own format: a
 fused QKV projection can have q and k in Q5_0 and v in Q8_0. A part whose format the native
@@ -15,27 +25,71 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rill.kernels import gguf_blocks, gguf_native
+from rill.kernels import chooser, gguf_blocks, gguf_native
 
 log = logging.getLogger("rill.kernels")
 _warned: set[int] = set()  # formats already reported as falling back, once per process
 
+OP = "gguf_gemm"
+ROUTES = ("blocks", "dequant")
+# The unmeasured choice: "blocks" up to this many rows, "dequant" above (at 16 rows blocks won on
+# all 7 SmolLM2 layers, 1 thread, AMD EPYC, 2 cores, AVX-512 VNNI/BF16, no AMX; dequant from 64).
+BLOCKS_ROWS = 16
+# Weight values dequantized per torch GEMM (4 MB fp32): on a 2-core AMD EPYC, tiles of 64-256
+# rows were 1.1-3x slower than the whole weight at k = 576..2048 (per-call and fork/join costs),
+# while a whole 4096 x 14336 weight would need 235 MB of scratch; this is 512 rows at k = 2048.
+TILE_ELEMS = 1 << 20
+_scratch: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, shared by every layer
 
-@dataclass(frozen=True)
+
+def mm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dequant route multiplies in: the layer's where the dequantizer writes it."""
+    return dtype if dtype in gguf_native.DEQUANT_DTYPES else torch.float32
+
+
+def gguf_key(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> tuple[object, ...]:
+    """A part's key in the kernel table: out x in features, format, layer dtype, and whether it makes logits."""
+    return (n, k, gguf_blocks.name(qtype), str(mm_dtype(dtype)).removeprefix("torch."),
+            *(("logits",) if logits else ()))
+
+
+def incumbent(bucket: int) -> str:
+    return "blocks" if bucket <= BLOCKS_ROWS else "dequant"
+
+
+def installed_route(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> chooser.Route:
+    """The installed table's route for a part of this shape, the incumbents where it has none."""
+    buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+    return chooser.installed().route(OP, gguf_key(n, k, qtype, dtype, logits), buckets,
+                                     [incumbent(b) for b in buckets])
+
+
+def _tile(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous [rows, k] view of the shared scratch buffer, grown when too small. Safe to
+    reuse across layers: a CPU GEMM has finished reading it when torch.mm returns."""
+    buf = _scratch.get(dtype)
+    if buf is None or buf.numel() < rows * k:
+        buf = _scratch[dtype] = torch.empty(rows * k, dtype=dtype)
+    return buf[:rows * k].view(rows, k)
+
+
+@dataclass
 class _Part:
     qtype: int
     n: int
     raw: torch.Tensor | None  # the blocks, multiplied natively
     weight: torch.Tensor | None  # or the dequantized weight, multiplied by torch
+    route: chooser.Route | None = None  # which route serves m rows (raw parts only)
 
 
-def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype) -> _Part:
+def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> _Part:
     rb = gguf_blocks.row_bytes(qtype, k)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
         raise ValueError(f"{gguf_blocks.name(qtype)} part of {k} columns: want uint8 [n, {rb}], "
                          f"got {raw.dtype} {list(raw.shape)}")
-    if gguf_native.format_supported(qtype):
-        return _Part(qtype, raw.shape[0], raw.contiguous(), None)
+    if gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype):
+        n = raw.shape[0]
+        return _Part(qtype, n, raw.contiguous(), None, installed_route(n, k, qtype, dtype, logits))
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
@@ -44,42 +98,81 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype) -> _Part:
 
 
 class QuantLinear:
-    """y = x @ W.T (+ bias), W [sum n_i, k] the parts (qtype, raw uint8 [n_i, row_bytes]) stacked."""
+    """y = x @ W.T (+ bias), W [sum n_i, k] the parts (qtype, raw uint8 [n_i, row_bytes]) stacked.
+    `logits`: the LM head (called through float_out; its routes use the logit row buckets)."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, logits: bool = False) -> None:
         if not parts:
             raise ValueError("a QuantLinear needs at least one weight part")
         self.in_features = k
         self.dtype = dtype
-        self._parts = [_part(qtype, raw, k, dtype) for qtype, raw in parts]
+        self.mm_dtype = mm_dtype(dtype)
+        self._parts = [_part(qtype, raw, k, dtype, logits) for qtype, raw in parts]
         self.out_features = sum(p.n for p in self._parts)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias of {list(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.nbytes = sum(p.raw.nbytes if p.raw is not None else p.weight.nbytes for p in self._parts)
-        self._native = all(p.raw is not None for p in self._parts)
 
-    def _run(self, x: torch.Tensor, part: _Part, bias: torch.Tensor | None) -> torch.Tensor:
-        if part.raw is not None:
-            return gguf_native.gemm(x, part.raw, part.qtype, part.n, self.in_features, bias)
-        y = F.linear(x.to(part.weight.dtype), part.weight).float()
-        return y if bias is None else y + bias
+    @property
+    def routes(self) -> list[chooser.Route | None]:
+        """Each part's route (None: a part dequantized at load)."""
+        return [p.route for p in self._parts]
+
+    def force(self, name: str) -> None:
+        """Serve every row count by one route ("blocks" or "dequant"): for probes and tests."""
+        assert name in ROUTES
+        for p in self._parts:
+            if p.route is not None:
+                p.route = chooser.Route((1,), (name,))
+
+    def _names(self, m: int) -> list[str]:
+        return [p.route.pick(m) if p.route is not None else "float" for p in self._parts]
+
+    def _dequant_mm(self, x: torch.Tensor, part: _Part, y: torch.Tensor) -> None:
+        """y [m, part.n] (a column slice of the output) = x @ W.T, W dequantized a tile at a time."""
+        k = self.in_features
+        rows = min(part.n, max(16, TILE_ELEMS // k))
+        direct = y.dtype == x.dtype
+        for r0 in range(0, part.n, rows):
+            r1 = min(r0 + rows, part.n)
+            w = gguf_native.dequantize(part.raw[r0:r1], part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
+            if direct:
+                torch.mm(x, w.t(), out=y[:, r0:r1])  # a strided slice: BLAS writes it in place
+            else:
+                y[:, r0:r1] = torch.mm(x, w.t())
+
+    def _forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [m, k] -> [m, out_features]: in mm_dtype when every part takes "dequant", else fp32."""
+        names = self._names(x2.shape[0])
+        x32 = x2.to(torch.float32).contiguous() if "blocks" in names else None  # the native kernel reads fp32
+        if names == ["blocks"]:
+            return gguf_native.gemm(x32, self._parts[0].raw, self._parts[0].qtype, self._parts[0].n,
+                                    self.in_features, self.bias)
+        xd = x2.to(self.mm_dtype).contiguous() if "dequant" in names else None
+        out_dtype = self.mm_dtype if all(n == "dequant" for n in names) else torch.float32
+        y = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype)
+        at = 0
+        for part, name in zip(self._parts, names, strict=True):
+            cols = y[:, at:at + part.n]
+            if name == "dequant":
+                self._dequant_mm(xd, part, cols)
+            elif name == "blocks":
+                cols.copy_(gguf_native.gemm(x32, part.raw, part.qtype, part.n, self.in_features))
+            else:
+                cols.copy_(F.linear(x2.to(part.weight.dtype), part.weight))
+            at += part.n
+        if self.bias is not None:
+            y += self.bias
+        return y
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> fp32 [..., out_features] (the sums as they are: for logits)."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if self._native:  # the native kernel reads fp32 rows
-            x2 = x2.to(torch.float32).contiguous()
-        if len(self._parts) == 1:
-            y = self._run(x2, self._parts[0], self.bias)
-        else:
-            y = torch.cat([self._run(x2, p, None) for p in self._parts], dim=1)
-            if self.bias is not None:
-                y += self.bias
-        return y.reshape(*lead, self.out_features)
+        y = self._forward(x.reshape(-1, self.in_features)).float()
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> [..., out_features] in x's dtype."""
-        return self.float_out(x).to(x.dtype)
+        y = self._forward(x.reshape(-1, self.in_features)).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)

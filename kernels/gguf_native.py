@@ -1,4 +1,5 @@
-"""ctypes bindings of the GGUF block-quantized GEMM (cpu_gguf.c), part of the native CPU kernel
+"""ctypes bindings of the GGUF block-quantized GEMM (cpu_gguf.c) and dequantizer
+(cpu_gguf_dequant.c), part of the native CPU kernel
 library that cpu_native.py builds and loads (its `library()`; None when it cannot be had)."""
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_gemm_supported.argtypes = [i32]
     lib.gguf_gemm_simd.restype = i32
     lib.gguf_gemm_simd.argtypes = []
+    lib.gguf_dequant.restype = i32
+    lib.gguf_dequant.argtypes = [ptr, i32, i64, i64, ptr, i32]
+    lib.gguf_dequant_supported.restype = i32
+    lib.gguf_dequant_supported.argtypes = [i32]
     return lib
 
 
@@ -76,4 +81,40 @@ def gemm_with(lib: ctypes.CDLL | None, x: torch.Tensor, raw: torch.Tensor, qtype
                            None if bias is None else bias.data_ptr(), out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"native GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
+    return out
+
+
+DEQUANT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dequant_supported(qtype: int) -> bool:
+    """Whether the native library is here and dequantizes this format."""
+    lib = _lib()
+    return lib is not None and qtype in gguf_blocks.SUPPORTED and bool(lib.gguf_dequant_supported(qtype))
+
+
+def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw blocks uint8 [n, row_bytes(qtype, k)] -> [n, k] in dtype (fp32: equal bit for bit to
+    gguf_blocks.dequantize; bf16: that rounded to nearest-even), written into `out` when given
+    (a contiguous [n, k] tensor of dtype: a reused scratch buffer). The caller checks `dequant_supported`."""
+    return dequantize_with(_lib(), raw, qtype, k, dtype, out)
+
+
+def dequantize_with(lib: ctypes.CDLL | None, raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype,
+                    out: torch.Tensor | None) -> torch.Tensor:
+    """`dequantize` through a given library (`declare`d)."""
+    assert lib is not None and dtype in DEQUANT_DTYPES
+    rb = gguf_blocks.row_bytes(qtype, k)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb or not raw.is_contiguous():
+        raise ValueError(f"{gguf_blocks.name(qtype)} weight: want contiguous uint8 [n, {rb}], "
+                         f"got {raw.dtype} {list(raw.shape)}")
+    n = raw.shape[0]
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype)
+    elif out.dtype != dtype or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"dequantize into {out.dtype} {list(out.shape)}: want contiguous {dtype} [{n}, {k}]")
+    rc = lib.gguf_dequant(raw.data_ptr(), qtype, n, k, out.data_ptr(), int(dtype == torch.bfloat16))
+    if rc != 0:
+        raise RuntimeError(f"native GGUF dequantizer ({gguf_blocks.name(qtype)}) failed with code {rc}")
     return out

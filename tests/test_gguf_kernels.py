@@ -1,6 +1,7 @@
-"""GGUF block-quantized weights: the torch dequantizer (kernels/gguf_blocks.py) against gguf's
-reference bit for bit, the native GEMM (kernels/cpu_gguf.c) against the float GEMM, and
-QuantLinear (kernels/gguf_linear.py) with parts in several formats.
+"""GGUF block-quantized weights: the torch and native dequantizers (kernels/gguf_blocks.py,
+kernels/cpu_gguf_dequant.c) against gguf's reference bit for bit, the native GEMM
+(kernels/cpu_gguf.c) against the float GEMM, and QuantLinear (kernels/gguf_linear.py) with parts
+in several formats, through both of its routes.
 
 The native GEMM quantizes each activation block to int8 (d = max|x| / 127, q = round(x / d)), so
 it is not the float GEMM. It is checked two ways: against the same product computed in float64
@@ -20,8 +21,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from rill.kernels import cpu_native, gguf_blocks, gguf_linear, gguf_native, native_build
+from rill.kernels import chooser, cpu_native, gguf_blocks, gguf_linear, gguf_native, native_build
+from rill.kernels.chooser import KernelTable
 
 FORMATS = sorted(gguf_blocks.SUPPORTED)
 IDS = [gguf_blocks.name(q) for q in FORMATS]
@@ -121,11 +124,12 @@ def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
 def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -> None:
-    """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone."""
-    src = Path(gguf_native.__file__).with_name("cpu_gguf.c")
+    """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone (with the
+    dequantizer: its portable fp16 conversion where the CPU has no F16C)."""
+    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c")]
     so = tmp_path / f"gguf_{march}.so"
     flags = [f for f in native_build.FLAGS if f != "-march=native"]
-    proc = subprocess.run(["gcc", *flags, f"-march={march}", "-o", str(so), str(src)], capture_output=True, text=True)
+    proc = subprocess.run(["gcc", *flags, f"-march={march}", "-o", str(so), *srcs], capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"gcc cannot build for -march={march}: {proc.stderr[-200:]}")
     lib = gguf_native.declare(ctypes.CDLL(str(so)))
@@ -136,7 +140,23 @@ def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -
 
     for qtype in FORMATS:
         k = gguf_blocks.FORMATS[qtype].elements * 2
-        check_gemm(gemm, random_blocks(qtype, 19, k), qtype, 5, bias=True)
+        raw = random_blocks(qtype, 19, k)
+        check_gemm(gemm, raw, qtype, 5, bias=True)
+        assert_bit_equal(gguf_native.dequantize_with(lib, raw, qtype, k, torch.float32, None), reference(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
+def test_native_dequantize_bit_equal(native_lib: ctypes.CDLL, qtype: int) -> None:
+    """fp32 equal to gguf's dequantizer, bf16 equal to that rounded by torch; 300 x 1024 values
+    go through the threaded loop, 3 rows of 1 block through the serial one."""
+    for n, k in ((300, 1024), (3, gguf_blocks.FORMATS[qtype].elements)):
+        raw = random_blocks(qtype, n, k, seed=n)
+        want = reference(raw, qtype)
+        assert_bit_equal(gguf_native.dequantize(raw, qtype, k), want)
+        scratch = torch.empty(n, k, dtype=torch.bfloat16)
+        got = gguf_native.dequantize(raw, qtype, k, torch.bfloat16, out=scratch)
+        assert got.data_ptr() == scratch.data_ptr()
+        assert torch.equal(got.view(torch.int16), torch.from_numpy(want).bfloat16().view(torch.int16))
 
 
 def parts_of_mixed_layer(k: int) -> list[tuple[int, torch.Tensor]]:
@@ -171,6 +191,63 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
     yb = layer(x.to(torch.bfloat16))
     assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, 40)
     assert ((yb.double() - want).norm() / want.norm()).item() < 0.03
+
+
+def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the two routes' native functions, counted."""
+    calls = {"blocks": 0, "dequant": 0}
+    for name, fn in (("blocks", "gemm"), ("dequant", "dequantize")):
+        real = getattr(gguf_native, fn)
+
+        def wrapped(*a, _real=real, _name=name, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(gguf_native, fn, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_dequant_route(native_lib: ctypes.CDLL, dtype: torch.dtype,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dequant route is the float GEMM of the dequantized weight (to the dtype's rounding:
+    much tighter than the blocks route), over several tiles and parts; both routes agree."""
+    monkeypatch.setattr(gguf_linear, "TILE_ELEMS", 16 * 256)  # 16-row tiles: 24-row parts span two
+    calls = counting(monkeypatch)
+    k, parts, bias = 256, parts_of_mixed_layer(256), torch.randn(40)
+    layer = gguf_linear.QuantLinear(parts, k, bias, dtype)
+    w = torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts])
+    x = torch.randn(33, k).to(dtype)
+    layer.force("dequant")
+    y = layer(x)
+    assert y.dtype == dtype and calls == {"blocks": 0, "dequant": 4}
+    want = (x.double() @ w.double().T + bias.double())
+    rel = ((y.double() - want).norm() / want.norm()).item()
+    assert rel < (1e-6 if dtype == torch.float32 else 5e-3), rel
+    if dtype == torch.float32:  # the same products as F.linear, in another blocking
+        ref = F.linear(x, w, bias)
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    layer.force("blocks")
+    yb = layer.float_out(x)
+    assert calls["blocks"] == 3 and yb.dtype == torch.float32
+    assert ((yb.double() - want).norm() / want.norm()).item() < 0.03
+
+
+def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unmeasured: blocks up to 16 rows, dequant above; a table's choice per part and bucket wins."""
+    monkeypatch.setattr(chooser, "_installed", KernelTable())
+    calls = counting(monkeypatch)
+    raw = random_blocks(gguf_blocks.Q8_0, 24, 64)
+    layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
+    for rows in (1, 16, 17, 64):
+        layer(torch.randn(rows, 64))
+    assert calls == {"blocks": 2, "dequant": 2}
+    key = gguf_linear.gguf_key(24, 64, gguf_blocks.Q8_0, torch.float32)
+    chooser.install(KernelTable({KernelTable.key(gguf_linear.OP, key, b): {"choice": "blocks" if b == 16 else "dequant"}
+                                 for b in chooser.ROW_BUCKETS}))
+    layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
+    for rows in (1, 16, 17):
+        layer(torch.randn(rows, 64))
+    assert calls == {"blocks": 3, "dequant": 4}  # 16 rows: blocks; 1 and 17: dequant
 
 
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF scalar value types

@@ -207,3 +207,23 @@ def test_tune_model_measures_within_its_bound_and_reports(cache) -> None:
     assert chooser.cpu_model() in text and "decode" in text and "*" in text
     _, measured = chooser.tune(cpu_tuning.model_probes(SHAPES, torch.bfloat16), keys)
     assert measured == 0
+
+
+def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rill.kernels import gguf_blocks, gguf_linear, gguf_native
+
+    if not gguf_native.dequant_supported(gguf_blocks.Q8_0):
+        pytest.skip("no native GGUF kernels here (no C compiler)")
+    monkeypatch.setattr(chooser, "_installed", KernelTable())
+    shapes = [(64, 256, gguf_blocks.Q4_K), (40, 64, gguf_blocks.Q8_0), (64, 256, gguf_blocks.Q4_K)]
+    table, keys = cpu_tuning.tune_gguf(shapes, torch.bfloat16, logits=(200, 64, gguf_blocks.Q8_0))
+    assert chooser.installed() is table
+    assert len(keys) == 2 * len(chooser.ROW_BUCKETS) + len(chooser.LOGIT_BUCKETS)  # the repeated shape once
+    assert "gguf_gemm|64x256xQ4_Kxbfloat16|1" in keys
+    assert "gguf_gemm|200x64xQ8_0xbfloat16xlogits|128" in keys
+    for k in keys:
+        assert table.entries[k]["choice"] in gguf_linear.ROUTES and not table.entries[k]["dropped"], k
+    route = gguf_linear.installed_route(40, 64, gguf_blocks.Q8_0, torch.bfloat16)
+    assert route.choices == tuple(table.entries[k]["choice"] for k in keys[6:12])
+    _, again = chooser.tune([lambda: None] * len(keys), keys)  # cached: nothing measured anew
+    assert again == 0
