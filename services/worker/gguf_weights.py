@@ -28,6 +28,7 @@ from rill.shared.model_files import converted_from
 
 log = logging.getLogger("rill.worker")
 
+GgufShape = tuple[int, int, int]  # a weight part's (n, k, ggml type), as cpu_tuning.tune_gguf takes it
 MakeLinear = Callable[[torch.Tensor, torch.Tensor | None], object]
 
 # A fused linear layer -> the GGUF tensors stacked in it, in order; the first spelling present wins
@@ -118,7 +119,8 @@ class GGUFSource:
                 return self._parts[name]
         return None
 
-    def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear | None:
+    def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None,
+               logits: bool = False) -> QuantLinear | None:
         """A QuantLinear over the named tensors stacked in `weight`'s rows, or None (stay float)."""
         parts: list[tuple[int, torch.Tensor]] = []
         start = 0
@@ -134,7 +136,7 @@ class GGUFSource:
         if start != weight.shape[0]:
             self.report.kept_float += 1
             return None
-        return QuantLinear(parts, weight.shape[1], bias, weight.dtype)
+        return QuantLinear(parts, weight.shape[1], bias, weight.dtype, logits)
 
     def layer_linears(self, layer: int, fallback: MakeLinear) -> Callable[[str, torch.Tensor, torch.Tensor | None],
                                                                        object]:
@@ -164,6 +166,21 @@ class GGUFSource:
                 .reshape(*ids.shape, k)
         return lookup
 
+    def _head_name(self, tied: bool) -> str:
+        return "token_embd.weight" if tied or "output.weight" not in self.tensors else "output.weight"
+
     def lm_head(self, weight: torch.Tensor, tied: bool) -> QuantLinear | None:
-        return self.linear(["token_embd.weight" if tied or "output.weight" not in self.tensors
-                            else "output.weight"], weight, None)
+        return self.linear([self._head_name(tied)], weight, None, logits=True)
+
+    def part_shapes(self, tied: bool) -> tuple[list[GgufShape], GgufShape | None]:
+        """(n, k, ggml type) of every linear part the blocks may serve, and the LM head's: what the
+        kernel chooser measures before the layers are built."""
+        def shape(name: str) -> GgufShape | None:
+            t = self.tensors.get(name)
+            ok = t is not None and t.qtype in gguf_blocks.SUPPORTED and len(t.dims) == 2
+            return (t.dims[1], t.dims[0], t.qtype) if ok else None  # type: ignore[union-attr]
+
+        linear_names = {n for spellings in _PARTS.values() for spelling in spellings for n in spelling}
+        parts = {shape(name) for name in self.tensors
+                 if name.startswith("blk.") and name.split(".")[2] in linear_names}
+        return sorted(p for p in parts if p is not None), shape(self._head_name(tied))

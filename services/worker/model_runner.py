@@ -14,15 +14,17 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rill.kernels import chooser, native_build
-from rill.kernels.cpu_tuning import ModelShapes, tune_model
+from rill.kernels.cpu_tuning import ModelShapes, tune_gguf, tune_model
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.dtype_choice import resolve_dtype
+from rill.services.worker.gguf_weights import GGUFSource
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, check_params
 from rill.services.worker.structured import GrammarError, Grammars
@@ -66,11 +68,16 @@ def configure_cpu_threads(ranks: int = 1) -> int:
     return torch.get_num_threads()
 
 
-def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> None:
+def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str, model_dir: str | None = None) -> None:
     """Install the kernel choices measured on this machine for this model's shapes (measuring
-    what Rill's cache lacks: a second or two on a machine's first start)."""
+    what Rill's cache lacks: a second or two on a machine's first start); with quantization
+    "gguf", also the routes of the GGUF block layers (`model_dir`: the converted checkpoint)."""
     shapes = ModelShapes.of(cfg)
     table, keys = tune_model(shapes, dtype, quantization)
+    if quantization == "gguf" and model_dir is not None:
+        parts, head = GGUFSource.of(Path(model_dir), cfg).part_shapes(cfg.tie_word_embeddings)
+        table, gguf_keys = tune_gguf(parts, dtype, head)
+        keys = keys + gguf_keys
     log.info("kernels (%s, %d threads): %s", chooser.cpu_model(), torch.get_num_threads(),
              chooser.summary(table, keys))
 
@@ -138,7 +145,7 @@ class ModelRunner:
         if self.device == "cpu" and model is None:
             # Before the layers are built: each one reads its measured GEMM choice when built.
             choose_cpu_kernels(Shard.plan(cfg, tp.rank, tp.size).kernel_config(cfg) if tp else cfg,
-                               TORCH_DTYPES[self.dtype], quantization)
+                               TORCH_DTYPES[self.dtype], quantization, model_dir)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = model or LlamaModel.load(model_dir, TORCH_DTYPES[self.dtype], self.device,
                                               max_positions=self.max_model_len, quantization=quantization, tp=tp)
