@@ -16,8 +16,9 @@ Ops and their candidates (the first is the incumbent: a challenger must win by `
 - `gemm_int8` (`--quantization int8`), per shape and row bucket: `int_mm` (oneDNN's s8 GEMM:
   VNNI / AMX-INT8) and `fp32` (the same int8 values multiplied in fp32).
 - `gguf_gemm` (GGUF models), per weight part's shape, format and row bucket: `blocks` (the native
-  integer-dot GEMM on the blocks) and `dequant` (tiles dequantized, then torch's GEMM); see
-  gguf_linear.py. The incumbent is `blocks` up to 16 rows, `dequant` above.
+  integer-dot GEMM on the blocks), `dequant` (tiles dequantized, then torch's GEMM) and `float`
+  (a float copy made at load, served as a `gemm` layer); see gguf_linear.py. The incumbent is
+  `blocks` up to 4 rows, `float` above.
 - `prefill`, per head layout and context bucket: `amx`, `dot`, `vector` (native kernels reading
   the paged cache in place) and `sdpa` (torch's attention over gathered keys).
 - `decode`, per head layout: `native` (registers-only path where the shape allows), `generic`
@@ -51,7 +52,7 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-VERSION = 2  # bump when what is measured, or how, changes: every cached table is then stale
+VERSION = 3  # bump when what is measured, or how, changes: every cached table is then stale
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
 LOGIT_BUCKETS = (1, 4, 16, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
 CONTEXT_BUCKETS = (1024, 8192)  # prompt attention: longest context of the step's chunks
@@ -220,18 +221,25 @@ def tune(probes: Iterable[Callable[[], Probe | None]], keys: Iterable[str], key:
     """The cached table with every missing entry of `keys` measured (probes[i] builds the probe
     of keys[i], None where this machine has one candidate only) and saved; returns (table, entries measured now). Workers starting together on a
     fresh machine: one measures (without the others' probes competing for the cores), the rest
-    wait for it and read its answer."""
+    wait for it and read its answer. `remeasure`: measure `keys` anew (the table's other entries
+    stay)."""
     key = key or machine_key()
     path = table_path(key)
     pairs = list(zip(keys, probes, strict=True))
-    table = KernelTable() if remeasure else load(key)
+
+    def cached() -> KernelTable:
+        table = load(key)
+        for k, _ in pairs if remeasure else ():
+            table.entries.pop(k, None)
+        return table
+
+    table = cached()
     if all(k in table.entries for k, _ in pairs):
         return table, 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not remeasure:
-            table = load(key)
+        table = cached()
         todo = [(k, make) for k, make in pairs if k not in table.entries]
         start = time.perf_counter()
         for i, (k, make) in enumerate(todo):

@@ -220,25 +220,37 @@ def _random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_layer(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -> gguf_linear.QuantLinear | None:
-    """A random one-part QuantLinear, once per shape for all its row buckets; None where the
-    native library cannot run both routes (nothing to choose)."""
+def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
+        -> tuple[gguf_linear.QuantLinear, gguf_linear.QuantLinear] | None:
+    """A random one-part QuantLinear switched between "blocks" and "dequant", and one on the same
+    blocks forced to "float" (its float copy a torch_ops.Linear built as the installed table's
+    "gemm" entries say, as it would serve), once per shape for all its row buckets; None where the
+    native library cannot run the block routes (nothing to choose)."""
     if not (gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype)):
         return None
-    return gguf_linear.QuantLinear([(qtype, _random_blocks(qtype, n, k))], k, None, dtype, logits)
+    raw = _random_blocks(qtype, n, k)
+    blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)
+    blocks.force("blocks")  # drops a float copy the table may have asked for
+    floats = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)
+    floats.force("float")
+    return blocks, floats
 
 
 def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits: bool) -> Probe | None:
-    """QuantLinear's two routes ("blocks", "dequant") on one part shape at `rows` rows, the
-    unmeasured choice of that bucket first."""
-    lin = _gguf_layer(n, k, qtype, dtype, logits)
-    if lin is None:
+    """QuantLinear's three routes ("blocks", "dequant", "float") on one part shape at `rows` rows,
+    the unmeasured choice of that bucket first. "float" runs the float copy's Linear with the
+    routes of the installed "gemm" entries: tune_gguf measures those first."""
+    layers = _gguf_layers(n, k, qtype, dtype, logits)
+    if layers is None:
         return None
     x = torch.randn(rows, k, generator=_gen()).to(dtype)
 
     def run(name: str) -> Callable[[], torch.Tensor]:
+        lin = layers[1] if name == "float" else layers[0]
+
         def call() -> torch.Tensor:
-            lin.force(name)
+            if name != "float":
+                lin.force(name)  # a route switch only: this layer keeps no float copy
             return lin.float_out(x) if logits else lin(x)
         return call
 
@@ -259,17 +271,28 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
     """Measure QuantLinear's route per part shape and row bucket where the cache lacks it (once per
     machine key), install the table (with every entry cached before, e.g. tune_model's) and
     return it with these keys. `shapes`: each weight part's (n, k, qtype) (a fused QKV of two
-    formats is two parts); `logits`: the LM head's, when it is a QuantLinear. Build the layers after."""
+    formats is two parts); `logits`: the LM head's, when it is a QuantLinear. Build the layers after.
+
+    First the "gemm" entries of each part's float copy (the float route's torch_ops.Linear, in
+    `dtype`) are measured and installed, so that the "float" candidate is timed as it would serve;
+    the returned keys are the "gguf_gemm" ones."""
     if not cpu_native.enabled():
         return KernelTable(), []
     cases = _gguf_cases(shapes, logits)
+    floats = list(dict.fromkeys((n, k, lg, rows) for (n, k, _), lg, rows in cases))
+    gemm_keys = [KernelTable.key("gemm", torch_ops.gemm_key(n, k, dtype, lg), rows) for n, k, lg, rows in floats]
+    gemm_makers = [lambda n=n, k=k, lg=lg, rows=rows: gemm_probe(n, k, dtype, rows, lg) for n, k, lg, rows in floats]
     keys = [KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), rows)
             for (n, k, q), lg, rows in cases]
     makers = [lambda n=n, k=k, q=q, lg=lg, rows=rows: gguf_probe(n, k, q, dtype, rows, lg)
               for (n, k, q), lg, rows in cases]
     try:
+        table, _ = chooser.tune(gemm_makers, gemm_keys, remeasure=remeasure)
+        chooser.install(table)
+        _gemm_weights.cache_clear()
         table, _ = chooser.tune(makers, keys, remeasure=remeasure)
     finally:
-        _gguf_layer.cache_clear()
+        _gemm_weights.cache_clear()
+        _gguf_layers.cache_clear()
     chooser.install(table)
     return table, keys

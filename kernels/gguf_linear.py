@@ -1,6 +1,6 @@
 """A linear layer whose weight stays in the GGUF's block-quantized form (gguf_blocks.py).
 
-Two routes multiply it, chosen per part and per call by the number of rows m (the kernel
+Three routes multiply it, chosen per part and per call by the number of rows m (the kernel
 chooser's "gguf_gemm" op, measured per part shape, format and row bucket on the serving
 machine; see cpu_tuning.tune_gguf):
 - "blocks": the native integer-dot GEMM on the blocks (cpu_gguf.c), for decode: few rows are bound
@@ -9,12 +9,17 @@ machine; see cpu_tuning.tune_gguf):
   (cpu_gguf_dequant.c) into a reused scratch buffer and multiplied by torch's GEMM in the
   layer's dtype (fp32 or bf16) into a slice of the output, for prompt chunks and batched
   decode: the blocks route unpacks every weight block again for each 4 activation rows.
-Unmeasured, a part takes "blocks" up to BLOCKS_ROWS (16) rows and "dequant" above.
+- "float": the part dequantized once, when the layer is built, into the layer's dtype and served
+  by the float model's own layer (torch_ops.Linear: pre-packed oneDNN, the native small GEMM, per
+  its "gemm" entries of the table). It costs a float copy of the weight (float_copy_bytes), kept
+  only when some row bucket of the part chose "float", and is as fast as the float model: from 16
+  rows up the other two routes were 2-4x slower than torch's bf16 GEMM on a float weight.
+Unmeasured, a part takes "blocks" up to BLOCKS_ROWS (4) rows and "float" above.
 
 The weight may be several parts stacked along the output dimension, each in its own format: a
 fused QKV projection can have q and k in Q5_0 and v in Q8_0. A part whose format the native
-library does not take (or every part, without the library) is dequantized once, here, to a float
-weight in the layer's dtype and multiplied by torch; one warning per format says so.
+library does not take (or every part, without the library) is served by "float" alone (its blocks
+are not kept); one warning per format says so.
 """
 
 from __future__ import annotations
@@ -23,18 +28,18 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from rill.kernels import chooser, gguf_blocks, gguf_native
+from rill.kernels import chooser, gguf_blocks, gguf_native, torch_ops
 
 log = logging.getLogger("rill.kernels")
 _warned: set[int] = set()  # formats already reported as falling back, once per process
 
 OP = "gguf_gemm"
-ROUTES = ("blocks", "dequant")
-# The unmeasured choice: "blocks" up to this many rows, "dequant" above (at 16 rows blocks won on
-# all 7 SmolLM2 layers, 1 thread, AMD EPYC, 2 cores, AVX-512 VNNI/BF16, no AMX; dequant from 64).
-BLOCKS_ROWS = 16
+ROUTES = ("blocks", "dequant", "float")
+# The unmeasured choice: "blocks" up to this many rows, "float" above (SmolLM2 ffn_down 576 x 1536
+# Q4_1 at 16 rows, 1 thread, AMD EPYC, 2 cores, AVX-512 VNNI/BF16, no AMX: blocks 399 µs, dequant
+# to bf16 736, torch's bf16 GEMM on the float weight 191; at 1-4 rows blocks win).
+BLOCKS_ROWS = 4
 # Weight values dequantized per torch GEMM (4 MB fp32): on a 2-core AMD EPYC, tiles of 64-256
 # rows were 1.1-3x slower than the whole weight at k = 576..2048 (per-call and fork/join costs),
 # while a whole 4096 x 14336 weight would need 235 MB of scratch; this is 512 rows at k = 2048.
@@ -54,7 +59,7 @@ def gguf_key(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = Fals
 
 
 def incumbent(bucket: int) -> str:
-    return "blocks" if bucket <= BLOCKS_ROWS else "dequant"
+    return "blocks" if bucket <= BLOCKS_ROWS else "float"
 
 
 def installed_route(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> chooser.Route:
@@ -77,9 +82,18 @@ def _tile(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 class _Part:
     qtype: int
     n: int
-    raw: torch.Tensor | None  # the blocks, multiplied natively
-    weight: torch.Tensor | None  # or the dequantized weight, multiplied by torch
-    route: chooser.Route | None = None  # which route serves m rows (raw parts only)
+    raw: torch.Tensor | None  # the blocks (routes "blocks" and "dequant"); None: a part served by "float" only
+    route: chooser.Route  # which route serves m rows
+    lin: torch_ops.Linear | None = None  # the float copy, kept while the route uses "float"
+
+
+def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, logits: bool) -> torch_ops.Linear:
+    """The part dequantized into `dtype`, as the float model's layer (which keeps its own copies)."""
+    if gguf_native.dequant_supported(qtype):
+        w = gguf_native.dequantize(raw, qtype, k, mm_dtype(dtype)).to(dtype)
+    else:
+        w = gguf_blocks.dequantize(raw, qtype, k).to(dtype)
+    return torch_ops.Linear(w, None, logits)
 
 
 def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> _Part:
@@ -87,14 +101,20 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
         raise ValueError(f"{gguf_blocks.name(qtype)} part of {k} columns: want uint8 [n, {rb}], "
                          f"got {raw.dtype} {list(raw.shape)}")
+    n = raw.shape[0]
     if gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype):
-        n = raw.shape[0]
-        return _Part(qtype, n, raw.contiguous(), None, installed_route(n, k, qtype, dtype, logits))
+        raw = raw.contiguous()
+        route = installed_route(n, k, qtype, dtype, logits)
+        # The blocks stay even where every bucket chose "float" (a CPU where oneDNN wins from one
+        # row): force() and the probes switch routes on a built layer, which needs them.
+        return _Part(qtype, n, raw, route, _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None)
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
                     gguf_blocks.name(qtype), dtype)
-    return _Part(qtype, raw.shape[0], None, gguf_blocks.dequantize(raw, qtype, k).to(dtype))
+    buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+    return _Part(qtype, n, None, chooser.Route(buckets, ("float",) * len(buckets)),
+                 _float_linear(raw, qtype, k, dtype, logits))
 
 
 class QuantLinear:
@@ -107,28 +127,44 @@ class QuantLinear:
             raise ValueError("a QuantLinear needs at least one weight part")
         self.in_features = k
         self.dtype = dtype
+        self.logits = logits
         self.mm_dtype = mm_dtype(dtype)
         self._parts = [_part(qtype, raw, k, dtype, logits) for qtype, raw in parts]
         self.out_features = sum(p.n for p in self._parts)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias of {list(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.nbytes = sum(p.raw.nbytes if p.raw is not None else p.weight.nbytes for p in self._parts)
+
+    @property
+    def float_copy_bytes(self) -> int:
+        """Bytes of the float copies kept for the "float" route (every copy its Linear holds)."""
+        return sum(p.lin.nbytes for p in self._parts if p.lin is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as kept: the blocks plus the float copies."""
+        return sum(p.raw.nbytes for p in self._parts if p.raw is not None) + self.float_copy_bytes
 
     @property
     def routes(self) -> list[chooser.Route | None]:
-        """Each part's route (None: a part dequantized at load)."""
-        return [p.route for p in self._parts]
+        """Each part's route (None: a part served by "float" alone, its format having no native kernel)."""
+        return [p.route if p.raw is not None else None for p in self._parts]
 
     def force(self, name: str) -> None:
-        """Serve every row count by one route ("blocks" or "dequant"): for probes and tests."""
+        """Serve every row count by one route: for probes and tests. The float copy is made (built
+        as the installed table says) or dropped to match, as if the table had chosen `name`."""
         assert name in ROUTES
         for p in self._parts:
-            if p.route is not None:
-                p.route = chooser.Route((1,), (name,))
+            if p.raw is None:
+                continue
+            p.route = chooser.Route((1,), (name,))
+            if name != "float":
+                p.lin = None
+            elif p.lin is None:
+                p.lin = _float_linear(p.raw, p.qtype, self.in_features, self.dtype, self.logits)
 
     def _names(self, m: int) -> list[str]:
-        return [p.route.pick(m) if p.route is not None else "float" for p in self._parts]
+        return [p.route.pick(m) for p in self._parts]
 
     def _dequant_mm(self, x: torch.Tensor, part: _Part, y: torch.Tensor) -> None:
         """y [m, part.n] (a column slice of the output) = x @ W.T, W dequantized a tile at a time."""
@@ -143,15 +179,27 @@ class QuantLinear:
             else:
                 y[:, r0:r1] = torch.mm(x, w.t())
 
-    def _forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [m, k] -> [m, out_features]: in mm_dtype when every part takes "dequant", else fp32."""
+    @staticmethod
+    def _float_mm(part: _Part, xf: torch.Tensor, fp32: bool) -> torch.Tensor:
+        assert part.lin is not None, "route float without its float copy"
+        return part.lin.float_out(xf) if fp32 else part.lin(xf)
+
+    def _forward(self, x2: torch.Tensor, fp32: bool) -> torch.Tensor:
+        """x2 [m, k] -> [m, out_features]: in fp32 where `fp32` (logits) or a part takes "blocks",
+        else in mm_dtype (the layer's dtype where it is fp32 or bf16)."""
         names = self._names(x2.shape[0])
         x32 = x2.to(torch.float32).contiguous() if "blocks" in names else None  # the native kernel reads fp32
+        xf = x2.to(self.dtype).contiguous() if "float" in names else None  # the float copy's dtype
         if names == ["blocks"]:
             return gguf_native.gemm(x32, self._parts[0].raw, self._parts[0].qtype, self._parts[0].n,
                                     self.in_features, self.bias)
+        if names == ["float"]:
+            y = self._float_mm(self._parts[0], xf, fp32)
+            if self.bias is not None:
+                y += self.bias
+            return y
         xd = x2.to(self.mm_dtype).contiguous() if "dequant" in names else None
-        out_dtype = self.mm_dtype if all(n == "dequant" for n in names) else torch.float32
+        out_dtype = torch.float32 if fp32 or "blocks" in names else self.mm_dtype
         y = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype)
         at = 0
         for part, name in zip(self._parts, names, strict=True):
@@ -161,7 +209,7 @@ class QuantLinear:
             elif name == "blocks":
                 cols.copy_(gguf_native.gemm(x32, part.raw, part.qtype, part.n, self.in_features))
             else:
-                cols.copy_(F.linear(x2.to(part.weight.dtype), part.weight))
+                cols.copy_(self._float_mm(part, xf, fp32))
             at += part.n
         if self.bias is not None:
             y += self.bias
@@ -169,10 +217,10 @@ class QuantLinear:
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> fp32 [..., out_features] (the sums as they are: for logits)."""
-        y = self._forward(x.reshape(-1, self.in_features)).float()
+        y = self._forward(x.reshape(-1, self.in_features), True).float()
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> [..., out_features] in x's dtype."""
-        y = self._forward(x.reshape(-1, self.in_features)).to(x.dtype)
+        y = self._forward(x.reshape(-1, self.in_features), False).to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

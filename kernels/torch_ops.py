@@ -175,6 +175,12 @@ class Linear:
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight copies this layer keeps (the plain weight where it was not packed,
+        the oneDNN-packed one, the small GEMM's and the fp32 copy where chosen); bias not counted."""
+        return sum(t.nbytes for t in (self.weight, self.packed, self.small, self.f32) if t is not None)
+
     def _pick(self, x: torch.Tensor) -> str:
         if x.dim() != 2:
             return "onednn"

@@ -1,7 +1,7 @@
 """GGUF block-quantized weights: the torch and native dequantizers (kernels/gguf_blocks.py,
 kernels/cpu_gguf_dequant.c) against gguf's reference bit for bit, the native GEMM
 (kernels/cpu_gguf.c) against the float GEMM, and QuantLinear (kernels/gguf_linear.py) with parts
-in several formats, through both of its routes.
+in several formats, through each of its three routes.
 
 The native GEMM quantizes each activation block to int8 (d = max|x| / 127, q = round(x / d)), so
 it is not the float GEMM. It is checked two ways: against the same product computed in float64
@@ -173,13 +173,18 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
     if not native:
         monkeypatch.setattr(gguf_native, "format_supported", lambda qtype: False)
         monkeypatch.setattr(gguf_linear, "_warned", set())
+    monkeypatch.setattr(chooser, "_installed", KernelTable())  # the incumbents: float copies above 4 rows
     k = 256
     parts = parts_of_mixed_layer(k)
     bias = torch.randn(40)
     with caplog.at_level(logging.WARNING, logger="rill.kernels"):
         layer = gguf_linear.QuantLinear(parts, k, bias, torch.float32)
     assert (layer.in_features, layer.out_features) == (k, 40)
-    assert layer.nbytes == (sum(r.nbytes for _, r in parts) if native else 40 * k * 4)
+    assert layer.float_copy_bytes == 40 * k * 4  # fp32: one (oneDNN-packed) copy
+    assert layer.nbytes == (sum(r.nbytes for _, r in parts) if native else 0) + 40 * k * 4
+    assert layer.routes == ([gguf_linear.installed_route(24, k, gguf_blocks.Q5_0, torch.float32)] * 2
+                            + [gguf_linear.installed_route(8, k, gguf_blocks.Q8_0, torch.float32)]
+                            if native else [None] * 3)
     assert any("Q5_0" in r.message for r in caplog.records) != native
     w = torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts]).double()
     x = torch.randn(2, 3, k)
@@ -194,16 +199,21 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
 
 
 def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Calls of the two routes' native functions, counted."""
-    calls = {"blocks": 0, "dequant": 0}
-    for name, fn in (("blocks", "gemm"), ("dequant", "dequantize")):
-        real = getattr(gguf_native, fn)
+    """Calls of the three routes' functions, counted (dequantizing a float copy counts as "dequant")."""
+    calls = {"blocks": 0, "dequant": 0, "float": 0}
+    for name, owner, fn in (("blocks", gguf_native, "gemm"), ("dequant", gguf_native, "dequantize"),
+                            ("float", gguf_linear.QuantLinear, "_float_mm")):
+        real = getattr(owner, fn)
 
         def wrapped(*a, _real=real, _name=name, **kw):  # noqa: ANN002, ANN003, ANN202
             calls[_name] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(gguf_native, fn, wrapped)
+        monkeypatch.setattr(owner, fn, staticmethod(wrapped) if name == "float" else wrapped)
     return calls
+
+
+def reset(calls: dict[str, int]) -> None:
+    calls.update(dict.fromkeys(calls, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,8 +228,9 @@ def test_quant_linear_dequant_route(native_lib: ctypes.CDLL, dtype: torch.dtype,
     w = torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts])
     x = torch.randn(33, k).to(dtype)
     layer.force("dequant")
+    reset(calls)
     y = layer(x)
-    assert y.dtype == dtype and calls == {"blocks": 0, "dequant": 4}
+    assert y.dtype == dtype and calls == {"blocks": 0, "dequant": 4, "float": 0}
     want = (x.double() @ w.double().T + bias.double())
     rel = ((y.double() - want).norm() / want.norm()).item()
     assert rel < (1e-6 if dtype == torch.float32 else 5e-3), rel
@@ -233,21 +244,77 @@ def test_quant_linear_dequant_route(native_lib: ctypes.CDLL, dtype: torch.dtype,
 
 
 def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unmeasured: blocks up to 16 rows, dequant above; a table's choice per part and bucket wins."""
+    """Unmeasured: blocks up to 4 rows, float above; a table's choice per part and bucket wins,
+    and the float copy is made only where some bucket chose float."""
     monkeypatch.setattr(chooser, "_installed", KernelTable())
     calls = counting(monkeypatch)
     raw = random_blocks(gguf_blocks.Q8_0, 24, 64)
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
-    for rows in (1, 16, 17, 64):
+    assert layer.float_copy_bytes == 24 * 64 * 4
+    for rows in (1, 4, 5, 64):
         layer(torch.randn(rows, 64))
-    assert calls == {"blocks": 2, "dequant": 2}
+    assert calls == {"blocks": 2, "dequant": 1, "float": 2}  # dequant: the float copy, once
+    reset(calls)
     key = gguf_linear.gguf_key(24, 64, gguf_blocks.Q8_0, torch.float32)
     chooser.install(KernelTable({KernelTable.key(gguf_linear.OP, key, b): {"choice": "blocks" if b == 16 else "dequant"}
                                  for b in chooser.ROW_BUCKETS}))
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
+    assert layer.float_copy_bytes == 0 and layer.nbytes == raw.nbytes
     for rows in (1, 16, 17):
         layer(torch.randn(rows, 64))
-    assert calls == {"blocks": 3, "dequant": 4}  # 16 rows: blocks; 1 and 17: dequant
+    assert calls == {"blocks": 1, "dequant": 2, "float": 0}  # 16 rows: blocks; 1 and 17: dequant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_float_route(native_lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    """The float route is F.linear on the dequantized weight in the layer's dtype, to that dtype's
+    rounding, for one part and for mixed parts, through __call__ and float_out."""
+    k, parts = 256, parts_of_mixed_layer(256)
+    for ps, bias in ((parts[:1], None), (parts, torch.randn(40))):
+        layer = gguf_linear.QuantLinear(ps, k, bias, dtype)
+        layer.force("float")
+        w = torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in ps]).to(dtype)
+        for m in (1, 7, 70):
+            x = torch.randn(m, k).to(dtype)
+            ref = F.linear(x, w, None if bias is None else bias.to(dtype))
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            y, y32 = layer(x), layer.float_out(x)
+            assert y.dtype == dtype and y32.dtype == torch.float32 and y.shape == (m, w.shape[0])
+            scale = exact.abs().max().item()
+            if dtype == torch.float32:
+                assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * scale)
+                assert torch.allclose(y32, ref, rtol=1e-5, atol=1e-5 * scale)
+            else:  # bf16 outputs: within two roundings (the GEMM's, the bias add's) of the exact sums
+                for got in (y, ref, y32):
+                    assert ((got.double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3 * scale).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_forced_routes_agree(native_lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    """Each route forced in turn: float and dequant are the same float GEMM (to the dtype's
+    rounding), blocks within its int8 activation's error; the float copy's bytes follow."""
+    k, parts, bias = 256, parts_of_mixed_layer(256), torch.randn(40)
+    layer = gguf_linear.QuantLinear(parts, k, bias, dtype)
+    raw_bytes = sum(r.nbytes for _, r in parts)
+    x = torch.randn(20, k).to(dtype)
+    want = x.double() @ torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts]).to(dtype).double().T \
+        + bias.double()
+    out = {}
+    for name in gguf_linear.ROUTES:
+        layer.force(name)
+        out[name] = layer.float_out(x).double()
+        assert layer(x).dtype == dtype
+        if name == "float":
+            assert layer.float_copy_bytes >= 40 * k * dtype.itemsize
+            assert layer.float_copy_bytes == sum(p.lin.nbytes for p in layer._parts)
+            if dtype == torch.float32:
+                assert layer.float_copy_bytes == 40 * k * 4
+        else:
+            assert layer.float_copy_bytes == 0
+        assert layer.nbytes == raw_bytes + layer.float_copy_bytes
+    rel = {name: ((y - want).norm() / want.norm()).item() for name, y in out.items()}
+    assert rel["blocks"] < 0.02 and rel["dequant"] < (1e-6 if dtype == torch.float32 else 5e-3), rel
+    assert ((out["float"] - out["dequant"]).norm() / want.norm()).item() < (1e-6 if dtype == torch.float32 else 5e-3)
 
 
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF scalar value types

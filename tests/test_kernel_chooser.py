@@ -223,6 +223,9 @@ def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypa
     assert "gguf_gemm|200x64xQ8_0xbfloat16xlogits|128" in keys
     for k in keys:
         assert table.entries[k]["choice"] in gguf_linear.ROUTES and not table.entries[k]["dropped"], k
+        assert set(table.entries[k]["us"]) == set(gguf_linear.ROUTES), k  # all three measured
+    # The float copies' own GEMM entries were measured first, so "float" was timed as it serves.
+    assert "gemm|40x64xbfloat16|16" in table.entries and "gemm|200x64xbfloat16xlogits|128" in table.entries
     route = gguf_linear.installed_route(40, 64, gguf_blocks.Q8_0, torch.bfloat16)
     assert route.choices == tuple(table.entries[k]["choice"] for k in keys[6:12])
     _, again = chooser.tune([lambda: None] * len(keys), keys)  # cached: nothing measured anew
