@@ -33,6 +33,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
                    help="tokenizer: a Jinja chat template file used instead of the model's")
+    from rill.services.tokenizer.router import DEFAULT_POLICY, POLICIES
+
+    p.add_argument("--routing", default=DEFAULT_POLICY, choices=list(POLICIES),
+                   help="tokenizer: how each new request's engine is picked among data-parallel engines "
+                        "(cache-aware: the engine holding the longest prefix of the prompt, unless overloaded)")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="gateway: the model's tool-call format (auto: read from its chat template)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -141,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "to the decode engines (0 with --decode-engines 0: one colocated engine)")
     serve.add_argument("--decode-engines", type=int, default=0,
                        help="disaggregated serving: engines N..N+M-1 decode what the prefill engines hand over")
+    serve.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
+                       help="colocated engines 0..N-1, each with the whole model; the tokenizers route each "
+                            "request to one (--routing)")
     serve.add_argument("--kernel-report", action="store_true",
                        help="print the CPU kernel choices measured on this machine for this model (measuring what "
                             "Rill's cache lacks), every candidate's time beside them, and exit")
@@ -253,7 +261,8 @@ def run_service(ns: argparse.Namespace) -> None:
         run(ns.redis_url, ns.prefix, args)
     elif ns.name == "tokenizer":
         from rill.services.tokenizer.service import run
-        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer, chat_template=ns.chat_template)
+        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer, chat_template=ns.chat_template,
+            routing=ns.routing)
     elif ns.name == "detokenizer":
         from rill.services.detokenizer.service import run
         run(ns.redis_url, ns.prefix, model_dir, consumer)

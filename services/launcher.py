@@ -43,6 +43,8 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
             argv += [flag, str(value)]
     if name in ("tokenizer", "gateway") and ns.chat_template:  # the gateway reads its tool-call format
         argv += ["--chat-template", ns.chat_template]
+    if name == "tokenizer":
+        argv += ["--routing", ns.routing]
     if name == "gateway":
         argv += ["--tool-call-parser", ns.tool_call_parser]
     if name == "gateway" and ns.ignore_unknown_fields:
@@ -78,11 +80,18 @@ def build_children(ns: argparse.Namespace, model_dir: str) -> list[Child]:
 
 def engine_roles(ns: argparse.Namespace) -> list[tuple[int, str]]:
     """(engine id, role) of every engine `rill serve` starts: one colocated engine (--engine-id),
-    or --prefill-engines prefill engines 0..N-1 then --decode-engines decode engines N..N+M-1."""
+    --data-parallel-size colocated engines 0..N-1, or --prefill-engines prefill engines 0..N-1
+    then --decode-engines decode engines N..N+M-1."""
     n, m = getattr(ns, "prefill_engines", 0), getattr(ns, "decode_engines", 0)
+    dp = getattr(ns, "data_parallel_size", 1)
     if n < 0 or m < 0 or (n == 0) != (m == 0):
         raise SystemExit("rill: --prefill-engines and --decode-engines go together, each at least 1 "
                          "(both 0: one colocated engine)")
+    if dp < 1 or (dp > 1 and (n or ns.tensor_parallel_size > 1)):
+        raise SystemExit("rill: --data-parallel-size must be at least 1, and above 1 only without "
+                         "prefill/decode engines and tensor parallelism")
+    if dp > 1:
+        return [(e, "both") for e in range(dp)]
     if n == 0:
         return [(ns.engine_id, "both")]
     return [(e, "prefill") for e in range(n)] + [(n + e, "decode") for e in range(m)]
@@ -144,6 +153,12 @@ def serve(ns: argparse.Namespace) -> int:
     # Children run `python -m rill.services.cli` in our working directory: keep it off their
     # sys.path, where a checkout's kernels/ folder would shadow the `kernels` package transformers imports.
     envs.export("PYTHONSAFEPATH", "1")
+    if ns.data_parallel_size > 1 and ns.device != "cuda":
+        # Engines on one CPU split its cores: each worker using all of them would oversubscribe.
+        import os
+
+        envs.export("RILL_WORKER_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ns.data_parallel_size)),
+                    overwrite=False)
     sup = Supervisor(build_children(ns, model_dir), drain_s=ns.shutdown_timeout)
     sup.start()
     try:

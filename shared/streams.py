@@ -36,6 +36,11 @@ class Streams:
     def stats_key(self, engine: int) -> str:
         return f"{self.prefix}:engine:{engine}:stats"
 
+    def prefix_summary_key(self, engine: int) -> str:
+        """The short hashes of the prompt-prefix blocks the engine has cached, for cache-aware
+        routing (services/scheduler/prefix_summary.py has the format)."""
+        return f"{self.prefix}:engine:{engine}:prefixes"
+
     def reply(self, gateway_id: str) -> str:
         return f"{self.prefix}:reply:{gateway_id}"
 

@@ -274,7 +274,7 @@ def test_decode_side_adopts_then_unparks_into_the_batch() -> None:
 
 
 def test_router_sends_new_requests_to_the_least_loaded_prompt_engine(redis_url: str, prefix: str) -> None:
-    from rill.services.tokenizer.service import Router
+    from rill.services.tokenizer.router import Router
     from rill.shared.schema import encode
 
     bus = Bus(redis_url, prefix)

@@ -158,7 +158,8 @@ def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, 
                                                                  smollm2_dir: str) -> None:
     """The gateway learns each request's engine (Routed) from the tokenizer, except for a prefill
     engine: it hands the request to a decode engine, so it is not where the request ends."""
-    from rill.services.tokenizer.service import Router, Tokenizer, handle
+    from rill.services.tokenizer.router import Router
+    from rill.services.tokenizer.service import Tokenizer, handle
     from rill.shared.bus import Bus
     from rill.shared.schema import GenerateRequest, Routed, SamplingParams
 

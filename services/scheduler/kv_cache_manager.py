@@ -4,7 +4,7 @@ The worker holds the K/V tensors; this class only hands out block ids, so the sc
 every step without asking the worker anything.
 
 Prefix caching: a full block is named by a hash chained with its predecessor's (blake2b, stable
-across processes and restarts, unlike Python's `hash`). When a request's block becomes full it is
+across processes and restarts, unlike Python's `hash`; shared/block_hash.py). When a request's block becomes full it is
 registered under that hash; later requests whose tokens hash the same reuse the block by
 reference count. A block whose count drops to zero stays cached in the free queue, ordered least
 recently used first, and is evicted (its hash dropped) only when the block is handed out again.
@@ -23,30 +23,17 @@ layer type (vLLM's hybrid allocator) would release the sliding layers' share; no
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
-NONE_HASH = b"\x00" * 16
+from rill.shared.block_hash import NONE_HASH, block_hashes, hash_block
+
+__all__ = ["NONE_HASH", "RELEASED", "KVCacheManager", "block_hashes", "blocks_for", "hash_block"]
+
 RELEASED = -1  # a table entry whose block was released behind a sliding window
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def hash_block(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them)."""
-    out = list(known or [])
-    parent = out[-1] if out else NONE_HASH
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 class KVCacheManager:
@@ -63,6 +50,9 @@ class KVCacheManager:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
+        # Bumped whenever `cached` gains or loses a hash: the engine republishes its prefix
+        # summary (services/scheduler/prefix_summary.py) only when this moved.
+        self.cache_version = 0
         # Blocks with no owner, eviction order first. Cached ones keep their hash until evicted.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -141,6 +131,7 @@ class KVCacheManager:
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+                self.cache_version += 1
             # else: the same content already has a cached block; this copy stays anonymous.
         if end > start:
             self.num_hashed[request_id] = end
@@ -154,6 +145,7 @@ class KVCacheManager:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                self.cache_version += 1
         return block
 
     def _touch(self, block: int) -> None:
@@ -245,6 +237,7 @@ class KVCacheManager:
                 self.block_hash[block] = None
                 self.cached.pop(h, None)
                 dropped += 1
+        self.cache_version += dropped
         return dropped
 
     def check_invariants(self) -> None:

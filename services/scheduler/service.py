@@ -34,6 +34,7 @@ from rill.services.scheduler.disagg import Disaggregation
 from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
+from rill.services.scheduler.prefix_summary import PrefixSummary
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from rill.shared.bus import Backoff, Bus, Entry
 from rill.shared.config import EngineArgs
@@ -86,6 +87,7 @@ class SchedulerService:
         self.outbox: list[Command] = []  # sends that go with the next read (see the module doc)
         self.stats_due = False  # the stats changed: they go with the next exchange, once
         self.inputs_fresh = False  # the inputs were read just now, with the result
+        self.summary = PrefixSummary(s.prefix_summary_key(self.e))  # cached blocks, for cache-aware routers
         self.sched: Scheduler | None = None
         self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
         self.disagg = Disaggregation(self)  # prefill/decode roles: KV hand-offs between engines
@@ -132,6 +134,7 @@ class SchedulerService:
         self.configure(ready)
         self.bus.ensure_group(self.in_stream, SCHEDULER_GROUP)
         self.bus.r.sadd(self.bus.streams.engines_key(), self.e)
+        self.summary.reset()
         self.publish_stats()
         # Entries this consumer read before a restart but never acked come first.
         self.drain_inputs(pending=True)
@@ -176,6 +179,7 @@ class SchedulerService:
             self.flush()  # stopping: the last step's tokens and stats still go out
         finally:
             self.bus.r.srem(self.bus.streams.engines_key(), self.e)
+            self.bus.r.delete(self.summary.key)
 
     def flush(self) -> None:
         """Send the outbox now, without a read."""
@@ -190,6 +194,9 @@ class SchedulerService:
             stats = EngineStats(engine_id=self.e, updated_at=time.time(), **self.sched.stats(), **self.disagg.stats())
             sends.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
         self.stats_due = False
+        summary = self.summary.command(self.sched.kv) if self.sched is not None else None
+        if summary is not None:
+            sends.append(summary)
         return self.bus.exchange(sends + reads)[len(sends):]
 
     def read_inputs_command(self, block_ms: int | None = None, pending: bool = False) -> Command:

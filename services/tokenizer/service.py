@@ -11,7 +11,6 @@ nothing.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import msgspec
@@ -23,10 +22,11 @@ from rill.services.tokenizer.chat_template import (
     template_kwargs,
     template_messages,
 )
+from rill.services.tokenizer.router import DEFAULT_POLICY, Router
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_group
-from rill.shared.heartbeat import engine_beat_keys, engines_alive, replica_heartbeat
+from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import (
     ChatMessage,
@@ -37,7 +37,6 @@ from rill.shared.schema import (
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
-    stats_decoder,
     tokenizer_input_decoder,
 )
 from rill.shared.streams import MAXLEN, TOKENIZER_GROUP
@@ -152,68 +151,19 @@ class Tokenizer:
                                 arrival_time=req.arrival_time, priority=req.priority)
 
 
-class Router:
-    """Picks an engine for each new request: among the engines that run prompts (role "both" or
-    "prefill"; a "decode" engine gets its requests from prefill engines, with their KV), the least
-    loaded by its stats key (running + waiting + in transfer) plus what this replica sent it since
-    it last read them. Stats are read at most every REFRESH_S. Engines that have published no stats
-    yet (role unknown) are used only when no engine's role is known to run prompts. An engine whose
-    scheduler or worker heartbeat is missing (killed, or not started) is skipped while another one
-    beats; with none beating, every listed engine stays a candidate (its requests wait for it).
-    """
-
-    REFRESH_S = 0.25
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.loads: dict[int, tuple[str | None, int]] = {}  # engine -> (role, load)
-        self.sent: dict[int, int] = {}  # since the last read
-        self._read_at = float("-inf")
-
-    def _refresh(self) -> None:
-        s = self.bus.streams
-        ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
-        raw = self.bus.r.mget([s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)) if ids else []
-        live = [e for e, up in zip(ids, engines_alive(raw[len(ids):], len(ids)), strict=True) if up]
-        loads: dict[int, tuple[str | None, int]] = {}
-        for e, payload in zip(ids, raw[:len(ids)], strict=True):
-            if live and e not in live:
-                continue
-            try:
-                st = stats_decoder.decode(payload) if payload is not None else None
-            except msgspec.DecodeError:
-                st = None
-            loads[e] = (None, 0) if st is None else (st.role, st.num_running + st.num_waiting + st.num_transferring)
-        self.loads, self.sent, self._read_at = loads, {}, time.monotonic()
-
-    def role(self, engine: int) -> str | None:
-        """The engine's role as of the last read (None: not known yet)."""
-        return self.loads.get(engine, (None, 0))[0]
-
-    def pick(self) -> int:
-        if time.monotonic() - self._read_at >= self.REFRESH_S:
-            self._refresh()
-        runs_prompts = [e for e, (role, _) in self.loads.items() if role in ("both", "prefill")]
-        unknown = [e for e, (role, _) in self.loads.items() if role is None]
-        candidates = runs_prompts or unknown or sorted(self.loads) or [0]
-        choice = min(candidates, key=lambda e: (self.loads.get(e, (None, 0))[1] + self.sent.get(e, 0), e))
-        self.sent[choice] = self.sent.get(choice, 0) + 1
-        return choice
-
-
 def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
         stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS,
-        chat_template: str | None = None) -> None:
+        chat_template: str | None = None, routing: str = DEFAULT_POLICY) -> None:
     """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
     replicas' requests unacked that long (None: never); `chat_template`: a template file used
-    instead of the model's. Broker errors never end the loop: it backs off, reconnects and
+    instead of the model's; `routing`: the policy that picks each request's engine (router.py). Broker errors never end the loop: it backs off, reconnects and
     first redoes its own unacked requests."""
     stop = stop if stop is not None else StopFlag()
     bus = Bus(redis_url, prefix, name=consumer)
     tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
-    router = Router(bus)
+    router = Router(bus, routing)
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer)
-    log.info("tokenizer %s ready (max_model_len=%d)", consumer, max_model_len)
+    log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
     try:
         serve_group(bus, bus.streams.requests, TOKENIZER_GROUP, consumer,
                     lambda entries: handle_entries(bus, tokenizer, router, entries), stop, claim_idle_ms, log=log)
@@ -252,7 +202,7 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
                                           status=500, type="server_error"), MAXLEN["reply"])]
-    engine = router.pick()
+    engine = router.pick(out.prompt_token_ids)
     sends: list[tuple[str, Struct, int]] = [(bus.streams.engine_in(engine), out, MAXLEN["engine_in"])]
     if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
         sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine), MAXLEN["reply"]))

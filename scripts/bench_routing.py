@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Data-parallel routing on multi-turn chats: least-loaded against cache-aware, same run.
+
+Starts `rill serve --data-parallel-size 2 --routing POLICY` once per policy (a fresh server
+each time, so every run starts with empty caches) and plays the same workload: CONVERSATIONS
+chats of TURNS turns, each opening with one of SYSTEMS long system prompts; the chats run
+concurrently, the turns of one chat in order, each turn appending the assistant's reply and a
+new user message (a pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
+
+Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
+tokens looked up, summed over the engines' EngineStats, after minus before the workload), TTFT
+p50/p99 at the client, tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
+and requests/s over the workload's wall time, and how the requests split over the engines.
+
+    .venv/bin/python scripts/bench_routing.py [MODEL] [--conversations 8] [--turns 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rill.shared.broker import free_port
+from rill.shared.model_files import resolve_model
+
+WORDS = ("river stone market signal harbor winter lantern copper meadow engine orbit thread canyon ledger "
+         "falcon garden mirror quiet silver tunnel velvet willow anchor basket candle desert ember forest "
+         "glacier hollow island jungle kettle ladder marble needle ocean pepper quarry rocket saddle timber").split()
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa)}{'' if 'amx_tile' in flags else ', no AMX'}"
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]],
+               max_tokens: int) -> tuple[float, str]:
+    """One streamed chat turn: (TTFT seconds, the reply)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start, ttft, parts = time.perf_counter(), None, []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(obj["error"]["message"])
+            for choice in obj["choices"]:
+                piece = choice["delta"].get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(piece)
+    return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts)
+
+
+async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argparse.Namespace, systems: list[str],
+                       ttfts: list[float]) -> int:
+    rng = random.Random(1000 + c)
+    messages = [{"role": "system", "content": systems[c % len(systems)]}]
+    tokens = 0
+    for t in range(args.turns):
+        messages.append({"role": "user", "content": f"Passage {t}: {text(rng, args.user_words)}. "
+                                                     f"What does passage {t} say about the {rng.choice(WORDS)}?"})
+        ttft, reply = await turn(client, model, messages, args.max_tokens)
+        ttfts.append(ttft)
+        messages.append({"role": "assistant", "content": reply})
+        tokens += args.max_tokens
+    return tokens
+
+
+def engine_stats(base: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{base}/stats", timeout=10) as resp:
+        return sorted(json.loads(resp.read())["engines"], key=lambda s: s["engine_id"])
+
+
+async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], float, list[dict[str, Any]]]:
+    """TTFTs, wall seconds, and the engines' stats after the warm-up (before the chats)."""
+    rng = random.Random(7)
+    systems = [f"You are assistant {i}. Rules: {text(rng, args.system_words)}." for i in range(args.systems)]
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        # Warm both engines with unrelated prompts (no shared prefix: spread by load).
+        await asyncio.gather(*[turn(client, model, [{"role": "user", "content": text(random.Random(i), 20)}], 2)
+                               for i in range(4)])
+        await asyncio.sleep(0.6)  # their stats and summaries written
+        before = engine_stats(base)
+        start = time.perf_counter()
+        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts) for c in range(args.conversations)])
+        return ttfts, time.perf_counter() - start, before
+
+
+def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = free_port()
+    argv = [sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
+            "--data-parallel-size", "2", "--routing", policy, "--dtype", args.dtype,
+            "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
+    print(f"[{policy}] starting rill serve --data-parallel-size 2 ...", flush=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "ready at" not in line:
+            raise RuntimeError(f"rill serve did not start: {line!r}")
+        base = f"http://127.0.0.1:{port}"
+        ttfts, wall, before = asyncio.run(workload(base, args))
+        time.sleep(0.6)  # the engines' last stats writes
+        after = engine_stats(base)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    diff = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))  # noqa: E731
+    n = args.conversations * args.turns
+    return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
+            "prompt_tokens": diff("prefix_cache_queries"),
+            "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits"), "ttft_p50": percentile(ttfts, 0.5) * 1e3,
+            "ttft_p99": percentile(ttfts, 0.99) * 1e3, "tok_s": n * args.max_tokens / wall, "req_s": n / wall,
+            "wall": wall, "split": "/".join(str(a.get("finished_requests", 0) - b.get("finished_requests", 0))
+                              for a, b in zip(after, before, strict=True))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--systems", type=int, default=2, help="distinct system prompts, shared by the chats")
+    p.add_argument("--system-words", type=int, default=300, help="about 1.3 tokens a word")
+    p.add_argument("--user-words", type=int, default=80)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
+    p.add_argument("--policies", default="least-loaded,cache-aware")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every policy, interleaved (a shared machine is noisy); then medians")
+    args = p.parse_args()
+    model_dir = str(resolve_model(args.model))
+    print(f"CPU: {cpu_line()}")
+    print(f"{args.conversations} chats x {args.turns} turns, {args.systems} system prompts of ~{args.system_words} "
+          f"words, user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, 2 engines, "
+          f"KV cache {args.kv_cache_memory} each", flush=True)
+    policies = args.policies.split(",")
+    rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
+    if args.repeat > 1:
+        keys = ("hit_rate", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
+        rows += [{"policy": f"{policy} (median)", "split": "-",
+                  **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
+                 for policy in policies]
+    print("\n| routing | prefix-cache hit rate | prompt tokens | computed | TTFT p50 ms | TTFT p99 ms | tok/s | req/s | "
+          "requests e0/e1 |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
+              f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
+
+if __name__ == "__main__":
+    main()

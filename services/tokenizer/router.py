@@ -1,0 +1,167 @@
+"""Which engine gets a new request: data-parallel routing over the engines in Redis.
+
+Policies (`--routing`):
+  least-loaded  the engine with the fewest requests (running + waiting + in transfer, from its
+                stats key) plus what this replica sent it since it last read them.
+  cache-aware   the engine whose prefix cache holds the longest leading run of the prompt's
+                full blocks (from its prefix summary, services/scheduler/prefix_summary.py),
+                unless it is overloaded against the least-loaded one (BALANCE_*), as SGLang's
+                router does; no match anywhere, a tie or an overload: least-loaded.
+  round-robin   the live engines in turn.
+
+Common rules: only engines that run prompts (role "both" or "prefill"; a "decode" engine gets
+its requests from prefill engines, with their KV). Engines that have published no stats yet
+(role unknown) are used only when no engine's role is known to run prompts. An engine whose
+scheduler or worker heartbeat is missing (killed, or not started) is skipped while another one
+beats; with none beating, every listed engine stays a candidate (its requests wait for it).
+Everything is read at most every REFRESH_S, in one MGET.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, parse_summary
+from rill.shared.bus import Bus
+from rill.shared.heartbeat import engine_beat_keys, engines_alive
+from rill.shared.schema import stats_decoder
+
+POLICIES = ("least-loaded", "cache-aware", "round-robin")
+DEFAULT_POLICY = "cache-aware"  # scripts/bench_routing.py: multi-turn chats over 2 engines
+# The cache-aware pick yields to the least-loaded engine only when it has both BALANCE_ABS more
+# requests and BALANCE_REL times as many: a few extra requests cost less than recomputing a
+# long prefix (a 1,000-token prefill is many decode steps' work), but an engine holding a hot
+# prefix must not take a whole burst while the others idle. SGLang's defaults are 32 and 1.0001
+# on GPUs with hundreds of sequences per batch; CPU batches are tens, hence smaller numbers.
+BALANCE_ABS = 4
+BALANCE_REL = 1.5
+
+
+@dataclass
+class EngineView:
+    role: str | None = None  # None: no stats yet
+    load: int = 0
+    block_size: int = 0
+    cached: frozenset[bytes] = frozenset()  # short hashes from the engine's summary
+    routed: set[bytes] = field(default_factory=set)  # prompts sent since the read: cached soon
+
+
+class Router:
+    REFRESH_S = 0.25
+
+    def __init__(self, bus: Bus, policy: str = DEFAULT_POLICY) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.bus = bus
+        self.policy = policy
+        self.engines: dict[int, EngineView] = {}
+        self.sent: dict[int, int] = {}  # since the last read
+        self._raw_summary: dict[int, bytes | None] = {}  # parsed only when it changed
+        self._last_rr: int | None = None
+        self._read_at = float("-inf")
+
+    # ------------------------------------------------------------------------ reading
+
+    def _refresh(self) -> None:
+        s = self.bus.streams
+        ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
+        n = len(ids)
+        keys = [s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)
+        if self.policy == "cache-aware":
+            keys += [s.prefix_summary_key(e) for e in ids]
+        raw = self.bus.r.mget(keys) if ids else []
+        live = [e for e, up in zip(ids, engines_alive(raw[n:3 * n], n), strict=True) if up]
+        engines: dict[int, EngineView] = {}
+        for i, e in enumerate(ids):
+            if live and e not in live:
+                continue
+            view = engines[e] = self._view(raw[i])
+            if self.policy == "cache-aware":
+                view.cached = self._summary(e, raw[3 * n + i])
+        self.engines, self.sent, self._read_at = engines, {}, time.monotonic()
+
+    @staticmethod
+    def _view(payload: bytes | None) -> EngineView:
+        try:
+            st = stats_decoder.decode(payload) if payload is not None else None
+        except msgspec.DecodeError:
+            st = None
+        if st is None:
+            return EngineView()
+        return EngineView(st.role, st.num_running + st.num_waiting + st.num_transferring, st.block_size)
+
+    def _summary(self, engine: int, value: bytes | None) -> frozenset[bytes]:
+        old = self.engines.get(engine)
+        if old is not None and self._raw_summary.get(engine) == value:
+            return old.cached
+        self._raw_summary[engine] = value
+        return parse_summary(value)
+
+    # ------------------------------------------------------------------------ picking
+
+    def role(self, engine: int) -> str | None:
+        """The engine's role as of the last read (None: not known yet)."""
+        view = self.engines.get(engine)
+        return view.role if view is not None else None
+
+    def load(self, engine: int) -> int:
+        view = self.engines.get(engine)
+        return (view.load if view is not None else 0) + self.sent.get(engine, 0)
+
+    def candidates(self) -> list[int]:
+        runs_prompts = [e for e, v in self.engines.items() if v.role in ("both", "prefill")]
+        unknown = [e for e, v in self.engines.items() if v.role is None]
+        return sorted(runs_prompts or unknown or self.engines) or [0]
+
+    def pick(self, prompt_token_ids: Sequence[int] = ()) -> int:
+        """The engine for a new request with this prompt (the prompt matters to cache-aware only)."""
+        if time.monotonic() - self._read_at >= self.REFRESH_S:
+            self._refresh()
+        candidates = self.candidates()
+        if self.policy == "round-robin":
+            later = [e for e in candidates if self._last_rr is None or e > self._last_rr]
+            choice = (later or candidates)[0]
+            self._last_rr = choice
+        elif self.policy == "cache-aware":
+            choice = self._cache_aware(candidates, prompt_token_ids)
+        else:
+            choice = self._least_loaded(candidates)
+        self.sent[choice] = self.sent.get(choice, 0) + 1
+        return choice
+
+    def _least_loaded(self, candidates: list[int]) -> int:
+        return min(candidates, key=lambda e: (self.load(e), e))
+
+    def _cache_aware(self, candidates: list[int], prompt: Sequence[int]) -> int:
+        least = self._least_loaded(candidates)
+        hashes: dict[int, list[bytes]] = {}  # by block size: engines may differ
+        matched: dict[int, int] = {}
+        for e in candidates:
+            view = self.engines.get(e)
+            if view is None or view.block_size <= 0:
+                continue
+            if view.block_size not in hashes:
+                hashes[view.block_size] = [h[:SHORT_HASH_BYTES] for h in block_hashes(list(prompt), view.block_size)]
+            matched[e] = self.matched_blocks(view, hashes[view.block_size])
+        best = max(candidates, key=lambda e: (matched.get(e, 0), -self.load(e), -e))
+        min_load, load = self.load(least), self.load(best)
+        overloaded = load > min_load + BALANCE_ABS and load > BALANCE_REL * min_load
+        choice = least if matched.get(best, 0) == 0 or overloaded else best
+        view = self.engines.get(choice)
+        if view is not None and view.block_size in hashes:  # its cache will hold this prompt soon
+            view.routed.update(hashes[view.block_size])
+        return choice
+
+    @staticmethod
+    def matched_blocks(view: EngineView, short_hashes: list[bytes]) -> int:
+        """How many leading blocks of the prompt the engine has cached (or was just sent)."""
+        n = 0
+        for h in short_hashes:
+            if h not in view.cached and h not in view.routed:
+                break
+            n += 1
+        return n
