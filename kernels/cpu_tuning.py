@@ -256,7 +256,8 @@ def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits
 
     first = gguf_linear.incumbent(rows)
     order = [first, *(r for r in gguf_linear.ROUTES if r != first)]
-    return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows, {m: run(m) for m in order})
+    return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows, {m: run(m) for m in order},
+                 cold=True)
 
 
 def _gguf_cases(shapes: list[GgufShape], logits: GgufShape | None) -> list[tuple[GgufShape, bool, int]]:

@@ -5,10 +5,13 @@ so the weights are equal and the only difference is the kernels' 8-bit rounding 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_quantization import CHATS, chat_ids, quality, run_rows
 
+from rill.kernels import chooser
 from rill.kernels.gguf_linear import QuantLinear
 from rill.services.cli import build_parser, engine_args
 from rill.services.worker.llama import LlamaModel
@@ -23,12 +26,26 @@ MIN_TOP1_AGREEMENT = 0.9
 MAX_MEAN_LOGPROB_DIFF = 0.08
 
 
+def from_blocks(model_dir: str) -> LlamaModel:
+    """The model with every linear layer on its blocks ("blocks" route at every batch size): the
+    kernel table left empty (its incumbents serve the blocks), then each layer forced."""
+    saved = chooser.installed()
+    chooser.install(chooser.KernelTable())
+    try:
+        model = LlamaModel.load(model_dir, torch.float32, quantization="gguf")
+    finally:
+        chooser.install(saved)
+    for lin in linears(model):
+        if isinstance(lin, QuantLinear):
+            lin.force("blocks")
+    return model
+
+
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def pair(request: pytest.FixtureRequest) -> tuple[str, LlamaModel, LlamaModel]:
     """(model dir, its float model, the same served from its GGUF blocks)."""
     model_dir = request.getfixturevalue(f"{request.param}_dir")
-    return (model_dir, LlamaModel.load(model_dir, torch.float32),
-            LlamaModel.load(model_dir, torch.float32, quantization="gguf"))
+    return model_dir, LlamaModel.load(model_dir, torch.float32), from_blocks(model_dir)
 
 
 def linears(model: LlamaModel) -> list[object]:
@@ -63,7 +80,7 @@ def test_served_from_its_blocks_agrees_with_the_float_model(pair: tuple[str, Lla
 
 def test_a_prompts_logits_do_not_depend_on_what_shares_the_step(smollm2_dir: str) -> None:
     """Activations are rounded per row: a prompt's logits are the same whatever else runs with it."""
-    model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+    model = from_blocks(smollm2_dir)
     prompt = chat_ids(smollm2_dir)[0]
     loud = [int(t) for t in torch.randint(1000, 20000, (23,), generator=torch.Generator().manual_seed(1))]
     alone = run_rows(model, [prompt])
@@ -80,3 +97,30 @@ def test_auto_keeps_a_gguf_quantized_on_cpu_only(smollm2_dir: str, tiny_llama) -
     path = str(tiny_llama[0])
     with pytest.raises(SystemExit, match=r"--quantization gguf serves a \.gguf model's own blocks"):
         engine_args(build_parser().parse_args(["serve", path, "--quantization", "gguf"]), path)
+
+
+def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str) -> None:
+    """Where this machine's table says a float copy wins at every batch size, the layer is the
+    float model's own (one fused GEMM, no blocks held) and the logits equal the float model's."""
+    from rill.kernels import gguf_linear
+    from rill.services.worker.gguf_weights import GGUFSource
+    from rill.shared.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    parts, head = GGUFSource.of(Path(smollm2_dir), cfg).part_shapes(tied=True)
+    table = chooser.KernelTable()
+    for shape, logits in [*((p, False) for p in parts), (head, True)]:
+        for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
+            key = chooser.KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*shape, torch.float32, logits), bucket)
+            table.entries[key] = {"choice": "float", "us": {"blocks": 2.0, "float": 1.0}, "dropped": []}
+    saved = chooser.installed()
+    chooser.install(table)
+    try:
+        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+        ref = LlamaModel.load(smollm2_dir, torch.float32)
+    finally:
+        chooser.install(saved)
+    assert not any(isinstance(lin, QuantLinear) for lin in linears(model))
+    assert model.embed.numel() == ref.embed.numel(), "a tied float head keeps the float table"
+    prompt = chat_ids(smollm2_dir)[1]
+    assert torch.equal(run_rows(model, [prompt]), run_rows(ref, [prompt]))

@@ -16,15 +16,19 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rill.kernels import gguf_blocks
+from rill.kernels import gguf_blocks, gguf_linear, gguf_native
 from rill.kernels.gguf_linear import QuantLinear
 from rill.shared.config import ModelConfig
 from rill.shared.gguf_header import read_header
 from rill.shared.model_files import converted_from
+
+if TYPE_CHECKING:
+    from rill.services.worker.llama import LlamaModel
 
 log = logging.getLogger("rill.worker")
 
@@ -41,6 +45,25 @@ _PARTS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+def merge_formats(parts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Adjacent parts of one format as one (a fused QKV all in Q4_1 is one GEMM call, not three)."""
+    out: list[tuple[int, torch.Tensor]] = []
+    for qtype, blocks in parts:
+        if out and out[-1][0] == qtype:
+            out[-1] = qtype, torch.cat([out[-1][1], blocks])
+        else:
+            out.append((qtype, blocks))
+    return out
+
+
+def blocks_serve(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -> bool:
+    """Whether the blocks serve some row count of this part (the measured routes of this machine,
+    kernels/gguf_linear.py); else a float copy serves them all and the layer is the float one."""
+    if not gguf_native.format_supported(qtype):
+        return False
+    return any(c != "float" for c in gguf_linear.installed_route(n, k, qtype, dtype, logits).choices)
+
+
 def llama_row_order(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's q/k permutation (its converter interleaves each
     head's rotary halves; transformers' GGUF reader applies the same reverse)."""
@@ -49,13 +72,16 @@ def llama_row_order(rows: int, heads: int) -> torch.Tensor:
 
 @dataclass
 class Report:
-    """What the load kept quantized, for the start-up log line (a tied head and the embedding
-    share their blocks: counted once, by tensor name)."""
+    """What the load kept, for the start-up log line (a tied head and the embedding share their
+    blocks: counted once, by tensor name)."""
 
     formats: Counter = field(default_factory=Counter)
     quantized_bytes: dict[str, int] = field(default_factory=dict)
     float_params: dict[str, int] = field(default_factory=dict)  # the same tensors, counted as floats
-    kept_float: int = 0  # linear layers that stayed float
+    from_blocks: int = 0  # linear layers the blocks serve (at some row counts at least)
+    measured_float: int = 0  # layers whose float copy measured faster at every row count
+    kept_float: int = 0  # layers whose blocks the kernels cannot serve
+    used: set[str] = field(default_factory=set)  # tensors whose blocks are held
 
     def add(self, name: str, qtype: int, blocks: torch.Tensor, params: int) -> None:
         if name not in self.quantized_bytes:
@@ -63,11 +89,13 @@ class Report:
         self.quantized_bytes[name] = int(blocks.numel())
         self.float_params[name] = params
 
-    def line(self) -> str:
+    def line(self, held_bytes: int) -> str:
         kinds = ", ".join(f"{n}x{k}" for k, n in sorted(self.formats.items()))
-        mib, held, params = 2 ** 20, sum(self.quantized_bytes.values()), sum(self.float_params.values())
-        return (f"gguf: weights kept quantized ({kinds}; {self.kept_float} linear layers kept float): "
-                f"{held / mib:.0f} MiB against {params * 4 / mib:.0f} MiB fp32 / {params * 2 / mib:.0f} MiB bf16")
+        mib, params = 2 ** 20, sum(self.float_params.values())
+        return (f"gguf ({kinds}): {self.from_blocks} linear layers served from their blocks, "
+                f"{self.measured_float} from float copies (faster on this CPU at every batch size), "
+                f"{self.kept_float} float (blocks not servable); weights held {held_bytes / mib:.0f} MiB "
+                f"against {params * 4 / mib:.0f} MiB fp32 / {params * 2 / mib:.0f} MiB bf16 for these tensors")
 
 
 class GGUFSource:
@@ -121,7 +149,9 @@ class GGUFSource:
 
     def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None,
                logits: bool = False) -> QuantLinear | None:
-        """A QuantLinear over the named tensors stacked in `weight`'s rows, or None (stay float)."""
+        """A QuantLinear over the named tensors stacked in `weight`'s rows, or None: the float
+        layer serves (blocks that do not match it, or a layer whose every part measured faster
+        from a float copy at every row count: then it is exactly the float model's layer)."""
         parts: list[tuple[int, torch.Tensor]] = []
         start = 0
         for name in names:
@@ -136,7 +166,13 @@ class GGUFSource:
         if start != weight.shape[0]:
             self.report.kept_float += 1
             return None
-        return QuantLinear(parts, weight.shape[1], bias, weight.dtype, logits)
+        parts = merge_formats(parts)
+        k = weight.shape[1]
+        if not any(blocks_serve(b.shape[0], k, q, weight.dtype, logits) for q, b in parts):
+            self.report.measured_float += 1
+            return None
+        self.report.from_blocks += 1
+        return QuantLinear(parts, k, bias, weight.dtype, logits)
 
     def layer_linears(self, layer: int, fallback: MakeLinear) -> Callable[[str, torch.Tensor, torch.Tensor | None],
                                                                        object]:
@@ -166,6 +202,23 @@ class GGUFSource:
                 .reshape(*ids.shape, k)
         return lookup
 
+    def finish(self, model: LlamaModel, embed: torch.Tensor, float_table_kept: bool) -> None:
+        """Swap the embedding lookup to the blocks (dropping the float table) unless the float table
+        stays for a tied float head; log what the model holds."""
+        lookup = None if float_table_kept else self.embedding(embed)
+        if lookup is not None:
+            model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
+            shared = model.tied and isinstance(model.lm_head, QuantLinear)  # the head holds these blocks
+            held = 0 if shared else sum(self.quantized_bytes_of("token_embd.weight"))
+        else:
+            held = embed.numel() * embed.element_size()
+        layers = [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        held += sum(getattr(lin, "nbytes", 0) for lin in layers if lin is not None)
+        log.info("%s", self.report.line(held))
+
+    def quantized_bytes_of(self, name: str) -> list[int]:
+        return [self.report.quantized_bytes[name]] if name in self.report.quantized_bytes else []
+
     def _head_name(self, tied: bool) -> str:
         return "token_embd.weight" if tied or "output.weight" not in self.tensors else "output.weight"
 
@@ -173,14 +226,27 @@ class GGUFSource:
         return self.linear([self._head_name(tied)], weight, None, logits=True)
 
     def part_shapes(self, tied: bool) -> tuple[list[GgufShape], GgufShape | None]:
-        """(n, k, ggml type) of every linear part the blocks may serve, and the LM head's: what the
-        kernel chooser measures before the layers are built."""
-        def shape(name: str) -> GgufShape | None:
+        """(n, k, ggml type) of every linear part the blocks may serve, adjacent parts of one format
+        merged as `linear` merges them, and the LM head's: what the kernel chooser measures before
+        the layers are built."""
+        def info(name: str) -> tuple[int, int, int] | None:
             t = self.tensors.get(name)
             ok = t is not None and t.qtype in gguf_blocks.SUPPORTED and len(t.dims) == 2
             return (t.dims[1], t.dims[0], t.qtype) if ok else None  # type: ignore[union-attr]
 
-        linear_names = {n for spellings in _PARTS.values() for spelling in spellings for n in spelling}
-        parts = {shape(name) for name in self.tensors
-                 if name.startswith("blk.") and name.split(".")[2] in linear_names}
-        return sorted(p for p in parts if p is not None), shape(self._head_name(tied))
+        shapes: set[GgufShape] = set()
+        layers = {int(name.split(".")[1]) for name in self.tensors if name.startswith("blk.")}
+        for layer in layers:
+            for spellings in _PARTS.values():
+                found = next(([info(f"blk.{layer}.{n}.weight") for n in sp] for sp in spellings
+                              if all(f"blk.{layer}.{n}.weight" in self.tensors for n in sp)), [])
+                merged: list[list[int]] = []
+                for item in found:
+                    if item is None:
+                        continue
+                    if merged and merged[-1][2] == item[2] and merged[-1][1] == item[1]:
+                        merged[-1][0] += item[0]
+                    else:
+                        merged.append(list(item))
+                shapes.update((n, k, q) for n, k, q in merged)
+        return sorted(shapes), info(self._head_name(tied))

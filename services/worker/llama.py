@@ -371,11 +371,9 @@ class LlamaModel:
         model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, head or lm_head,
                     max_positions or cfg.max_position_embeddings, quantization,
                     tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
-        lookup = source.embedding(embed) if source is not None else None
-        if lookup is not None:  # the quantized table replaces the float one
-            model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
         if source is not None:
-            log.info("%s", source.report.line())
+            # A float head tied to the embedding keeps the float table anyway: look rows up there.
+            source.finish(model, embed, float_table_kept=tied and head is None)
         if shard is not None and tp is not None:
             tensor_parallel.shard_model(model, shard, cfg, tp)
         return model
