@@ -33,6 +33,7 @@ typedef struct {
   float* s;
   int16_t* bs;
   int64_t k, nb;
+  int64_t nbp;  // blocks per row as stored: nb, or (the AVX-512 32-element kernels) nb rounded up to 16, zeros
 } Act;
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -175,7 +176,7 @@ int gguf_gemm_simd(void) { return SIMD_LEVEL; }  // 2: AVX512-VNNI, 1: AVX2, 0: 
   float tail[MR];                                   \
   for (int r = 0; r < R; ++r) acc[r] = acc_zero(), tail[r] = 0.f;
 #define ROW_END for (int r = 0; r < R; ++r) out[r] = acc_sum(acc[r]) + tail[r];
-#define AT(r, b) (((r0) + (r)) * a->nb + (b))  // index of activation block b of row r0 + r
+#define AT(r, b) (((r0) + (r)) * a->nbp + (b))  // index of activation block b of row r0 + r
 
 // The 32-element formats, given how to unpack a block (q, d, min) and whether q is signed. Blocks
 // go in pairs into two sets of sums: one set made each block wait for the last one's FMA (4
@@ -208,11 +209,136 @@ int gguf_gemm_simd(void) { return SIMD_LEVEL; }  // 2: AVX512-VNNI, 1: AVX2, 0: 
     for (int r = 0; r < R; ++r) out[r] = acc_sum(acc[0][r] + acc[1][r]) + tail[0][r] + tail[1][r]; \
   }
 
+
+#if SIMD_LEVEL == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// AVX-512: 16 blocks at a time. Every format dots unsigned weights (Q8_0's moved by 128, Q4_0/Q5_0's
+// not centred) and takes the offset, or Q4_1/Q5_1's min, through the activation sums: one vector FMA
+// per 16 blocks, as is the scale (16 fp16 scales gathered and converted at once). The nibble formats
+// unpack four blocks' 16-byte halves into one register with one and/shift; the activation is stored
+// in the matching order (per 4 blocks: the four first halves, then the four second halves), and each
+// block's int32 sums stay in its own 128-bit lane until one FMA per 4 blocks applies the scales.
+#define WIDE 1
+enum { K_Q8_0, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1 };
+
+// 16 blocks' first 4 bytes (the fp16 scale, and min or fifth bits), nvalid of them, zeros after: scalar loads,
+// faster than a gather on AMD Zen 4.
+static inline __m512i hdr16(const uint8_t* p, const int BYTES, int gran) {
+  uint32_t h[16];
+  for (int i = 0; i < 16; ++i) { if (i < gran) memcpy(&h[i], p + i * BYTES, 4); else h[i] = 0; }
+  return _mm512_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]);
+}
+static inline __attribute__((always_inline)) void wide_batch(const uint8_t* wb, const Act* a, int64_t r0, int R,
+                                                             int64_t b0, const int gran, int nvalid, const int BYTES, const int KIND,
+                                                             __m512 (*acc)[4], __m512* tac) {
+  const int NA = R <= 2 ? 4 : 2;  // independent sums per row: one chained FMA per 2 or 4 blocks bound the loop
+  const int NIB = KIND != K_Q8_0, MIN = KIND == K_Q4_1 || KIND == K_Q5_1, FIVE = KIND == K_Q5_0 || KIND == K_Q5_1;
+  const int QS = KIND == K_Q8_0 || KIND == K_Q4_0 ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
+  const float OFF = KIND == K_Q8_0 ? -128.f : KIND == K_Q4_0 ? -8.f : KIND == K_Q5_0 ? -16.f : 0.f;
+  // a last, partial batch (gran a constant, 4, 8 or 12) reads no block past the row's nvalid: zeros
+  // there (scales 0, against the activation's zero padding)
+  const __m512i hdr = hdr16(wb, BYTES, nvalid);
+  const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+  const __m512 c = MIN ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)))
+                       : _mm512_mul_ps(dw, _mm512_set1_ps(OFF));
+  __m512i q[8];
+  const __m512i m15 = _mm512_set1_epi8(15);
+  int nv;
+  if (!NIB) {
+    nv = (gran + 1) / 2;
+    for (int g = 0; g < nv; ++g) {
+      const __m256i lo = _mm256_loadu_si256((const __m256i*)(wb + 2 * g * BYTES + QS));
+      const __m256i hi = 2 * g + 1 < nvalid ? _mm256_loadu_si256((const __m256i*)(wb + (2 * g + 1) * BYTES + QS))
+                                          : _mm256_setzero_si256();
+      q[g] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char)0x80));
+    }
+  } else {
+    nv = 2 * ((gran + 3) / 4);
+    uint64_t mlo[4], mhi[4];
+    if (FIVE) {
+      const __m512i qh = hdr16(wb + (KIND == K_Q5_0 ? 2 : 4), BYTES, nvalid);
+      _mm256_storeu_si256((__m256i*)mlo, _mm512_cvtepi32_epi16(qh));
+      _mm256_storeu_si256((__m256i*)mhi, _mm512_cvtepi32_epi16(_mm512_srli_epi32(qh, 16)));
+    }
+    for (int g = 0; g < nv / 2; ++g) {
+      const uint8_t* p = wb + 4 * g * BYTES + QS;
+      __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p));
+      if (4 * g + 3 < nvalid) {
+        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i*)(p + BYTES)), 1);
+        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i*)(p + 2 * BYTES)), 2);
+        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i*)(p + 3 * BYTES)), 3);
+      } else
+        for (int l = 1; l < 4; ++l)
+          raw = _mm512_inserti32x4(raw, 4 * g + l < nvalid ? _mm_loadu_si128((const __m128i*)(p + l * BYTES))
+                                                         : _mm_setzero_si128(), l);
+      __m512i lo = _mm512_and_si512(raw, m15), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
+      if (FIVE) {
+        lo = _mm512_mask_add_epi8(lo, (__mmask64)mlo[g], lo, _mm512_set1_epi8(16));
+        hi = _mm512_mask_add_epi8(hi, (__mmask64)mhi[g], hi, _mm512_set1_epi8(16));
+      }
+      q[2 * g] = lo, q[2 * g + 1] = hi;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = AT(r, b0);
+    const __m512 sc = _mm512_mul_ps(dw, _mm512_loadu_ps(a->d + at));
+    tac[r] = _mm512_fmadd_ps(c, _mm512_loadu_ps(a->s + at), tac[r]);
+    const int8_t* x = a->q + at * 32;
+    if (!NIB)
+      for (int g = 0; g < nv; ++g) {
+        const __m512i ip = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[g], _mm512_loadu_si512(x + 64 * g));
+        const __m512i idx = _mm512_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1,
+                                              2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+        acc[r][g % NA] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), _mm512_permutexvar_ps(idx, sc), acc[r][g % NA]);
+      }
+    else
+      for (int g = 0; g < nv / 2; ++g) {
+        __m512i ip = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * g], _mm512_loadu_si512(x + 128 * g));
+        ip = _mm512_dpbusd_epi32(ip, q[2 * g + 1], _mm512_loadu_si512(x + 128 * g + 64));
+        const __m512i idx = _mm512_setr_epi32(4 * g, 4 * g, 4 * g, 4 * g, 4 * g + 1, 4 * g + 1, 4 * g + 1, 4 * g + 1,
+                                              4 * g + 2, 4 * g + 2, 4 * g + 2, 4 * g + 2, 4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 3);
+        acc[r][g % NA] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ip), _mm512_permutexvar_ps(idx, sc), acc[r][g % NA]);
+      }
+  }
+}
+
+#define DEFINE_WIDE(NAME, BYTES, KIND)                                                              \
+  ROW_KERNEL(NAME) {                                                                               \
+    __m512 acc[MR][4], tac[MR];                                                                    \
+    for (int r = 0; r < R; ++r)                                                                    \
+      acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = tac[r] = _mm512_setzero_ps();                \
+    int64_t b0 = 0;                                                                                \
+    for (; b0 + 16 <= a->nb; b0 += 16) wide_batch(w + b0 * (BYTES), a, r0, R, b0, 16, 16, BYTES, KIND, acc, tac); \
+    const int left = (int)(a->nb - b0);                                                            \
+    if (left > 8) wide_batch(w + b0 * (BYTES), a, r0, R, b0, 12, left, BYTES, KIND, acc, tac);     \
+    else if (left > 4) wide_batch(w + b0 * (BYTES), a, r0, R, b0, 8, left, BYTES, KIND, acc, tac); \
+    else if (left > 0) wide_batch(w + b0 * (BYTES), a, r0, R, b0, 4, left, BYTES, KIND, acc, tac); \
+    for (int r = 0; r < R; ++r)                                                                    \
+      out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),             \
+                                                  _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][3]), tac[r]))); \
+  }
+
+DEFINE_WIDE(row_q8_0, 34, K_Q8_0)
+DEFINE_WIDE(row_q4_0, 18, K_Q4_0)
+DEFINE_WIDE(row_q4_1, 20, K_Q4_1)
+DEFINE_WIDE(row_q5_0, 22, K_Q5_0)
+DEFINE_WIDE(row_q5_1, 24, K_Q5_1)
+
+// The nibble formats' activation order: per 4 blocks, values 0-15 of each, then values 16-31 of each.
+static void nib_order(int8_t* q, int64_t nbp) {
+  int8_t t[128];
+  for (int64_t g = 0; g < nbp / 4; ++g, q += 128) {
+    memcpy(t, q, 128);
+    for (int l = 0; l < 4; ++l) memcpy(q + 16 * l, t + 32 * l, 16), memcpy(q + 64 + 16 * l, t + 32 * l + 16, 16);
+  }
+}
+#else
+#define WIDE 0
 DEFINE_SMALL(row_q8_0, 34, 1, 0, ld32(w + 2))
 DEFINE_SMALL(row_q4_0, 18, 1, 0, vsub(nib32(w + 2), 8))
 DEFINE_SMALL(row_q4_1, 20, 0, 1, nib32(w + 4))
 DEFINE_SMALL(row_q5_0, 22, 1, 0, vsub(vor(nib32(w + 6), bits16(w + 2)), 16))
 DEFINE_SMALL(row_q5_1, 24, 0, 1, vor(nib32(w + 8), bits16(w + 4)))
+#endif
 
 // Q4_K/Q5_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4).
 static inline void k_scales(const uint8_t* s, int* sc, int* mn) {
@@ -224,6 +350,92 @@ static inline void k_scales(const uint8_t* s, int* sc, int* mn) {
 }
 
 // Q4_K and Q5_K: d * sc[j] * q - dmin * mn[j] per 32 values j; the mins through the sums per 16.
+#if SIMD_LEVEL >= 1
+// With SIMD the scales and mins are unpacked in vector registers, not in scalar code (which took
+// most of a block's time): the 12 scale bytes as ggml does (4 words, masks), each scale broadcast by a
+// byte shuffle, and the mins (Q6_K: the offsets) dotted with the activation sums in one vpmaddwd.
+static inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
+}
+// element e (0-7) of the 8 int16 in both 128-bit lanes of v, broadcast
+static inline __m256i bcast16(__m256i v, int e) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0101 * 2 * e + 0x0100))); }
+
+#define DEFINE_K45(NAME, BYTES, QS, UNPACK)                                                      \
+  ROW_KERNEL(NAME) {                                                                           \
+    ROW_BEGIN                                                                                  \
+    for (int64_t b = 0; b < a->nb; ++b, w += (BYTES)) {                                        \
+      uint32_t u[4];                                                                           \
+      memcpy(u, w + 4, 12);                                                                    \
+      u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);                   \
+      const uint32_t u1 = u[1] & 0x3f3f3f3f;                                                   \
+      u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);                          \
+      u[2] = u1;                                                                               \
+      u[0] &= 0x3f3f3f3f; /* bytes 0-7: the scales, 8-15: the mins */                          \
+      const __m128i sm = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)u));               \
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(u + 2)));       \
+      const __m256i scl = _mm256_broadcastsi128_si256(sm);                                     \
+      v32 q[8];                                                                                \
+      sc16 scv[8];                                                                             \
+      for (int j = 0; j < 8; ++j) {                                                            \
+        const uint8_t* nib = w + (QS) + 32 * (j / 2);                                          \
+        q[j] = UNPACK;                                                                         \
+        scv[j] = bcast16(scl, j);                                                              \
+      }                                                                                        \
+      const float d = half_at(w), dmin = half_at(w + 2);                                       \
+      for (int r = 0; r < R; ++r) {                                                            \
+        const int64_t at = AT(r, b);                                                           \
+        const int8_t* x = a->q + at * 256;                                                     \
+        const int16_t* bs = a->bs + at * 16;                                                   \
+        ilanes s = il_zero();                                                                  \
+        for (int j = 0; j < 8; ++j) s = il_add(s, dot_scaled(q[j], ld32(x + 32 * j), scv[j])); \
+        const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)bs),             \
+                                             _mm_loadu_si128((const __m128i*)(bs + 8)));       \
+        const int mn = hsum4(_mm_madd_epi16(mins, pairs));                                     \
+        acc[r] = acc_fma(acc[r], s, d * a->d[at]);                                             \
+        tail[r] -= dmin * a->d[at] * (float)mn;                                                \
+      }                                                                                        \
+    }                                                                                          \
+    ROW_END                                                                                    \
+  }
+
+DEFINE_K45(row_q4_k, 144, 16, (j % 2 ? nib_hi(nib) : nib_lo(nib)))
+DEFINE_K45(row_q5_k, 176, 48, vor(j % 2 ? nib_hi(nib) : nib_lo(nib), plane(w + 16, j, 1)))
+
+// Q6_K: d * sc[g] * (u - 32) per 16 values g, u six bits: four from ql, two from qh.
+ROW_KERNEL(row_q6_k) {
+  ROW_BEGIN
+  for (int64_t b = 0; b < a->nb; ++b, w += 210) {
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));  // 16 int16
+    const __m256i slo = _mm256_permute2x128_si256(sc, sc, 0x00), shi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    v32 q[8];
+    sc16 scv[8];
+    for (int j = 0; j < 8; ++j) {
+      const int h = j / 4, c = j % 4;  // half of the block, run of 32 in it
+      const uint8_t* ql = w + 64 * h + 32 * (c & 1);
+      q[j] = vor(c & 2 ? nib_hi(ql) : nib_lo(ql), plane(w + 128 + 32 * h, 2 * c, 3));
+      const int e = 2 * (j % 4);  // scales 2j, 2j + 1: elements e, e + 1 of one half of sc
+      scv[j] = _mm256_shuffle_epi8(j < 4 ? slo : shi,
+                                   _mm256_setr_m128i(_mm_set1_epi16((short)(0x0101 * 2 * e + 0x0100)),
+                                                     _mm_set1_epi16((short)(0x0101 * 2 * (e + 1) + 0x0100))));
+    }
+    const float d = half_at(w + 208);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = AT(r, b);
+      const int8_t* x = a->q + at * 256;
+      const __m256i bs = _mm256_loadu_si256((const __m256i*)(a->bs + at * 16));
+      ilanes s = il_zero();
+      for (int j = 0; j < 8; ++j) s = il_add(s, dot_scaled(q[j], ld32(x + 32 * j), scv[j]));
+      const __m256i o = _mm256_madd_epi16(sc, bs);
+      const int offset = hsum4(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
+      const float dd = d * a->d[at];
+      acc[r] = acc_fma(acc[r], s, dd);
+      tail[r] -= dd * (float)(32 * offset);
+    }
+  }
+  ROW_END
+}
+#else
 #define DEFINE_K45(NAME, BYTES, QS, UNPACK)                                                      \
   ROW_KERNEL(NAME) {                                                                           \
     ROW_BEGIN                                                                                  \
@@ -287,6 +499,8 @@ ROW_KERNEL(row_q6_k) {
   }
   ROW_END
 }
+
+#endif
 
 typedef void (*rows_fn)(const uint8_t* w, int64_t rb, const Act* a, int64_t m, int64_t n0, int64_t n1, int64_t n,
                         const float* bias, float* y);
@@ -376,26 +590,47 @@ static void quantize_row(const float* x, int64_t k, int block, int8_t* q, float*
   }
 }
 
+// The activation's scratch, kept per calling thread and grown as needed: no allocation per call.
+static __thread char* scratch;
+static __thread size_t scratch_size;
+
 // y [m, n] fp32 = x [m, k] fp32 . W^T (+ bias [n] fp32), W [n] rows of k / block blocks of
 // `qtype`. 0 on success; 1 for a format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
                   float* y) {
   const int block = block_elems(qtype), bytes = block_bytes(qtype);
   if (!bytes || m < 1 || n < 1 || k < block || k % block) return 1;
-  const int small = block == 32;
+  const int small = block == 32, nib = small && qtype != Q8_0;
   Act a = {0};
   a.k = k, a.nb = k / block;
-  char* mem = malloc((size_t)(m * k + 4 * m * a.nb + (small ? 4 * m * a.nb : 2 * m * (k / 16))));
-  if (!mem) return 2;
+  a.nbp = small && WIDE ? (a.nb + 15) / 16 * 16 : a.nb;
+  const size_t want = (size_t)(m * a.nbp * block + 4 * m * a.nbp + (small ? 4 * m * a.nbp : 2 * m * (k / 16)));
+  if (want > scratch_size) {
+    free(scratch);
+    scratch = malloc(want), scratch_size = scratch ? want : 0;
+    if (!scratch) return 2;
+  }
+  char* mem = scratch;
   a.q = (int8_t*)mem;
-  a.d = (float*)(mem + m * k);  // m * k is a multiple of 32: aligned
-  if (small) a.s = a.d + m * a.nb;
-  else a.bs = (int16_t*)(a.d + m * a.nb);
+  a.d = (float*)(mem + m * a.nbp * block);  // a multiple of 32: aligned
+  if (small) a.s = a.d + m * a.nbp;
+  else a.bs = (int16_t*)(a.d + m * a.nbp);
   const int serial = m * n * k < SERIAL_WORK;
 #pragma omp parallel for schedule(static) if (!serial && m * k >= 65536)
-  for (int64_t i = 0; i < m; ++i)
-    quantize_row(x + i * k, k, block, a.q + i * k, a.d + i * a.nb, small ? a.s + i * a.nb : NULL,
-                 small ? NULL : a.bs + i * (k / 16));
+  for (int64_t i = 0; i < m; ++i) {
+    int8_t* q = a.q + i * a.nbp * block;
+    float* d = a.d + i * a.nbp;
+    quantize_row(x + i * k, k, block, q, d, small ? a.s + i * a.nbp : NULL, small ? NULL : a.bs + i * (k / 16));
+    if (a.nbp > a.nb) {  // zero blocks up to the padded length
+      memset(q + k, 0, (size_t)((a.nbp - a.nb) * block));
+      memset(d + a.nb, 0, (size_t)(a.nbp - a.nb) * 4);
+      memset(a.s + i * a.nbp + a.nb, 0, (size_t)(a.nbp - a.nb) * 4);
+    }
+#if WIDE
+    if (nib) nib_order(q, a.nbp);
+#endif
+  }
+  (void)nib;
   const rows_fn run = rows_for(qtype);
   const int64_t rb = a.nb * bytes, chunks = (n + CHUNK_ROWS - 1) / CHUNK_ROWS;
   // dynamic: on a shared machine one thread may be preempted; the others take its chunks
@@ -404,6 +639,5 @@ int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
     const int64_t n1 = (c + 1) * CHUNK_ROWS < n ? (c + 1) * CHUNK_ROWS : n;
     run(w, rb, &a, m, c * CHUNK_ROWS, n1, n, bias, y);
   }
-  free(mem);
   return 0;
 }

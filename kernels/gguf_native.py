@@ -61,21 +61,27 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] fp32 @ W.T (+ bias) -> [m, n] fp32, W the raw blocks uint8 [n, row_bytes(qtype, k)].
     The activation is quantized to 8 bits per call (see cpu_gguf.c), so the result is within half
-    a quantization step of each activation block from the float GEMM. The caller checks `supported`."""
-    return gemm_with(_lib(), x, raw, qtype, n, k, bias)
+    a quantization step of each activation block from the float GEMM. The caller checks `supported`
+    (which loads the library: a decode step's calls then skip `cpu_native.library()`, ~2.5 µs each)."""
+    return gemm_with(_declared if _declared is not None else _lib(), x, raw, qtype, n, k, bias)
+
+
+_row_bytes: dict[tuple[int, int], int] = {}
 
 
 def gemm_with(lib: ctypes.CDLL | None, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
               bias: torch.Tensor | None) -> torch.Tensor:
     """`gemm` through a given library (`declare`d)."""
     assert lib is not None and x.dim() == 2 and x.shape[1] == k
-    rb = gguf_blocks.row_bytes(qtype, k)
-    if raw.dtype != torch.uint8 or tuple(raw.shape) != (n, rb) or not raw.is_contiguous():
+    rb = _row_bytes.get((qtype, k))
+    if rb is None:
+        rb = _row_bytes[(qtype, k)] = gguf_blocks.row_bytes(qtype, k)
+    if raw.dtype != torch.uint8 or raw.shape != (n, rb) or not raw.is_contiguous():
         raise ValueError(f"{gguf_blocks.name(qtype)} weight: want contiguous uint8 [{n}, {rb}], "
                          f"got {raw.dtype} {list(raw.shape)}")
-    if bias is not None:
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-        assert bias.shape == (n,)
+    assert bias is None or bias.shape == (n,)
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     rc = lib.gguf_gemm_f32(x.data_ptr(), x.shape[0], raw.data_ptr(), qtype, n, k,
                            None if bias is None else bias.data_ptr(), out.data_ptr())

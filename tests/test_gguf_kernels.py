@@ -28,6 +28,7 @@ from rill.kernels.chooser import KernelTable
 
 FORMATS = sorted(gguf_blocks.SUPPORTED)
 IDS = [gguf_blocks.name(q) for q in FORMATS]
+SMALL_FORMATS = [q for q in FORMATS if gguf_blocks.FORMATS[q].elements == 32]
 EMUL_TOL = 2e-5  # fp32 sums of up to 2048 products in another order: ~sqrt(k) * 2^-24, with margin
 
 
@@ -115,6 +116,14 @@ def test_native_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) 
     k = gguf_blocks.FORMATS[qtype].elements * (6 if gguf_blocks.FORMATS[qtype].elements == 32 else 3)
     for n in (37, 101):  # odd: partial chunks of output rows
         check_gemm(gguf_native.gemm, random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
+
+
+@pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[gguf_blocks.name(q) for q in SMALL_FORMATS])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
+    """Rows of 2 full batches of 16 blocks and 1, 3, 5 or 9 left (the AVX-512 kernels' tails)."""
+    for left in (1, 3, 5, 9):
+        check_gemm(gguf_native.gemm, random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
 def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
