@@ -36,8 +36,10 @@ def fast_flags(model_dir: str, redis_url: str, prefix: str, port: int) -> list[s
 
 
 def stack_flags(prefix: str, port: int) -> list[str]:
-    """fast_flags without the model and the broker (for commands that already name them)."""
-    return ["--prefix", prefix, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+    """fast_flags without the model and the broker (for commands that already name them). Float
+    weights (a converted .gguf would otherwise serve its blocks): outputs are checked against
+    transformers' float model."""
+    return ["--prefix", prefix, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--quantization", "none",
             "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--max-num-batched-tokens", "256",
             "--max-num-seqs", "16"]
 

@@ -28,7 +28,7 @@ BLOCK_SIZE = 8  # small blocks: every prompt spans several
 def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
     prefix = f"rille2e-{os.getpid()}-{time.time_ns() % 10**8}"
     port = free_port()
-    common = [smollm2_dir, "--redis-url", redis_url, "--prefix", prefix, "--dtype", "float32",
+    common = [smollm2_dir, "--redis-url", redis_url, "--prefix", prefix, "--dtype", "float32", "--quantization", "none",
               "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "256", "--max-num-seqs", "32",
               "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--port", str(port),
               "--host", "127.0.0.1"]

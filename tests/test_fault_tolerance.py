@@ -136,7 +136,7 @@ class Stack:
         kind = name.split("-")[0]
         argv = [sys.executable, "-m", "rill.services.cli", "service", kind, self.model_dir,
                 "--redis-url", self.broker.url, "--prefix", self.prefix, "--replica-name", name,
-                "--dtype", "float32", "--block-size", "16", "--max-num-batched-tokens", "512",
+                "--dtype", "float32", "--quantization", "none", "--block-size", "16", "--max-num-batched-tokens", "512",
                 "--max-num-seqs", "64", "--kv-cache-memory", "160MiB", "--max-model-len", "512",
                 "--host", "127.0.0.1", "--port", str(self.port), "--reuse-port"]
         self.procs[name] = subprocess.Popen(argv, env=dict(os.environ, RILL_WORKER_THREADS="2",

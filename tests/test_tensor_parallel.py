@@ -176,7 +176,7 @@ def served(redis_url: str, smollm2_dir: str) -> Iterator[Served]:
     prefix, port = f"rilltp-{os.getpid()}", free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", smollm2_dir, "--redis-url", redis_url,
                              "--prefix", prefix, "--port", str(port), "--tensor-parallel-size", "2",
-                             "--dtype", "float32", "--block-size", "8", "--max-num-batched-tokens", "32",
+                             "--dtype", "float32", "--quantization", "none", "--block-size", "8", "--max-num-batched-tokens", "32",
                              "--max-num-seqs", "8", "--kv-cache-memory", "3MiB", "--max-model-len", "96",
                              "--shutdown-timeout", "1"],
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
