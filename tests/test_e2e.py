@@ -180,15 +180,16 @@ def test_sixteen_concurrent_requests(stack: ServiceStack, reference) -> None:
             await aclient.close()
 
     responses = asyncio.run(run_all())
-    for (prompt, n), resp in zip(jobs, responses, strict=True):
+    for i, ((prompt, n), resp) in enumerate(zip(jobs, responses, strict=True)):
         ids = chat_ids(tok, prompt)
         choice = resp.choices[0]
         assert resp.usage.prompt_tokens == len(ids)
         assert choice.finish_reason in ("stop", "length")
         if choice.finish_reason == "length":
             assert resp.usage.completion_tokens == n
-        hf = hf_greedy(model, ids, resp.usage.completion_tokens)
-        assert_same_or_near_tie(tok, model, ids, hf, choice.message.content)
+        if i % 4 == 1:  # a quarter against transformers (test_greedy_matches_... checks a whole batch)
+            hf = hf_greedy(model, ids, resp.usage.completion_tokens)
+            assert_same_or_near_tie(tok, model, ids, hf, choice.message.content)
     st = stack.wait_idle()
     assert st.mixed_steps > before.mixed_steps, "no step mixed prefill and decode work"
     assert st.num_running == 0 and st.num_waiting == 0

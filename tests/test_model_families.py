@@ -334,7 +334,7 @@ def test_supported_table_names_every_family_and_is_the_readmes() -> None:
 
 
 def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:
-    """The second real model: 5 prompts (one Chinese) x 32 greedy tokens through the model runner
+    """The second real model: 3 prompts (one Chinese) x 24 greedy tokens through the model runner
     equal transformers' generate on the same dequantized weights (fp32). Its sliding window (512)
     no longer bounds the served context (test_gemma3_270m_past_its_window)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -346,17 +346,16 @@ def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
     ref = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     runner = ModelRunner(gemma3_dir, dtype="float32", device="cpu", num_blocks=256, max_model_len=512)
-    prompts = ["The capital of France is", "def fibonacci(n):", "请用一句话介绍你自己。", "Once upon a time,",
-               "1, 2, 3, 4,"]
+    prompts = ["The capital of France is", "def fibonacci(n):", "请用一句话介绍你自己。"]
     ids = [tok(p)["input_ids"] for p in prompts]
     rids = [f"g{i}" for i in range(len(prompts))]
-    new = [NewRequestData(request_id=r, token_ids=t, params=SamplingParams(temperature=0.0, max_tokens=32),
+    new = [NewRequestData(request_id=r, token_ids=t, params=SamplingParams(temperature=0.0, max_tokens=24),
                           block_ids=list(range(16 * i, 16 * i + 16)))
            for i, (r, t) in enumerate(zip(rids, ids, strict=True))]
     out: dict[str, list[int]] = {r: [] for r in rids}
     plan = StepPlan(step_id=0, new_requests=new, cached_request_ids=[], cached_new_block_ids=[],
                     scheduled_request_ids=rids, num_scheduled_tokens=[len(t) for t in ids])
-    for step in range(32):  # one batch: the prompts together, then every row decodes together
+    for step in range(24):  # one batch: the prompts together, then every row decodes together
         result = runner.execute(plan)
         assert not result.error
         for r, t in zip(result.request_ids, result.token_ids, strict=True):
@@ -365,7 +364,7 @@ def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:
                         scheduled_request_ids=rids, num_scheduled_tokens=[1] * len(rids))
     for r, prompt in zip(rids, ids, strict=True):
         with torch.inference_mode():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
         assert out[r] == want, (tok.decode(prompt), tok.decode(out[r]), tok.decode(want))
 
 
