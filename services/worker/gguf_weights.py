@@ -81,7 +81,6 @@ class Report:
     from_blocks: int = 0  # linear layers the blocks serve (at some row counts at least)
     measured_float: int = 0  # layers whose float copy measured faster at every row count
     kept_float: int = 0  # layers whose blocks the kernels cannot serve
-    used: set[str] = field(default_factory=set)  # tensors whose blocks are held
 
     def add(self, name: str, qtype: int, blocks: torch.Tensor, params: int) -> None:
         if name not in self.quantized_bytes:
