@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import redis
 
@@ -104,6 +104,12 @@ def replica_heartbeat(url: str, prefix: str, role: str, consumer: str) -> Heartb
 
 
 ENGINE_ROLES = ("scheduler", "worker")  # an engine lives while both of its processes beat
+
+
+def engine_ids(members: Iterable[str]) -> list[int]:
+    """The engine ids in the members of the engines set (Streams.engines_key), sorted: the one
+    reading of the engine directory every service shares."""
+    return sorted({int(m) for m in members if m.isdigit()})
 
 
 def engine_beat_keys(streams: Streams, engines: Sequence[int]) -> list[str]:

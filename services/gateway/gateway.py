@@ -38,7 +38,7 @@ from rill.services.gateway.request_tracker import RequestStream, RequestTracker
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 from rill.shared.bus import FIELD, AsyncBus, Backoff, server_id_of
-from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engines_alive
+from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engine_ids, engines_alive
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
@@ -217,7 +217,7 @@ class Gateway:
             live = True
             lost: list[int] = []
             if self.watch_engine:
-                engines = sorted({int(m) for m in members if m.isdigit()}) or [0]
+                engines = engine_ids(members) or [0]
                 s = self.bus.streams
                 keys = engine_beat_keys(s, engines)
                 spans = []  # each role's slice of the keys: every heartbeat in one MGET
@@ -355,7 +355,7 @@ class Gateway:
     async def engine_ids(self) -> list[int]:
         assert self.bus is not None
         members = await self.bus.r.smembers(self.bus.streams.engines_key())
-        ids = sorted({int(m) for m in members if m.isdigit()})
+        ids = engine_ids(members)
         return ids or [0]
 
     async def engine_stats(self) -> list[EngineStats]:

@@ -48,7 +48,7 @@ from rill.services.scheduler.scheduler import Request, Scheduler
 from rill.shared import envs
 from rill.shared.bus import Bus
 from rill.shared.config import detok_context_len
-from rill.shared.heartbeat import Absence, engine_beat_keys, engines_alive
+from rill.shared.heartbeat import Absence, engine_beat_keys, engine_ids, engines_alive
 from rill.shared.schema import (
     AbortRequest,
     ErrorReply,
@@ -120,7 +120,7 @@ class EngineDirectory:
     def _read(self) -> dict[int, EngineView]:
         s = self.bus.streams
         members = self.bus.r.smembers(s.engines_key())
-        ids = sorted({int(m) for m in members if m.isdigit()})
+        ids = engine_ids(members)
         if not ids:
             return {}
         pipe = self.bus.r.pipeline(transaction=False)

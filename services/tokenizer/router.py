@@ -27,7 +27,7 @@ import msgspec
 
 from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, parse_summary
 from rill.shared.bus import Bus
-from rill.shared.heartbeat import engine_beat_keys, engines_alive
+from rill.shared.heartbeat import engine_beat_keys, engine_ids, engines_alive
 from rill.shared.schema import stats_decoder
 
 POLICIES = ("least-loaded", "cache-aware", "round-robin")
@@ -68,7 +68,7 @@ class Router:
 
     def _refresh(self) -> None:
         s = self.bus.streams
-        ids = sorted({int(m) for m in self.bus.r.smembers(s.engines_key()) if m.isdigit()})
+        ids = engine_ids(self.bus.r.smembers(s.engines_key()))
         n = len(ids)
         keys = [s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)
         if self.policy == "cache-aware":
