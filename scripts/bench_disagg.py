@@ -26,17 +26,19 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rill.shared.broker import free_port
-from rill.shared.model_files import resolve_model
+sys.path.insert(0, str(Path(__file__).parent))
+from _serve import engine_stats, serving  # noqa: E402
+
+from rill.shared.broker import free_port  # noqa: E402
+from rill.shared.model_files import resolve_model  # noqa: E402
 
 
 @dataclass
@@ -109,11 +111,6 @@ async def workload(base_url: str, args: argparse.Namespace) -> tuple[list[Timing
         return [t.result() for t in tasks], time.perf_counter() - start
 
 
-def engine_stats(base_url: str) -> list[dict[str, Any]]:
-    with urllib.request.urlopen(f"{base_url}/stats", timeout=10) as resp:
-        return json.loads(resp.read())["engines"]
-
-
 def run_mode(model_dir: str, args: argparse.Namespace, disaggregated: bool) -> dict[str, Any]:
     cores = args.cores or len(os.sched_getaffinity(0))
     threads = max(1, cores // 2) if disaggregated else cores
@@ -127,19 +124,10 @@ def run_mode(model_dir: str, args: argparse.Namespace, disaggregated: bool) -> d
     print(f"[{label}] starting rill serve (worker threads: {threads}{' each' if disaggregated else ''}) ...",
           flush=True)
     env = dict(os.environ, RILL_WORKER_THREADS=str(threads))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "ready at" not in line:
-            raise RuntimeError(f"rill serve did not start: {line!r}")
-        base = f"http://127.0.0.1:{port}"
+    with serving(argv, port, env) as base:
         print(f"[{label}] ready; running the workload", flush=True)
         timings, duration = asyncio.run(workload(base, args))
         stats = engine_stats(base)
-    finally:
-        proc.terminate()
-        proc.wait(60)
     failed = [t.error for t in timings if t.error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[:3]}")

@@ -23,17 +23,18 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rill.shared.broker import free_port
-from rill.shared.model_files import resolve_model
+sys.path.insert(0, str(Path(__file__).parent))
+from _serve import engine_stats, serving  # noqa: E402
+
+from rill.shared.broker import free_port  # noqa: E402
+from rill.shared.model_files import resolve_model  # noqa: E402
 
 WORDS = ("river stone market signal harbor winter lantern copper meadow engine orbit thread canyon ledger "
          "falcon garden mirror quiet silver tunnel velvet willow anchor basket candle desert ember forest "
@@ -94,11 +95,6 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     return tokens
 
 
-def engine_stats(base: str) -> list[dict[str, Any]]:
-    with urllib.request.urlopen(f"{base}/stats", timeout=10) as resp:
-        return sorted(json.loads(resp.read())["engines"], key=lambda s: s["engine_id"])
-
-
 async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], float, list[dict[str, Any]]]:
     """TTFTs, wall seconds, and the engines' stats after the warm-up (before the chats)."""
     rng = random.Random(7)
@@ -122,19 +118,10 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
             "--data-parallel-size", "2", "--routing", policy, "--dtype", args.dtype,
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
     print(f"[{policy}] starting rill serve --data-parallel-size 2 ...", flush=True)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "ready at" not in line:
-            raise RuntimeError(f"rill serve did not start: {line!r}")
-        base = f"http://127.0.0.1:{port}"
+    with serving(argv, port) as base:
         ttfts, wall, before = asyncio.run(workload(base, args))
         time.sleep(0.6)  # the engines' last stats writes
         after = engine_stats(base)
-    finally:
-        proc.terminate()
-        proc.wait(60)
     diff = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))  # noqa: E731
     n = args.conversations * args.turns
     return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
