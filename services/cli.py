@@ -284,9 +284,8 @@ def kernel_report(ns: argparse.Namespace) -> int:
     import torch
 
     from rill.kernels import chooser
-    from rill.kernels.cpu_tuning import ModelShapes, tune_model
     from rill.services.worker.dtype_choice import resolve_dtype
-    from rill.services.worker.model_runner import configure_cpu_threads
+    from rill.services.worker.model_runner import choose_cpu_kernels, configure_cpu_threads
 
     setup_logging("serve", ns.log_level)
     if ns.device == "cuda":
@@ -295,8 +294,8 @@ def kernel_report(ns: argparse.Namespace) -> int:
     configure_cpu_threads()
     dtype = resolve_dtype(ns.dtype, "cpu")
     quantization = resolve_quantization(ns.quantization, model_dir, "cpu")
-    table, keys = tune_model(ModelShapes.of(ModelConfig.from_dir(model_dir)), getattr(torch, dtype),
-                             quantization, remeasure=ns.remeasure_kernels)
+    table, keys = choose_cpu_kernels(ModelConfig.from_dir(model_dir), getattr(torch, dtype), quantization,
+                                     model_dir, remeasure=ns.remeasure_kernels)
     if not keys:
         print("rill: native CPU kernels are off or unavailable: every op runs its torch implementation")
         return 0

@@ -68,18 +68,20 @@ def configure_cpu_threads(ranks: int = 1) -> int:
     return torch.get_num_threads()
 
 
-def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str, model_dir: str | None = None) -> None:
+def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str,
+                       model_dir: str | None = None, remeasure: bool = False) -> tuple[chooser.KernelTable, list[str]]:
     """Install the kernel choices measured on this machine for this model's shapes (measuring
     what Rill's cache lacks: a second or two on a machine's first start); with quantization
     "gguf", also the routes of the GGUF block layers (`model_dir`: the converted checkpoint)."""
     shapes = ModelShapes.of(cfg)
-    table, keys = tune_model(shapes, dtype, quantization)
+    table, keys = tune_model(shapes, dtype, quantization, remeasure=remeasure)
     if quantization == "gguf" and model_dir is not None:
         parts, head = GGUFSource.of(Path(model_dir), cfg).part_shapes(cfg.tie_word_embeddings)
-        table, gguf_keys = tune_gguf(parts, dtype, head)
+        table, gguf_keys = tune_gguf(parts, dtype, head, remeasure=remeasure)
         keys = keys + gguf_keys
     log.info("kernels (%s, %d threads): %s", chooser.cpu_model(), torch.get_num_threads(),
              chooser.summary(table, keys))
+    return table, keys
 
 
 def _keep_freed_memory() -> None:
