@@ -78,13 +78,18 @@ def test_served_from_its_blocks_agrees_with_the_float_model(pair: tuple[str, Lla
     assert agreement >= MIN_TOP1_AGREEMENT and mean_diff <= MAX_MEAN_LOGPROB_DIFF
 
 
-def test_a_prompts_logits_do_not_depend_on_what_shares_the_step(smollm2_dir: str) -> None:
-    """Activations are rounded per row: a prompt's logits are the same whatever else runs with it."""
+def test_what_shares_the_step_moves_a_prompts_logits_only_by_rounding(smollm2_dir: str) -> None:
+    """Activations are rounded per row, so other rows in the step change a prompt's logits only
+    through the order of the block GEMM's float sums (~4e-7 relative per GEMM, which the 8-bit
+    rounding of the next layer's input can turn into a step): the greedy choice stays, the logits
+    stay close. A scale shared across rows would move them by whole logits."""
     model = from_blocks(smollm2_dir)
     prompt = chat_ids(smollm2_dir)[0]
     loud = [int(t) for t in torch.randint(1000, 20000, (23,), generator=torch.Generator().manual_seed(1))]
     alone = run_rows(model, [prompt])
-    assert torch.equal(alone, run_rows(model, [prompt, loud])[:len(prompt)])
+    shared = run_rows(model, [prompt, loud])[:len(prompt)]
+    assert torch.equal(alone.argmax(-1), shared.argmax(-1))
+    assert float((alone - shared).abs().mean()) < 0.01 and float((alone - shared).abs().max()) < 1.0
 
 
 def test_auto_keeps_a_gguf_quantized_on_cpu_only(smollm2_dir: str, tiny_llama) -> None:
