@@ -21,22 +21,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _inproc_engine import Engine, percentile  # noqa: E402
 
 from rill.kernels import chooser  # noqa: E402
-from rill.kernels.gguf_linear import QuantLinear  # noqa: E402
 from rill.kernels.native_build import cpu_flags  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of the linear layers' weights as served (blocks and any float copies, or floats)."""
+    """Bytes the linear layers hold as served: blocks, float copies, and each float layer's
+    prepared copies (oneDNN-packed, small-GEMM packed) alike."""
     model = runner.model
-    total = 0
-    for lin in [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
-        if isinstance(lin, QuantLinear):
-            total += lin.nbytes
-        else:
-            total += lin.out_features * lin.in_features * (2 if runner.dtype == "bfloat16" else 4)
-    return total
+    layers = [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    return sum(lin.nbytes for lin in layers)
 
 
 def run(runner: ModelRunner, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
