@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ from rill.kernels.ops import AttentionMetadata
 from rill.services.worker import families, gguf_weights, tensor_parallel, tp_support
 from rill.services.worker.experts import SparseMoe, read_sparse_moe
 from rill.shared.config import ModelConfig
-
-log = logging.getLogger("rill.worker")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
