@@ -45,15 +45,22 @@ _PARTS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
-def merge_formats(parts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    """Adjacent parts of one format as one (a fused QKV all in Q4_1 is one GEMM call, not three)."""
-    out: list[tuple[int, torch.Tensor]] = []
-    for qtype, blocks in parts:
-        if out and out[-1][0] == qtype:
-            out[-1] = qtype, torch.cat([out[-1][1], blocks])
+def format_runs(qtypes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(format, first, end) of each run of adjacent parts in one format: a run is one GEMM call
+    (a fused QKV all in Q4_1 is one call, not three)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, qtype in enumerate(qtypes):
+        if runs and runs[-1][0] == qtype:
+            runs[-1] = qtype, runs[-1][1], i + 1
         else:
-            out.append((qtype, blocks))
-    return out
+            runs.append((qtype, i, i + 1))
+    return runs
+
+
+def merge_formats(parts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Each run of adjacent parts in one format (format_runs) as one part."""
+    return [(q, parts[i][1] if j - i == 1 else torch.cat([b for _, b in parts[i:j]]))
+            for q, i, j in format_runs([q for q, _ in parts])]
 
 
 def blocks_serve(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -> bool:
@@ -178,14 +185,20 @@ class GGUFSource:
         """For `LayerTensors.prepare`: each fused field of `layer` from its GGUF blocks where they
         serve it, else `fallback(weight, bias)`."""
         def make(field: str, weight: torch.Tensor, bias: torch.Tensor | None) -> object:
-            for spelling in _PARTS[field]:
-                names = [f"blk.{layer}.{n}.weight" for n in spelling]
-                if all(n in self.tensors for n in names):
-                    quantized = self.linear(names, weight, bias)
-                    return quantized if quantized is not None else fallback(weight, bias)
-            self.report.kept_float += 1
-            return fallback(weight, bias)
+            names = self._names(layer, field)
+            quantized = self.linear(names, weight, bias) if names else None
+            if names is None:
+                self.report.kept_float += 1
+            return quantized if quantized is not None else fallback(weight, bias)
         return make
+
+    def _names(self, layer: int, field: str) -> list[str] | None:
+        """The GGUF tensors stacked in one fused field of a layer: the first spelling the file has."""
+        for spelling in _PARTS[field]:
+            names = [f"blk.{layer}.{n}.weight" for n in spelling]
+            if all(n in self.tensors for n in names):
+                return names
+        return None
 
     def embedding(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """ids -> embedding rows dequantized from token_embd's blocks (the same values as
@@ -208,15 +221,12 @@ class GGUFSource:
         if lookup is not None:
             model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
             shared = model.tied and isinstance(model.lm_head, QuantLinear)  # the head holds these blocks
-            held = 0 if shared else sum(self.quantized_bytes_of("token_embd.weight"))
+            held = 0 if shared else self.report.quantized_bytes.get("token_embd.weight", 0)
         else:
             held = embed.numel() * embed.element_size()
         layers = [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         held += sum(getattr(lin, "nbytes", 0) for lin in layers if lin is not None)
         log.info("%s", self.report.line(held))
-
-    def quantized_bytes_of(self, name: str) -> list[int]:
-        return [self.report.quantized_bytes[name]] if name in self.report.quantized_bytes else []
 
     def _head_name(self, tied: bool) -> str:
         return "token_embd.weight" if tied or "output.weight" not in self.tensors else "output.weight"
@@ -236,16 +246,12 @@ class GGUFSource:
         shapes: set[GgufShape] = set()
         layers = {int(name.split(".")[1]) for name in self.tensors if name.startswith("blk.")}
         for layer in layers:
-            for spellings in _PARTS.values():
-                found = next(([info(f"blk.{layer}.{n}.weight") for n in sp] for sp in spellings
-                              if all(f"blk.{layer}.{n}.weight" in self.tensors for n in sp)), [])
-                merged: list[list[int]] = []
-                for item in found:
-                    if item is None:
-                        continue
-                    if merged and merged[-1][2] == item[2] and merged[-1][1] == item[1]:
-                        merged[-1][0] += item[0]
-                    else:
-                        merged.append(list(item))
-                shapes.update((n, k, q) for n, k, q in merged)
+            for fused in _PARTS:
+                found = [info(name) for name in self._names(layer, fused) or []]
+                infos = [i for i in found if i is not None]
+                if not infos or len(infos) < len(found):
+                    continue  # `linear` serves this field from floats
+                k = infos[0][1]
+                shapes.update((sum(n for n, _, _ in infos[i:j]), k, q)
+                              for q, i, j in format_runs([q for _, _, q in infos]))
         return sorted(shapes), info(self._head_name(tied))
