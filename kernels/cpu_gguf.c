@@ -220,21 +220,6 @@ DEFINE_ROWS(q4_k)
 DEFINE_ROWS(q5_k)
 DEFINE_ROWS(q6_k)
 
-// Block values and bytes of a supported format; 0 for any other.
-static int block_elems(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32; }
-static int block_bytes(int qtype) {
-  switch (qtype) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-  }
-}
 static rows_fn rows_for(int qtype) {
   switch (qtype) {
     case Q4_0: return rows_q4_0;
@@ -248,7 +233,7 @@ static rows_fn rows_for(int qtype) {
   }
 }
 
-int gguf_gemm_supported(int qtype) { return block_bytes(qtype) != 0; }
+int gguf_gemm_supported(int qtype) { return gguf_block_bytes(qtype) != 0; }
 
 // One activation row into blocks of `block` values: q = round(x / d), d = max|x| / 127.
 static void quantize_row(const float* x, int64_t k, int block, int8_t* q, float* d, float* s, int16_t* bs) {
@@ -284,7 +269,7 @@ static __thread size_t scratch_size;
 // `qtype`. 0 on success; 1 for a format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
                   float* y) {
-  const int block = block_elems(qtype), bytes = block_bytes(qtype);
+  const int block = gguf_block_elems(qtype), bytes = gguf_block_bytes(qtype);
   if (!bytes || m < 1 || n < 1 || k < block || k % block) return 1;
   const int small = block == 32, nib = small && qtype != Q8_0;
   Act a = {0};

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_gguf_formats.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 static inline float fp16_at(const uint8_t* p) {
@@ -33,7 +35,6 @@ static inline float fp16_at(const uint8_t* p) {
 }
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define PARALLEL_ELEMS (1 << 16)  // below this many outputs, threads cost more than they save
 
 typedef void (*block_fn)(const uint8_t* b, float* y);
@@ -135,16 +136,18 @@ static void dq_q6_k(const uint8_t* b, float* y) {
 
 static void format_of(int qtype, block_fn* fn, int* elems, int* bytes) {
   switch (qtype) {
-    case Q4_0: *fn = dq_q4_0, *elems = 32, *bytes = 18; return;
-    case Q4_1: *fn = dq_q4_1, *elems = 32, *bytes = 20; return;
-    case Q5_0: *fn = dq_q5_0, *elems = 32, *bytes = 22; return;
-    case Q5_1: *fn = dq_q5_1, *elems = 32, *bytes = 24; return;
-    case Q8_0: *fn = dq_q8_0, *elems = 32, *bytes = 34; return;
-    case Q4_K: *fn = dq_q4_k, *elems = 256, *bytes = 144; return;
-    case Q5_K: *fn = dq_q5_k, *elems = 256, *bytes = 176; return;
-    case Q6_K: *fn = dq_q6_k, *elems = 256, *bytes = 210; return;
-    default: *fn = NULL, *elems = 0, *bytes = 0;
+    case Q4_0: *fn = dq_q4_0; break;
+    case Q4_1: *fn = dq_q4_1; break;
+    case Q5_0: *fn = dq_q5_0; break;
+    case Q5_1: *fn = dq_q5_1; break;
+    case Q8_0: *fn = dq_q8_0; break;
+    case Q4_K: *fn = dq_q4_k; break;
+    case Q5_K: *fn = dq_q5_k; break;
+    case Q6_K: *fn = dq_q6_k; break;
+    default: *fn = NULL;
   }
+  *elems = *fn ? gguf_block_elems(qtype) : 0;
+  *bytes = gguf_block_bytes(qtype);
 }
 
 int gguf_dequant_supported(int qtype) {

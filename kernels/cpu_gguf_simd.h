@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#include "cpu_gguf_formats.h"
 
 #define MR 4            // activation rows dotted per pass over a weight row (unpacked once)
 #define CHUNK_ROWS 16   // output rows a thread claims at a time
