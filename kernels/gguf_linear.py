@@ -12,8 +12,8 @@ machine; see cpu_tuning.tune_gguf):
 - "float": the part dequantized once, when the layer is built, into the layer's dtype and served
   by the float model's own layer (torch_ops.Linear: pre-packed oneDNN, the native small GEMM, per
   its "gemm" entries of the table). It costs a float copy of the weight (float_copy_bytes), kept
-  only when some row bucket of the part chose "float", and is as fast as the float model: from 16
-  rows up the other two routes were 2-4x slower than torch's bf16 GEMM on a float weight.
+  only when some row bucket of the part chose "float", and is as fast as the float model, which
+  the other two routes are not from a few rows up (scripts/benchmarks.md, GGUF blocks).
 Unmeasured, a part takes "blocks" up to BLOCKS_ROWS (4) rows and "float" above.
 
 The weight may be several parts stacked along the output dimension, each in its own format: a
@@ -36,13 +36,11 @@ _warned: set[int] = set()  # formats already reported as falling back, once per 
 
 OP = "gguf_gemm"
 ROUTES = ("blocks", "dequant", "float")
-# The unmeasured choice: "blocks" up to this many rows, "float" above (SmolLM2 ffn_down 576 x 1536
-# Q4_1 at 16 rows, 1 thread, AMD EPYC, 2 cores, AVX-512 VNNI/BF16, no AMX: blocks 399 µs, dequant
-# to bf16 736, torch's bf16 GEMM on the float weight 191; at 1-4 rows blocks win).
+# The unmeasured choice: "blocks" up to this many rows (decode, bound by the weight's bytes),
+# "float" above (compute-bound: the float GEMMs win there; scripts/benchmarks.md).
 BLOCKS_ROWS = 4
-# Weight values dequantized per torch GEMM (4 MB fp32): on a 2-core AMD EPYC, tiles of 64-256
-# rows were 1.1-3x slower than the whole weight at k = 576..2048 (per-call and fork/join costs),
-# while a whole 4096 x 14336 weight would need 235 MB of scratch; this is 512 rows at k = 2048.
+# Weight values dequantized per torch GEMM: small tiles pay per-call and fork/join costs, a whole
+# large weight would need hundreds of MB of scratch; this is 512 rows at k = 2048.
 TILE_ELEMS = 1 << 20
 _scratch: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, shared by every layer
 

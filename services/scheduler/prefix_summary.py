@@ -3,9 +3,8 @@
 Format (shared/block_hash.py pack_summary / parse_summary): one Redis string per engine
 (Streams.prefix_summary_key), the concatenated first SHORT_HASH_BYTES bytes of the hash of every block in the KV cache manager's `cached` map (full
 blocks registered under their chained hash, owned or still reusable in the free queue), in
-no order. At most one entry per KV block, so the value is bounded by num_blocks x 8 bytes
-(1,400 blocks on the CPU default of 1 GiB for SmolLM2-135M: 11 KiB), and by MAX_ENTRIES
-beyond that.
+no order. At most one entry per KV block, so the value is bounded by num_blocks x 8 bytes, and
+by MAX_ENTRIES beyond that.
 
 Update rule: rewritten whole when the cache's contents changed (KVCacheManager.cache_version)
 and at least MIN_INTERVAL_S after the last write, as one more command in the scheduler's
@@ -13,8 +12,8 @@ per-step exchange (no round trip of its own). A whole snapshot rather than SADD/
 the routers read every engine's summary whole at each refresh anyway (in the same MGET as the
 stats and heartbeats, no extra round trip on their side, where a Redis set would need SMEMBERS
 or a membership query per request), a snapshot heals itself after a broker restart or a lost
-write, and it costs the scheduler a join over at most num_blocks hashes 2-4 times a second
-(about 0.1 ms for 1,400 blocks) instead of a journal kept in the cache's allocation paths.
+write, and it costs the scheduler a join over at most num_blocks hashes a few times a second
+(scripts/benchmarks.md) instead of a journal kept in the cache's allocation paths.
 """
 
 from __future__ import annotations
