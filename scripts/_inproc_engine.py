@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from rill.services.scheduler.speculation import Speculator
 from rill.services.worker.model_runner import ModelRunner
 from rill.shared.config import QUANTIZATIONS
 from rill.shared.schema import SamplingParams, TokenizedRequest
@@ -38,18 +39,20 @@ class Timeline:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, budget: int, caching: bool = True, max_seqs: int = 64) -> None:
+    def __init__(self, runner: ModelRunner, budget: int, caching: bool = True, max_seqs: int = 64,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                                max_model_len=runner.max_model_len),
                                KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching,
-                                              sliding_window=runner.model.sliding_window))
+                                              sliding_window=runner.model.sliding_window), speculator)
         self.timeline = Timeline()
 
-    def submit(self, rid: str, ids: list[int], max_tokens: int) -> None:
+    def submit(self, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool = True) -> None:
         msg = TokenizedRequest(request_id=rid, reply_to="bench", prompt_token_ids=ids,
-                               params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                               eos_token_ids=[], arrival_time=time.time())
+                               params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos),
+                               eos_token_ids=[] if ignore_eos else list(self.runner.cfg.eos_token_ids),
+                               arrival_time=time.time())
         why = self.sched.check_admissible(msg)
         if why:
             raise ValueError(why.message)
@@ -65,8 +68,8 @@ class Engine:
             raise RuntimeError(result.error)
         now = time.perf_counter()
         self.timeline.step_tokens.append(sum(plan.num_scheduled_tokens))
-        for rid in result.request_ids:
-            self.timeline.token_times.setdefault(rid, []).append(now)
+        for rid, k in zip(result.request_ids, result.num_tokens or [1] * len(result.request_ids), strict=True):
+            self.timeline.token_times.setdefault(rid, []).extend([now] * k)  # k > 1: accepted drafts
         self.sched.update(result)
         return True
 

@@ -69,6 +69,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-address", default=None, metavar="HOST:PORT",
                    help="where rank 0 hosts the tensor-parallel rendezvous (default: $RILL_TP_ADDRESS; "
                         "rill serve: a free local port)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     p.add_argument("--engine-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20,
@@ -86,6 +89,17 @@ def _chat_template_file(path: str) -> str:
     except (OSError, UnicodeDecodeError, TemplateError) as exc:
         raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
     return os.path.abspath(path)
+
+
+def _speculative_config(text: str) -> str:
+    """--speculative-config: checked here, so a bad one stops `rill serve` before any process starts."""
+    from rill.services.scheduler.speculation import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _body_size(text: str) -> int:
@@ -189,6 +203,9 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     if tp > 1 and (getattr(ns, "role", "both") != "both" or getattr(ns, "prefill_engines", 0)):
         raise SystemExit("rill: --tensor-parallel-size > 1 with prefill/decode engines is not supported "
                          "(the KV hand-off does not re-shard the cache)")
+    if tp > 1 and ns.speculative_config:
+        raise SystemExit("rill: --speculative-config with --tensor-parallel-size > 1 is not supported yet "
+                         "(the ranks would have to agree on each step's accepted drafts)")
     if not 0 <= getattr(ns, "tp_rank", 0) < tp:
         raise SystemExit(f"rill: --tp-rank must be in 0..{tp - 1}")
     quantization = resolve_quantization(ns.quantization, model_dir, ns.device, tp)
@@ -215,7 +232,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         tensor_parallel_size=tp, tp_rank=getattr(ns, "tp_rank", 0), tp_address=ns.tp_address or "", seed=ns.seed,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
         enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"),
-        async_scheduling=ns.async_scheduling)
+        async_scheduling=ns.async_scheduling, speculative_config=ns.speculative_config or "")
 
 
 def resolve_checked(model: str | None) -> str:

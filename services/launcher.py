@@ -38,7 +38,8 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
             "--async-scheduling" if ns.async_scheduling else "--no-async-scheduling"]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--kv-cache-memory", ns.kv_cache_memory),
                         ("--max-num-batched-tokens", ns.max_num_batched_tokens),
-                        ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level)):
+                        ("--served-model-name", ns.served_model_name), ("--log-level", ns.log_level),
+                        ("--speculative-config", ns.speculative_config)):
         if value is not None:
             argv += [flag, str(value)]
     if name in ("tokenizer", "gateway") and ns.chat_template:  # the gateway reads its tool-call format

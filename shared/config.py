@@ -143,6 +143,7 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
     role: str = "both"  # "both" (colocated) | "prefill" | "decode": see services/scheduler/disagg.py
     async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
+    speculative_config: str = ""  # JSON (services/scheduler/speculation.py); empty: no speculation
 
     def step_token_budget(self, device: str) -> int:
         """max_num_batched_tokens, or its default on `device` (cpu / cuda)."""

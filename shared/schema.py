@@ -41,6 +41,11 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     # it); the worker masks every sampled token with it, EOS included.
     grammar: str | None = None
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the request's token history (repetition/frequency/presence)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
     """The engine-side id of sample `index` of a request with `n` samples (the id itself when n=1)."""
@@ -236,6 +241,9 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     # Disaggregation: KV to export (prefill engine) or import (decode engine) after the step.
     kv_exports: list[KVExport] = []
     kv_imports: list[KVImport] = []
+    # Speculative decoding: draft tokens each scheduled request runs after its last token, to be
+    # verified this step (aligned with scheduled_request_ids; empty when no request has any).
+    spec_token_ids: list[list[int]] = []
 
 
 class Hello(Struct, tag_field="_t", tag="hello", array_like=True):
@@ -286,7 +294,7 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     token_ids: list[int]
     forward_ms: float = 0.0
     error: str | None = None  # a failed step; the scheduler fails the step's requests
-    # Aligned with request_ids when any sampled row asked for logprobs (None for the others);
+    # Aligned with token_ids when any sampled row asked for logprobs (None for the others);
     # empty when none did, so steps without logprobs carry nothing extra.
     logprobs: list[TokenLogprobs | None] = []
     # One per KVExport / KVImport of the plan, in any order.
@@ -298,6 +306,9 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     # Requests that failed on their own this step (not in request_ids): id -> why. The rest of
     # the step stands.
     errors: dict[str, str] = {}
+    # Speculative decoding: how many of token_ids (and of logprobs) each request got, aligned
+    # with request_ids: its accepted drafts plus one. Empty when every request got one token.
+    num_tokens: list[int] = []
 
 
 WorkerOutput = WorkerReady | StepResult
@@ -445,6 +456,12 @@ class EngineStats(Struct, omit_defaults=True):
     kv_export_seconds_sum: float = 0.0
     kv_import_seconds_sum: float = 0.0
     kv_handoff_seconds_sum: float = 0.0
+    # Speculative decoding: steps that verified drafts for a request, draft tokens proposed, of
+    # those accepted (acceptance rate = accepted / draft tokens; mean accepted length = 1 +
+    # accepted / drafts).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,15 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: str):
+    """transformers' own tokenizer and fp32 model of the default checkpoint: the reference."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return tok, LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     """A tiny randomly initialised Llama (GQA) saved as a checkpoint folder, and the transformers
     model itself as the reference: (path, LlamaForCausalLM)."""

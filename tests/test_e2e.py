@@ -36,15 +36,6 @@ def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_dir: str):
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    return tok, model
-
-
 def chat_ids(tok, content: str) -> list[int]:
     out = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                   tokenize=True)
@@ -85,8 +76,8 @@ PROMPTS = [
 ]
 
 
-def test_greedy_matches_transformers_over_http(stack: ServiceStack, reference) -> None:
-    tok, model = reference
+def test_greedy_matches_transformers_over_http(stack: ServiceStack, smollm2_hf) -> None:
+    tok, model = smollm2_hf
     model_id = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none").models.list().data[0].id
 
     async def all_at_once() -> list:
@@ -161,8 +152,8 @@ def test_websocket_two_requests_one_cancelled(stack: ServiceStack) -> None:
     assert st.aborted_requests >= 1
 
 
-def test_sixteen_concurrent_requests(stack: ServiceStack, reference) -> None:
-    tok, model = reference
+def test_sixteen_concurrent_requests(stack: ServiceStack, smollm2_hf) -> None:
+    tok, model = smollm2_hf
     topics = ["the sea", "mountains", "a robot", "coffee", "trains", "winter", "music", "a cat",
               "the moon", "gardening", "chess", "rain", "a library", "volcanoes", "bread", "friendship"]
     jobs = [(f"Write {'a few sentences' if i % 3 else 'one sentence'} about {t}." + " Be vivid." * (i % 5),

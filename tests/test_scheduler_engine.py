@@ -11,6 +11,7 @@ import torch
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from rill.services.scheduler.speculation import Speculator
 from rill.services.worker.model_runner import ModelRunner
 from rill.shared.schema import SamplingParams, StepPlan, TokenizedRequest
 
@@ -45,24 +46,27 @@ def drive(runner: ModelRunner, sched: Scheduler, msgs: list[TokenizedRequest], m
             break
         result = runner.execute(queue.popleft())
         assert result.error is None, result.error
-        gaps: dict[str, float] = {}
+        gaps: dict[str, list[float]] = {}  # per returned token (several with speculative drafts)
         if runner.last_logits is not None and result.request_ids:
             top2 = torch.topk(runner.last_logits.float(), 2, dim=-1).values
-            gaps = dict(zip(result.request_ids, (top2[:, 0] - top2[:, 1]).tolist(), strict=True))
+            per_token = (top2[:, 0] - top2[:, 1]).tolist()
+            at = 0
+            for rid, k in zip(result.request_ids, result.num_tokens or [1] * len(result.request_ids), strict=True):
+                gaps[rid], at = per_token[at:at + k], at + k
         detok = sched.update(result).detok
         for rid, new in zip(detok.request_ids, detok.new_token_ids, strict=True) if detok else ():
             run.outputs.setdefault(rid, []).extend(new)  # what reaches clients, not what the worker ran
-            run.gaps.setdefault(rid, []).append(gaps[rid])
+            run.gaps.setdefault(rid, []).extend(gaps[rid][:len(new)])
     assert not sched.has_work, "engine did not drain"
     assert not runner.requests, "the worker still holds requests"
     return run
 
 
 def make_sched(num_blocks: int, block_size: int, budget: int, max_seqs: int = 64, caching: bool = True,
-               max_model_len: int = 8192, threshold: int = 0) -> Scheduler:
+               max_model_len: int = 8192, threshold: int = 0, speculator: Speculator | None = None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                                      long_prefill_token_threshold=threshold),
-                     KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
+                     KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching), speculator)
 
 
 def greedy(rid: str, ids: list[int], max_tokens: int) -> TokenizedRequest:

@@ -252,6 +252,28 @@ class EngineCollector(_SnapshotCollector[EngineStats]):
                 queue.add_metric(values, buckets, st.queue_time_sum)
         yield from (running, waiting, kv, queries, hits, preempt, queue, transferring, kv_bytes, failures,
                     transfer_s, handoff_s)
+        yield from _speculation_families(self.model_name, lab, stats)
+
+
+def _speculation_families(model_name: str, lab: list[str], stats: list[EngineStats]) -> Iterator[Metric]:
+    """Speculative decoding: vLLM's counters, and the two ratios a dashboard wants (from engines
+    that have verified drafts)."""
+    drafts = CounterMetricFamily("rill:spec_decode_num_drafts", "Decode rows that verified draft tokens.",
+                                 labels=lab)
+    proposed = CounterMetricFamily("rill:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=lab)
+    accepted = CounterMetricFamily("rill:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=lab)
+    rate = GaugeMetricFamily("rill:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", labels=lab)
+    length = GaugeMetricFamily("rill:spec_decode_mean_accepted_length",
+                               "Tokens per verifying decode row: 1 + accepted drafts / rows.", labels=lab)
+    for st in stats:
+        values = [model_name, str(st.engine_id), st.role]
+        drafts.add_metric(values, st.spec_num_drafts)
+        proposed.add_metric(values, st.spec_num_draft_tokens)
+        accepted.add_metric(values, st.spec_num_accepted_tokens)
+        if st.spec_num_drafts:
+            rate.add_metric(values, st.spec_num_accepted_tokens / st.spec_num_draft_tokens)
+            length.add_metric(values, 1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
+    yield from (drafts, proposed, accepted, rate, length)
 
 
 def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:

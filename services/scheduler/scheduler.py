@@ -20,6 +20,9 @@ Disaggregation (disagg.py drives it): on a prefill engine a request whose prompt
 *parked* — out of the batch, blocks kept — while its KV goes to a decode engine; a decode engine
 *adopts* a handed-over request as parked, with blocks for the incoming KV, and unparks it into
 the batch once the KV is in them.
+
+Speculative decoding (speculation.py proposes): a decode row may run drafts after its last token;
+the result then brings back several tokens, and only the accepted ones count as computed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from rill.services.scheduler.detok_rows import DetokRows
 from rill.services.scheduler.kv_cache_manager import KVCacheManager, blocks_for
 from rill.services.scheduler.request import Refusal, Request, Status
+from rill.services.scheduler.speculation import Speculator
 from rill.services.scheduler.step_stats import QueueTimeHistogram, StepCounters
 from rill.shared.schema import (
     DetokBatch,
@@ -40,6 +44,7 @@ from rill.shared.schema import (
     StepPlan,
     StepResult,
     TokenizedRequest,
+    TokenLogprobs,
 )
 
 __all__ = ["Refusal", "Request", "Scheduler", "SchedulerConfig", "Status", "StepOutcome"]
@@ -64,15 +69,16 @@ class _InFlight:
     reqs: list[Request]
     incarnations: list[int]  # num_preemptions at scheduling time: a preempted request restarts
     samples: list[bool]  # the step samples a token for this request
+    drafts: list[int]  # draft tokens it verifies (speculative decoding)
 
-    def current_rows(self, requests: dict[str, Request]) -> Iterator[tuple[Request, int, bool]]:
-        """(request, tokens, samples) of the rows whose request is still the one scheduled: not
-        finished, aborted or preempted since."""
-        for req, incarnation, sampling, n in zip(self.reqs, self.incarnations, self.samples,
-                                                 self.plan.num_scheduled_tokens, strict=True):
+    def current_rows(self, requests: dict[str, Request]) -> Iterator[tuple[Request, int, bool, int]]:
+        """(request, tokens, samples, drafts) of the rows whose request is still the one
+        scheduled: not finished, aborted or preempted since."""
+        for req, incarnation, sampling, n, drafts in zip(self.reqs, self.incarnations, self.samples,
+                                                         self.plan.num_scheduled_tokens, self.drafts, strict=True):
             if (requests.get(req.request_id) is req and req.status is Status.RUNNING
                     and req.num_preemptions == incarnation):
-                yield req, n, sampling
+                yield req, n, sampling, drafts
 
 
 @dataclass
@@ -86,11 +92,12 @@ class StepOutcome:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculator: Speculator | None = None) -> None:
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {config.policy!r}")
         self.config = config
         self.kv = kv
+        self.speculator = speculator
         self.waiting: list[Request] = []  # kept in scheduling order (see _queue_key)
         self.running: list[Request] = []  # in admission order
         self.parked: dict[str, Request] = {}  # disaggregation: KV in transfer (see the module doc)
@@ -212,6 +219,8 @@ class Scheduler:
         """
         if len(self._in_flight) >= depth:
             return False
+        if self.speculator is not None:  # a request's drafts come from the tokens its last step sampled
+            return not self._in_flight
         return not self._in_flight or all(n == 1 for n in self._in_flight[-1].plan.num_scheduled_tokens)
 
     # ------------------------------------------------------------------------- scheduling
@@ -249,6 +258,7 @@ class Scheduler:
         step carries KV transfers only)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens, in batch order
+        drafts: dict[str, list[int]] = {}  # request id -> draft tokens among them
         preempted = False
 
         # 1. Running requests in admission order: decodes and the rest of chunked prompts.
@@ -263,12 +273,15 @@ class Scheduler:
             # first. Counted from the computed tokens, not the planned ones, so a block is
             # released only after its prefix-cache hash is published.
             self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
+            draft = self._draft(req, n, budget)
+            n += len(draft)
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
                 self._preempt(victim)
                 preempted = True
                 budget += scheduled.pop(victim.request_id, 0)
+                drafts.pop(victim.request_id, None)
                 if victim is req:
                     break
                 if index < i:
@@ -276,6 +289,8 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # it gave way itself; running[i] is now the next one
             scheduled[req.request_id] = n
+            if draft:
+                drafts[req.request_id] = draft
             budget -= n
             i += 1
 
@@ -307,7 +322,17 @@ class Scheduler:
 
         if not scheduled and not self._forget and not force:
             return None
-        return self._build_plan(scheduled)
+        return self._build_plan(scheduled, drafts)
+
+    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative drafts for a decode row, if blocks for them are free: drafts never
+        preempt anyone."""
+        if self.speculator is None or n != 1:
+            return []
+        draft = self.speculator.drafts(req, budget, self.config.max_model_len)
+        if draft and self.kv.allocate(req.request_id, req.num_planned_tokens + 1 + len(draft)) is None:
+            return []
+        return draft
 
     def transfer_step(self) -> StepPlan:
         """A step that runs no tokens: it carries the forget list and, added by the caller, KV
@@ -342,7 +367,7 @@ class Scheduler:
         hashes = req.hashes(self.kv.block_size, req.num_tokens) if use_cache else []
         return self.kv.lookup(hashes, req.num_tokens)
 
-    def _build_plan(self, scheduled: dict[str, int]) -> StepPlan:
+    def _build_plan(self, scheduled: dict[str, int], drafts: dict[str, list[int]] | None = None) -> StepPlan:
         self._step_id += 1
         new_reqs: list[NewRequestData] = []
         cached_ids: list[str] = []
@@ -364,15 +389,17 @@ class Scheduler:
         plan = StepPlan(
             step_id=self._step_id, new_requests=new_reqs, cached_request_ids=cached_ids,
             cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
-            num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self._forget)
+            num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self._forget,
+            spec_token_ids=[drafts.get(rid, []) for rid in scheduled] if drafts else [])
         self._forget = []
         samples: list[bool] = []
-        for req, n in zip(reqs, plan.num_scheduled_tokens, strict=True):
+        num_drafts = [len(d) for d in plan.spec_token_ids] or [0] * len(reqs)
+        for req, n, k in zip(reqs, plan.num_scheduled_tokens, num_drafts, strict=True):
             # The worker samples when a step reaches the end of the tokens it knows by then.
-            samples.append(req.num_planned_tokens + n == req.num_known_tokens)
+            samples.append(req.num_planned_tokens + n - k == req.num_known_tokens)
             req.num_inflight_tokens += n
             req.num_inflight_samples += samples[-1]
-        self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
+        self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples, num_drafts))
         return plan
 
     def _count(self, reqs: list[Request], tokens: list[int]) -> None:
@@ -400,17 +427,18 @@ class Scheduler:
         if step is None:
             return StepOutcome(detok=None, finished=[])
         bs = self.kv.block_size
-        sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
-        logprobs = dict(zip(result.request_ids, result.logprobs, strict=True)) if result.logprobs else {}
+        sampled = _tokens_by_request(result)
         prompt_lps = dict(zip(result.request_ids, result.prompt_logprobs, strict=True)) \
             if result.prompt_logprobs else {}
         rows = DetokRows()
         finished: list[Request] = []
         parked: list[Request] = []
         failed: list[tuple[Request, str]] = []
-        for req, n, sampling in step.current_rows(self.requests):
+        for req, n, sampling, drafts in step.current_rows(self.requests):
             rid = req.request_id
-            req.num_computed_tokens += n
+            tokens, logprobs = sampled.get(rid, ([], []))
+            accepted = max(len(tokens) - 1, 0)
+            req.num_computed_tokens += n - (drafts - accepted)  # rejected drafts' KV is not kept
             req.num_inflight_tokens -= n
             req.num_inflight_samples -= sampling
             if rid in result.errors:
@@ -418,26 +446,33 @@ class Scheduler:
                 self._finish(req)
                 failed.append((req, result.errors[rid]))
                 continue
+            if drafts and self.speculator is not None:
+                self.speculator.record(drafts, accepted)
+            offset = len(req.output_token_ids)
+            reason = None
+            for token in tokens:
+                req.output_token_ids.append(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    break  # accepted drafts past a stop are dropped
+            kept = len(req.output_token_ids) - offset
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             # Publish newly full blocks first: a request that ends now still leaves them cached.
             if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
-            token = sampled.get(rid)
-            if token is not None:
-                offset = len(req.output_token_ids)
-                req.output_token_ids.append(token)
-                reason = self._stop_reason(req, token)
-                lp = logprobs.get(rid)
-                rows.add(req, offset, [token], reason, [lp] if lp is not None else [], prompt_lps.get(rid, []))
-                if reason is not None:
-                    self.running.remove(req)
-                    self._finish(req)
-                    self.counters.finished_requests += 1
-                    finished.append(req)
-                elif self.config.role == "prefill" and len(req.output_token_ids) == 1:
-                    # Only at its first token: one that decodes here after all stays here.
-                    self.running.remove(req)
-                    self._park(req)
-                    parked.append(req)
+            if not kept:
+                continue
+            rows.add(req, offset, tokens[:kept], reason, logprobs[:kept], prompt_lps.get(rid, []))
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req)
+                self.counters.finished_requests += 1
+                finished.append(req)
+            elif self.config.role == "prefill" and offset == 0:
+                # Only at its first token: one that decodes here after all stays here.
+                self.running.remove(req)
+                self._park(req)
+                parked.append(req)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
         return StepOutcome(detok=detok, finished=finished, parked=parked, failed=failed)
 
@@ -445,7 +480,7 @@ class Scheduler:
         """The step failed on the worker: its requests end with an error."""
         step = self._pop_in_flight(step_id)
         failed: list[Request] = []
-        for req, _, _ in step.current_rows(self.requests) if step else ():
+        for req, *_ in step.current_rows(self.requests) if step else ():
             self.running.remove(req)
             self._finish(req)
             failed.append(req)
@@ -538,7 +573,11 @@ class Scheduler:
 
     def stats(self) -> dict[str, int | float | list[int] | list[float]]:
         c = self.counters
-        return dict(num_running=len(self.running), num_waiting=len(self.waiting),
+        spec = self.speculator
+        return dict(spec_num_drafts=spec.num_drafts if spec else 0,
+                    spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+                    spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+                    num_running=len(self.running), num_waiting=len(self.waiting),
                     num_blocks=self.kv.num_blocks, num_free_blocks=self.kv.num_free_blocks,
                     block_size=self.kv.block_size, steps=c.steps, mixed_steps=c.mixed_steps,
                     prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
@@ -566,3 +605,15 @@ class Scheduler:
             assert (len(self.kv.block_ids(r.request_id)) * self.kv.block_size
                     >= r.num_computed_tokens + r.num_inflight_tokens)
             assert r.num_inflight_tokens >= 0 and 0 <= r.num_inflight_samples <= len(self._in_flight)
+
+
+def _tokens_by_request(result: StepResult) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
+    """Each request's tokens of a step result and their logprobs (where asked for)."""
+    counts = result.num_tokens or [1] * len(result.request_ids)
+    out: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}
+    at = 0
+    for rid, k in zip(result.request_ids, counts, strict=True):
+        lps = [lp for lp in result.logprobs[at:at + k] if lp is not None] if result.logprobs else []
+        out[rid] = (result.token_ids[at:at + k], lps)
+        at += k
+    return out

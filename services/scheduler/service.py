@@ -36,6 +36,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.prefix_summary import PrefixSummary
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
+from rill.services.scheduler.speculation import SpeculativeConfig, Speculator
 from rill.shared.bus import Backoff, Bus, Entry
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import POLL_MS, StopFlag
@@ -116,7 +117,8 @@ class SchedulerService:
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
                             policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching,
-                           sliding_window=ready.sliding_window or None))
+                           sliding_window=ready.sliding_window or None),
+            Speculator(SpeculativeConfig.parse(self.args.speculative_config)) if self.args.speculative_config else None)
         self.disagg.configure(ready)
         log.info("engine %d (%s) ready: %d KV blocks x %d tokens = %d tokens, max_model_len=%d, "
                  "max_num_seqs=%d, max_num_batched_tokens=%d, worker %s on %s (%s, quantization %s, %d tensor-parallel "
@@ -124,6 +126,8 @@ class SchedulerService:
                  ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size, max_model_len,
                  self.args.max_num_seqs, budget, ready.worker_id,
                  ready.device, ready.dtype, ready.quantization, self.args.tensor_parallel_size)
+        if self.sched.speculator is not None:
+            log.info("speculative decoding: %s", self.sched.speculator.config)
 
     # ------------------------------------------------------------------------- main loop
 

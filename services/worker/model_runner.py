@@ -3,7 +3,10 @@
 As in vLLM V1, the scheduler sends a request's full data once (NewRequestData) and then only
 diffs (new block ids, how many tokens to run). The runner keeps each request's tokens, block
 table and progress, builds the flattened batch for a StepPlan, runs the model, and samples one
-token for every request that reached the end of its known tokens.
+token for every request that reached the end of its known tokens. A request with speculative
+drafts runs them after its last token, samples every one of those positions as it would without
+them, and keeps the drafts its samples agree with (services/scheduler/speculation.py says why
+that is exact).
 """
 
 from __future__ import annotations
@@ -121,8 +124,17 @@ class RequestState:
     error: str | None = None  # why it cannot go on (a grammar that broke); reported when sampled
 
 
-# What a step returns: the sampled request ids, their tokens, and their logprobs (see StepResult).
-Sampled = tuple[list[str], list[int], list[TokenLogprobs | None]]
+@dataclass
+class Sampled:
+    """What a step returns (see StepResult): request ids, their tokens, logprobs, tokens per request."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    num_tokens: list[int]  # empty: one token each
+
+
+NOTHING = Sampled([], [], [], [])
 
 
 class ModelRunner:
@@ -206,17 +218,17 @@ class ModelRunner:
         self._errors = {}
         try:
             self._apply_diffs(plan)
-            ids, tokens, logprobs = self._run(plan)
+            out = self._run(plan)
         except Exception as exc:  # one bad step must not take the worker down
             if self.tp is not None:  # ...but a rank that failed has left its peers mid-collective
                 raise
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[],
                               error=f"{type(exc).__name__}: {exc}")
-        prompt = [self._prompt_out.get(rid, []) for rid in ids] if self._prompt_out else []
-        return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens,
-                          forward_ms=(time.perf_counter() - start) * 1e3, logprobs=logprobs,
-                          prompt_logprobs=prompt, errors=self._errors)
+        prompt = [self._prompt_out.get(rid, []) for rid in out.request_ids] if self._prompt_out else []
+        return StepResult(step_id=plan.step_id, request_ids=out.request_ids, token_ids=out.token_ids,
+                          forward_ms=(time.perf_counter() - start) * 1e3, logprobs=out.logprobs,
+                          prompt_logprobs=prompt, errors=self._errors, num_tokens=out.num_tokens)
 
     def _check(self, plan: StepPlan) -> None:
         """Validate the whole plan against the state it would produce, before changing anything."""
@@ -240,16 +252,39 @@ class ModelRunner:
             view[rid] = (n_tok, n_done, n_blocks + len(blocks))
         if len(set(plan.scheduled_request_ids)) != len(plan.scheduled_request_ids):
             raise PlanError("a request is scheduled twice in one step")
-        for rid, n in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, strict=True):
+        drafts = self._check_drafts(plan)
+        for rid, n, k in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, drafts, strict=True):
             if rid not in view:
                 raise PlanError(f"unknown request id {rid!r} in scheduled_request_ids")
             n_tok, n_done, n_blocks = view[rid]
+            if k and (n != k + 1 or n_done + 1 != n_tok):
+                raise PlanError(f"request {rid!r}: {k} drafts need {k + 1} tokens scheduled after all but its last")
+            n_tok += k
             if n < 1 or n_done + n > n_tok:
                 raise PlanError(f"request {rid!r}: {n} tokens scheduled, {n_tok - n_done} left to compute")
             if n_done + n > self.max_model_len:
                 raise PlanError(f"request {rid!r}: {n_done + n} tokens exceed max_model_len {self.max_model_len}")
             if n_done + n > n_blocks * self.block_size:
                 raise PlanError(f"request {rid!r}: {n_blocks} blocks cannot hold {n_done + n} tokens")
+
+    def _check_drafts(self, plan: StepPlan) -> list[int]:
+        """Draft counts per scheduled request, after checking the drafts can be verified here."""
+        if not plan.spec_token_ids:
+            return [0] * len(plan.scheduled_request_ids)
+        if len(plan.spec_token_ids) != len(plan.scheduled_request_ids):
+            raise PlanError("spec_token_ids and scheduled_request_ids differ in length")
+        params = {rid: s.params for rid, s in self.requests.items()} | {n.request_id: n.params for n in plan.new_requests}
+        for rid, drafts in zip(plan.scheduled_request_ids, plan.spec_token_ids, strict=True):
+            if not drafts:
+                continue
+            if self.tp is not None:
+                raise PlanError("speculative drafts with tensor parallelism")
+            if min(drafts) < 0 or max(drafts) >= self.cfg.vocab_size:
+                raise PlanError(f"request {rid!r} has draft tokens outside the vocabulary")
+            p = params.get(rid)
+            if p is not None and (p.uses_penalties or p.grammar is not None):
+                raise PlanError(f"request {rid!r}: drafts for a request with penalties or a grammar")
+        return [len(d) for d in plan.spec_token_ids]
 
     def _check_new(self, new: NewRequestData) -> None:
         rid = new.request_id
@@ -297,23 +332,26 @@ class ModelRunner:
     def _run(self, plan: StepPlan) -> Sampled:
         self.last_logits = None
         if not plan.scheduled_request_ids:
-            return [], [], []
+            return NOTHING
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
+        drafts = plan.spec_token_ids or [[] for _ in states]
         if self.graphs is not None and self.graphs.fits(counts):
             return self._run_graph(states)
         input_ids: list[int] = []
-        for s, n in zip(states, counts, strict=True):
-            input_ids.extend(s.token_ids[s.num_computed:s.num_computed + n])
+        for s, n, d in zip(states, counts, drafts, strict=True):
+            input_ids.extend(s.token_ids[s.num_computed:s.num_computed + n - len(d)])
+            input_ids.extend(d)
         positions, meta = make_attention_metadata(
             [s.block_ids for s in states], [s.num_computed for s in states], counts, self.block_size,
             self.device)
         # A request samples when this step reaches the end of its known tokens; a partial
-        # prompt chunk does not.
-        sampled = [i for i, (s, n) in enumerate(zip(states, counts, strict=True))
-                   if s.num_computed + n == len(s.token_ids)]
+        # prompt chunk does not. One with drafts samples at its last token and every draft.
+        sampled = [i for i, (s, n, d) in enumerate(zip(states, counts, drafts, strict=True))
+                   if s.num_computed + n - len(d) == len(s.token_ids)]
         qsl = meta.query_start_loc_host
-        rows = [qsl[i + 1] - 1 for i in sampled]
+        rows = [r for i in sampled for r in range(qsl[i + 1] - 1 - len(drafts[i]), qsl[i + 1])]
+        num_sample_rows = len(rows)
         # Prompt logprobs: position p's logits score prompt token p + 1.
         prompt_spans: list[tuple[RequestState, int, int, int]] = []  # (request, first row, rows, position)
         for i, (s, n) in enumerate(zip(states, counts, strict=True)):
@@ -330,8 +368,9 @@ class ModelRunner:
             for s, first, num, start in prompt_spans:
                 self._score_prompt(s, hidden[first:first + num], start)
             if not sampled:
-                return [], [], []
-            return self._sample(states, sampled, self.model.logits(hidden[:len(sampled)]))
+                return NOTHING
+            return self._sample(states, sampled, self.model.logits(hidden[:num_sample_rows]),
+                                [drafts[i] for i in sampled])
 
     def _score_prompt(self, s: RequestState, hidden: torch.Tensor, start: int) -> None:
         """Append the logprobs of prompt tokens start + 1 .. start + len(hidden) (slices of rows, so
@@ -359,43 +398,64 @@ class ModelRunner:
             for s in states:
                 s.num_computed += 1
             if not sampled:
-                return [], [], []
+                return NOTHING
             # A copy: the graph's output buffer is overwritten by the next replay.
             logits = all_logits.clone() if len(sampled) == len(states) else \
                 all_logits.index_select(0, torch.tensor(sampled, device=all_logits.device))
             return self._sample(states, sampled, logits)
 
-    def _sample(self, states: list[RequestState], sampled: list[int], logits: torch.Tensor) -> Sampled:
-        """Sample one token for each row of `logits` (the states at `sampled`) and append it."""
+    def _sample(self, states: list[RequestState], sampled: list[int], logits: torch.Tensor,
+                drafts: list[list[int]] | None = None) -> Sampled:
+        """Sample every row of `logits`: one per request at `sampled`, then one per draft of the
+        request (`drafts`, aligned with `sampled`). Each request keeps its drafts up to the first
+        its sample disagrees with, plus that sample; its kept tokens are appended."""
+        drafts = drafts or [[] for _ in sampled]
         if self.tp is not None and not self.tp.lead:  # rank 0 samples; the others append its tokens
             for i, tok in zip(sampled, self.tp.broadcast_tokens(None, len(sampled)), strict=True):
                 states[i].token_ids.append(tok)
-            return [], [], []
-        rows = [SampleRow(states[i].params, len(states[i].token_ids) - states[i].num_prompt,
-                          states[i].generator, states[i].history_slot) for i in sampled]
-        out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled]))
+            return NOTHING
+        row_states: list[RequestState] = []
+        rows: list[SampleRow] = []
+        for i, d in zip(sampled, drafts, strict=True):
+            s = states[i]
+            first = len(s.token_ids) - s.num_prompt  # output index of its next token
+            row_states += [s] * (len(d) + 1)
+            rows += [SampleRow(s.params, first + j, s.generator, s.history_slot) for j in range(len(d) + 1)]
+        out = self.sampler.sample_batch(logits, rows, self._token_mask(row_states))
         if self.tp is not None:
             self.tp.broadcast_tokens(out.token_ids, len(sampled))
-        self.last_logits = logits  # raw: the sampler never writes into them
-        for i, tok in zip(sampled, out.token_ids, strict=True):
+        result = Sampled([], [], [], [])
+        kept_rows: list[int] = []
+        at = 0
+        for i, d in zip(sampled, drafts, strict=True):
             s = states[i]
+            picks = out.token_ids[at:at + len(d) + 1]
+            accepted = next((j for j, (tok, draft) in enumerate(zip(picks, d, strict=False)) if tok != draft), len(d))
+            s.num_computed -= len(d) - accepted  # rejected drafts' KV: overwritten by later steps
             if s.prompt_lps is not None and len(s.token_ids) == s.num_prompt:  # its first output token
                 self._prompt_out[s.request_id], s.prompt_lps = s.prompt_lps, None
-            if s.matcher is not None and s.error is None:
-                why = Grammars.advance(s.matcher, tok)
-                if why is not None:
-                    s.error = f"structured output: {why}"
-            s.token_ids.append(tok)
-        ids = [states[i].request_id for i in sampled]
-        failed = [j for j, i in enumerate(sampled) if states[i].error is not None]
-        if not failed:
-            return ids, out.token_ids, out.logprobs
-        # A request whose grammar broke fails alone; the rest of the batch goes on.
-        for j in failed:
-            self._errors[ids[j]] = states[sampled[j]].error or ""
-        keep = [j for j in range(len(ids)) if ids[j] not in self._errors]
-        return ([ids[j] for j in keep], [out.token_ids[j] for j in keep],
-                [out.logprobs[j] for j in keep] if out.logprobs else [])
+            for tok in picks[:accepted + 1]:
+                if s.matcher is not None and s.error is None:
+                    why = Grammars.advance(s.matcher, tok)
+                    if why is not None:
+                        s.error = f"structured output: {why}"
+                s.token_ids.append(tok)
+            if s.error is not None:  # a request whose grammar broke fails alone; the batch goes on
+                self._errors[s.request_id] = s.error
+            else:
+                result.request_ids.append(s.request_id)
+                result.token_ids.extend(picks[:accepted + 1])
+                result.num_tokens.append(accepted + 1)
+                kept_rows.extend(range(at, at + accepted + 1))
+            at += len(d) + 1
+        # Raw logits of the returned tokens (for tests and debugging): the sampler never writes into them.
+        self.last_logits = logits if len(kept_rows) == logits.shape[0] else \
+            logits.index_select(0, torch.tensor(kept_rows, dtype=torch.int64, device=logits.device))
+        if out.logprobs:
+            result.logprobs = [out.logprobs[r] for r in kept_rows]
+        if len(result.token_ids) == len(result.request_ids):
+            result.num_tokens = []  # one each: the common case carries nothing extra
+        return result
 
     def _token_mask(self, states: list[RequestState]) -> TokenMask | None:
         """The grammar masks of the constrained rows among `states` (sampling rows, in order)."""

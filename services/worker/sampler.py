@@ -63,11 +63,6 @@ class SampledBatch:
     logprobs: list[TokenLogprobs | None]
 
 
-def needs_history(p: SamplingParams) -> bool:
-    """Whether sampling these params reads the request's token history (the penalties)."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def check_params(p: SamplingParams) -> str | None:
     """Why these params cannot be sampled, or None. The comparisons are written so NaN fails."""
     if not p.temperature >= 0:
@@ -164,7 +159,7 @@ class Sampler:
 
     def track(self, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int | None:
         """Start the token history of a request whose params need one; its slot, else None."""
-        if not needs_history(params):
+        if not params.uses_penalties:
             return None
         if self.history is None:
             raise ValueError("penalties need a sampler built with vocab_size")
@@ -242,7 +237,7 @@ class Sampler:
     def _penalize(self, x: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
         """Repetition penalty over prompt and output tokens, then frequency and presence penalties
         over output tokens, on the rows that set any (`raw` is the caller's, never written)."""
-        idx = [i for i, r in enumerate(rows) if needs_history(r.params)]
+        idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         if not idx:
             return x
         if self.history is None or any(rows[i].history_slot is None for i in idx):
