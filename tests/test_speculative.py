@@ -309,6 +309,11 @@ def test_served_greedy_matches_transformers_and_drafts_are_counted(spec_stack, s
     cut = client.chat.completions.create(model=model_id, messages=hello, temperature=0, max_tokens=30, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.index(stop)]
 
+    scored = client.chat.completions.create(model=model_id, messages=hello, temperature=0, max_tokens=30,
+                                            logprobs=True, top_logprobs=2)
+    assert scored.choices[0].message.content == text  # one logprob per token, accepted drafts included
+    assert len(scored.choices[0].logprobs.content) == scored.usage.completion_tokens == full.usage.completion_tokens
+
     two = client.chat.completions.create(model=model_id, messages=hello, temperature=0.8, n=2, max_tokens=20, seed=3)
     assert len(two.choices) == 2 and all(c.message.content for c in two.choices)
 
