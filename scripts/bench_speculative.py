@@ -22,9 +22,9 @@ from _inproc_engine import Engine  # noqa: E402
 
 from rill.kernels import chooser  # noqa: E402
 from rill.kernels.native_build import cpu_flags  # noqa: E402
-from rill.services.scheduler.speculation import SpeculativeConfig, Speculator  # noqa: E402
+from rill.services.scheduler.speculation import Speculator  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
-from rill.shared.config import resolve_quantization  # noqa: E402
+from rill.shared.config import SpeculativeConfig, resolve_quantization  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 
 CODE = '''def moving_average(values, window):

@@ -93,12 +93,14 @@ def _chat_template_file(path: str) -> str:
 
 def _speculative_config(text: str) -> str:
     """--speculative-config: checked here, so a bad one stops `rill serve` before any process starts."""
-    from rill.services.scheduler.speculation import SpeculativeConfig
+    from rill.shared.config import SpeculativeConfig
 
     try:
-        SpeculativeConfig.parse(text)
+        config = SpeculativeConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if config.method == "draft_model" and not os.path.exists(os.path.expanduser(config.model)):
+        raise argparse.ArgumentTypeError(f"the draft model {config.model} does not exist")
     return text
 
 

@@ -117,6 +117,61 @@ def kv_cache_blocks(model: ModelConfig, dtype: str, block_size: int, memory_byte
     return memory_bytes // (model.kv_bytes_per_token(dtype) * block_size)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config. "ngram": k drafts from the longest suffix n-gram
+    (prompt_lookup_max down to prompt_lookup_min tokens) seen before (scheduler/speculation.py);
+    "draft_model": k greedy drafts of `model`, a smaller checkpoint of the same vocabulary
+    (worker/draft_model.py)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    method: str = "ngram"
+    model: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON; ValueError naming the field at fault."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        method = raw.get("method", "draft_model" if "model" in raw else "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config method {method!r} is not supported (supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        known = {"method", "num_speculative_tokens"} | (
+            {"model"} if method == "draft_model" else {"prompt_lookup_max", "prompt_lookup_min"})
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field {unknown[0]!r} for method {method!r}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        if method == "draft_model" and not (isinstance(raw.get("model"), str) and raw["model"]):
+            raise ValueError("--speculative-config method 'draft_model' needs model: a checkpoint folder or .gguf")
+        fields = {k: raw[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in raw}
+        for name, value in fields.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config {name} must be a positive integer, got {value!r}")
+        if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
+            fields["prompt_lookup_min"] = min(cls.prompt_lookup_min, fields["prompt_lookup_max"])
+        if "prompt_lookup_min" in fields and "prompt_lookup_max" not in fields:
+            fields["prompt_lookup_max"] = max(cls.prompt_lookup_max, fields["prompt_lookup_min"])
+        cfg = cls(method=method, model=raw.get("model", ""), **fields)
+        if cfg.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--speculative-config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError("--speculative-config prompt_lookup_min must not exceed prompt_lookup_max")
+        return cfg
+
+
 @dataclass
 class EngineArgs:
     """The `serve` flags that the engine services share."""

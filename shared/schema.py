@@ -243,7 +243,11 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     kv_imports: list[KVImport] = []
     # Speculative decoding: draft tokens each scheduled request runs after its last token, to be
     # verified this step (aligned with scheduled_request_ids; empty when no request has any).
+    # DRAFT_PLACEHOLDER drafts are the worker's draft model's to propose.
     spec_token_ids: list[list[int]] = []
+
+
+DRAFT_PLACEHOLDER = -1
 
 
 class Hello(Struct, tag_field="_t", tag="hello", array_like=True):

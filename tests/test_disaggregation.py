@@ -483,9 +483,11 @@ def tiny_prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 290, (n,), generator=g).tolist()
 
 
-def test_handoff_between_engine_threads_matches_colocated(engines: ThreadEngines, tiny_llama) -> None:
-    engines.start(0, "prefill")
-    engines.start(1, "decode")
+@pytest.mark.parametrize("speculative", ["", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'],
+                         ids=["plain", "speculative"])
+def test_handoff_between_engine_threads_matches_colocated(engines: ThreadEngines, tiny_llama, speculative: str) -> None:
+    engines.start(0, "prefill", speculative_config=speculative)
+    engines.start(1, "decode", speculative_config=speculative)
     jobs = [Job(f"j{i}", tiny_prompt(i, 3 + (i * 13) % 70), [1, 2, 6, 20, 33][i % 5]) for i in range(10)]
     jobs.append(Job("pair", tiny_prompt(99, 21), 9, n=2))
     for job in jobs:
@@ -508,6 +510,8 @@ def test_handoff_between_engine_threads_matches_colocated(engines: ThreadEngines
     assert prefill.decode_tokens == 0, "the prefill engine decoded"
     assert decode.prefill_tokens == 0, "the decode engine ran a prompt"
     assert not engines.kv_keys(), "transfer chunks were left behind"
+    if speculative:  # the decode engine verified drafts on handed-over KV, greedy output unchanged
+        assert decode.spec_num_accepted_tokens > 0 and prefill.spec_num_drafts == 0
 
 
 def test_stop_abort_reaching_the_prefill_engine_is_forwarded(engines: ThreadEngines) -> None:

@@ -16,8 +16,9 @@ from test_scheduler_engine import chat, drive, greedy, make_sched
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from rill.services.scheduler.speculation import SpeculativeConfig, Speculator, ngram_drafts
+from rill.services.scheduler.speculation import Speculator, ngram_drafts
 from rill.services.worker.model_runner import ModelRunner
+from rill.shared.config import SpeculativeConfig
 from rill.shared.schema import SamplingParams, StepResult, TokenizedRequest
 
 NEAR_TIE = 2e-3
@@ -62,7 +63,8 @@ def test_ngram_matches_whole_tokens_only() -> None:
 
 @pytest.mark.parametrize("text, fault", [
     ('{"method": "eagle", "num_speculative_tokens": 3}', "eagle"),
-    ('{"model": "some/draft", "num_speculative_tokens": 3}', "draft_model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs model"),
+    ('{"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 3}', "prompt_lookup_max"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mux": 4}', "prompt_lookup_mux"),
@@ -80,6 +82,8 @@ def test_bad_config_is_refused_by_name(text: str, fault: str) -> None:
 def test_config_defaults_follow_the_given_bound() -> None:
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 1}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (5, 1, 1)
+    cfg = SpeculativeConfig.parse('{"model": "/models/draft", "num_speculative_tokens": 3}')  # vLLM's shorthand
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
 
 
 # ---------------------------------------------------------------------- scheduler accounting
@@ -325,3 +329,71 @@ def test_served_greedy_matches_transformers_and_drafts_are_counted(spec_stack, s
     accepted = [line for line in metrics.splitlines() if line.startswith("rill:spec_decode_num_accepted_tokens_total")]
     assert accepted and float(accepted[0].rsplit(" ", 1)[1]) == st.spec_num_accepted_tokens
     assert "rill:spec_decode_acceptance_rate{" in metrics and "rill:spec_decode_mean_accepted_length{" in metrics
+
+
+# ------------------------------------------------------------------------------ draft model
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> str:
+    """A tiny randomly initialised Llama with SmolLM2's vocabulary: a draft that is mostly wrong."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("draft")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _draft_spec(path: str, k: int = 3) -> Speculator:
+    return Speculator(SpeculativeConfig(num_speculative_tokens=k, method="draft_model", model=path))
+
+
+@pytest.mark.parametrize("draft", ["itself", "random"])
+def test_draft_model_greedy_output_is_unchanged(smol, smollm2_dir: str, random_draft: str, draft: str) -> None:
+    """A draft as good as can be (the target itself) and a useless one (random weights): greedy
+    output is the target's either way; acceptance follows the draft's quality."""
+    tok, runner = smol
+    path = smollm2_dir if draft == "itself" else random_draft
+    drafted = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=256, block_size=8,
+                          model=runner.model, draft_model=path)
+    msgs = [greedy(f"q{i}", chat(tok, p), 24) for i, p in enumerate(PROMPTS[:4])]
+    reference = drive(runner, make_sched(num_blocks=1024, block_size=8, budget=512), msgs)
+    speculator = _draft_spec(path)
+    sched = make_sched(num_blocks=256, block_size=8, budget=512, speculator=speculator)
+    run = drive(drafted, sched, msgs)
+    assert _assert_same_greedy(reference, run, msgs) >= len(msgs) - 1
+    rate = speculator.num_accepted_tokens / speculator.num_draft_tokens
+    assert rate > 0.9 if draft == "itself" else rate < 0.3, rate
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks and not drafted.draft.seen
+
+
+def test_draft_model_sampling_keeps_the_distribution(smol, smollm2_dir: str, random_draft: str) -> None:
+    """Mostly rejected drafts: the tokens drawn where a draft was refused still pass the
+    chi-square test against sampling without speculation."""
+    tok, runner = smol
+    drafted = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=1024, block_size=8,
+                          model=runner.model, draft_model=random_draft)
+    prompt = chat(tok, "Name a colour.")
+
+    def sampled(r: ModelRunner, seed0: int, speculator: Speculator | None, n: int = 200) -> list[list[int]]:
+        msgs = [TokenizedRequest(request_id=f"c{seed0 + i}", reply_to="none", prompt_token_ids=prompt,
+                                 params=SamplingParams(temperature=1.0, max_tokens=4, seed=seed0 + i),
+                                 eos_token_ids=[2], arrival_time=0.0) for i in range(n)]
+        run = drive(r, make_sched(num_blocks=1024, block_size=8, budget=4096, max_seqs=256, speculator=speculator), msgs)
+        return [run.outputs[m.request_id] for m in msgs]
+
+    speculator = _draft_spec(random_draft, k=2)
+    with_draft = sampled(drafted, 0, speculator)
+    without = sampled(runner, 10_000, None)
+    assert speculator.num_draft_tokens > 200
+    for pos in range(1, 4):
+        a = [o[pos] for o in with_draft if len(o) > pos]
+        b = [o[pos] for o in without if len(o) > pos]
+        stat, dof = _two_sample_chi2(a, b)
+        if dof:
+            p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                                    torch.tensor(stat / 2, dtype=torch.float64)))
+            assert p_value > 1e-3, f"position {pos}: chi2={stat:.1f} on {dof} dof, p={p_value:.2g}"

@@ -36,9 +36,9 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.prefix_summary import PrefixSummary
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from rill.services.scheduler.speculation import SpeculativeConfig, Speculator
+from rill.services.scheduler.speculation import Speculator
 from rill.shared.bus import Backoff, Bus, Entry
-from rill.shared.config import EngineArgs
+from rill.shared.config import EngineArgs, SpeculativeConfig
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.resp import Command
 from rill.shared.schema import (

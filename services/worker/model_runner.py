@@ -26,6 +26,7 @@ from rill.kernels import chooser, native_build
 from rill.kernels.cpu_tuning import ModelShapes, tune_gguf, tune_model
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
+from rill.services.worker.draft_model import DraftModel, DraftRow
 from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.gguf_weights import GGUFSource
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
@@ -34,7 +35,14 @@ from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
 from rill.shared import envs
 from rill.shared.config import ModelConfig, kv_cache_blocks
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from rill.shared.schema import (
+    DRAFT_PLACEHOLDER,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("rill.worker")
 
@@ -140,11 +148,13 @@ NOTHING = Sampled([], [], [], [])
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto", num_blocks: int = 256,
                  block_size: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 model: LlamaModel | None = None, quantization: str = "none", tp: TPGroup | None = None) -> None:
+                 model: LlamaModel | None = None, quantization: str = "none", tp: TPGroup | None = None,
+                 draft_model: str | None = None) -> None:
         """quantization: "none", "int8" (W8A8 linear layers) or "gguf" (the file's own blocks), the
         last two CPU only (see LlamaModel.load). A
         `model` passed in is used as loaded, its own quantization included. `tp`: this process is
-        one rank of a tensor-parallel group; it loads its shard, and only rank 0 samples."""
+        one rank of a tensor-parallel group; it loads its shard, and only rank 0 samples.
+        `draft_model`: a checkpoint of the same vocabulary that proposes speculative drafts."""
         self.device = resolve_device(device)
         self.tp = tp
         if self.device == "cpu":
@@ -168,6 +178,7 @@ class ModelRunner:
             log.warning("--quantization int8 on a CPU without VNNI/AMX int8 instructions: its int8 GEMMs "
                         "run far slower than %s ones here (scripts/benchmarks.md); serve with --quantization none", self.dtype)
         self.cfg = self.model.cfg
+        self.draft = DraftModel(draft_model, self.model, self.max_model_len) if draft_model else None
         self.block_size = block_size
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -189,6 +200,8 @@ class ModelRunner:
         self.graphs = None  # captured against the old cache
         self.kv_caches = []  # drop the old cache before allocating the new one
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        if self.draft is not None:
+            self.draft.resize_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
 
     def reset(self) -> None:
@@ -199,11 +212,15 @@ class ModelRunner:
     def _forget_all(self) -> None:
         self.requests.clear()
         self.sampler.release_all()
+        if self.draft is not None:
+            self.draft.forget_all()
 
     def _forget(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
         if state is not None:
             self.sampler.release(state.history_slot)
+        if self.draft is not None:
+            self.draft.forget(rid)
 
     # --------------------------------------------------------------------------------- a step
 
@@ -279,7 +296,10 @@ class ModelRunner:
                 continue
             if self.tp is not None:
                 raise PlanError("speculative drafts with tensor parallelism")
-            if min(drafts) < 0 or max(drafts) >= self.cfg.vocab_size:
+            if drafts[0] == DRAFT_PLACEHOLDER and self.draft is not None:
+                if any(d != DRAFT_PLACEHOLDER for d in drafts):
+                    raise PlanError(f"request {rid!r} mixes draft tokens and placeholders")
+            elif min(drafts) < 0 or max(drafts) >= self.cfg.vocab_size:
                 raise PlanError(f"request {rid!r} has draft tokens outside the vocabulary")
             p = params.get(rid)
             if p is not None and (p.uses_penalties or p.grammar is not None):
@@ -335,7 +355,7 @@ class ModelRunner:
             return NOTHING
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
-        drafts = plan.spec_token_ids or [[] for _ in states]
+        drafts = self._propose(states, plan.spec_token_ids) if plan.spec_token_ids else [[] for _ in states]
         if self.graphs is not None and self.graphs.fits(counts):
             return self._run_graph(states)
         input_ids: list[int] = []
@@ -369,8 +389,25 @@ class ModelRunner:
                 self._score_prompt(s, hidden[first:first + num], start)
             if not sampled:
                 return NOTHING
-            return self._sample(states, sampled, self.model.logits(hidden[:num_sample_rows]),
-                                [drafts[i] for i in sampled])
+            out = self._sample(states, sampled, self.model.logits(hidden[:num_sample_rows]),
+                               [drafts[i] for i in sampled])
+            if self.draft is not None:
+                for s, d in zip(states, drafts, strict=True):
+                    if d:
+                        self.draft.accepted(s.request_id, s.num_computed)
+            return out
+
+    def _propose(self, states: list[RequestState], spec: list[list[int]]) -> list[list[int]]:
+        """The plan's drafts, placeholders filled in by the draft model."""
+        wanted = [i for i, d in enumerate(spec) if d and d[0] == DRAFT_PLACEHOLDER]
+        if not wanted or self.draft is None:
+            return spec
+        rows = [DraftRow(states[i].request_id, states[i].token_ids, states[i].num_computed, states[i].block_ids,
+                         len(spec[i])) for i in wanted]
+        drafts = list(spec)
+        for i, proposed in zip(wanted, self.draft.propose(rows), strict=True):
+            drafts[i] = proposed
+        return drafts
 
     def _score_prompt(self, s: RequestState, hidden: torch.Tensor, start: int) -> None:
         """Append the logprobs of prompt tokens start + 1 .. start + len(hidden) (slices of rows, so

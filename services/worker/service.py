@@ -34,9 +34,16 @@ from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resol
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
 from rill.shared import envs
 from rill.shared.bus import Backoff, Bus
-from rill.shared.config import DEFAULT_CPU_KV_CACHE_BYTES, DTYPE_BYTES, EngineArgs, ModelConfig
+from rill.shared.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DTYPE_BYTES,
+    EngineArgs,
+    ModelConfig,
+    SpeculativeConfig,
+)
 from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.model_files import resolve_model
 from rill.shared.resp import RespConnection
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
 from rill.shared.streams import MAXLEN
@@ -64,6 +71,14 @@ def _kv_bytes(runner: ModelRunner, args: EngineArgs) -> int:
     return max(0, int(total * args.gpu_memory_utilization) - (used - cache_now))
 
 
+def draft_model_dir(args: EngineArgs) -> str | None:
+    """The checkpoint folder of --speculative-config's draft model (a .gguf converted once), or None."""
+    if not args.speculative_config:
+        return None
+    config = SpeculativeConfig.parse(args.speculative_config)
+    return str(resolve_model(config.model)) if config.method == "draft_model" else None
+
+
 def join_group(args: EngineArgs) -> TPGroup | None:
     """This worker's tensor-parallel group (None with one rank); a group that does not form
     ends start-up with one line naming why."""
@@ -86,7 +101,8 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     rss = resident_bytes()
     runner = ModelRunner(args.model_dir, dtype=args.dtype, device=device,
                          num_blocks=-(-probe_tokens // args.block_size), block_size=args.block_size,
-                         max_model_len=max_len, seed=args.seed, quantization=args.quantization, tp=tp)
+                         max_model_len=max_len, seed=args.seed, quantization=args.quantization, tp=tp,
+                         draft_model=draft_model_dir(args))
     if tp is None or tp.rank == 0:  # the rank that samples; overlaps the cache sizing and warm-up below
         runner.grammars.prepare_in_background()
     rank = f"rank {tp.rank}/{tp.size} " if tp else ""
@@ -96,6 +112,9 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
     num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
+    if runner.draft is not None:  # the draft's KV shares the budget, block for block
+        per_token = cfg.kv_bytes_per_token(dtype) + runner.draft.kv_bytes_per_token()
+        num_blocks = budget // (per_token * args.block_size)
     if tp is not None:  # one block table for every rank: the smallest cache sets it
         num_blocks = tp.all_reduce_min(num_blocks)
     if num_blocks < 1:
@@ -109,6 +128,9 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
              num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype,
              runner.quantization, device, cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim,
              DTYPE_BYTES[dtype])
+    if runner.draft is not None:
+        log.info("draft model: %s, its own KV cache in the same blocks: bytes=%d", args.speculative_config,
+                 tokens * runner.draft.kv_bytes_per_token())
     return runner
 
 
