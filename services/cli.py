@@ -303,8 +303,8 @@ def kernel_report(ns: argparse.Namespace) -> int:
     import torch
 
     from rill.kernels import chooser
+    from rill.services.worker.cpu_setup import choose_cpu_kernels, configure_cpu_threads
     from rill.services.worker.dtype_choice import resolve_dtype
-    from rill.services.worker.model_runner import choose_cpu_kernels, configure_cpu_threads
 
     setup_logging("serve", ns.log_level)
     if ns.device == "cuda":

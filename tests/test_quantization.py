@@ -316,7 +316,7 @@ def test_cli_passes_quantization_to_the_worker(smollm2_dir: str) -> None:
 
 def test_int8_dot_units_are_read_from_the_cpu_flags() -> None:
     """The warning for int8 on a CPU that would run it slowly keys on the VNNI/AMX flags."""
-    from rill.services.worker.model_runner import cpu_has_int8_dot
+    from rill.services.worker.cpu_setup import cpu_has_int8_dot
 
     assert cpu_has_int8_dot("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n")
     assert cpu_has_int8_dot("flags\t\t: fpu avx2 avx_vnni\n")

@@ -11,30 +11,30 @@ that is exact).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from rill.kernels import chooser, native_build
-from rill.kernels.cpu_tuning import ModelShapes, tune_gguf, tune_model
 from rill.kernels.ops import make_attention_metadata
+from rill.services.worker.cpu_setup import (
+    choose_cpu_kernels,
+    configure_cpu_threads,
+    cpu_has_int8_dot,
+    keep_freed_memory,
+    resolve_device,
+)
 from rill.services.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from rill.services.worker.draft_model import DraftModel, DraftRow
 from rill.services.worker.dtype_choice import resolve_dtype
-from rill.services.worker.gguf_weights import GGUFSource
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
-from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, check_params
+from rill.services.worker.plan_check import Limits, PlanError, check_plan
+from rill.services.worker.sampler import Sampler, SampleRow, TokenMask
 from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
-from rill.shared import envs
-from rill.shared.config import ModelConfig, kv_cache_blocks
+from rill.shared.config import ModelConfig
 from rill.shared.schema import (
     DRAFT_PLACEHOLDER,
     NewRequestData,
@@ -47,71 +47,7 @@ from rill.shared.schema import (
 log = logging.getLogger("rill.worker")
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    return device
-
-
-def cpu_has_int8_dot(flags: str | None = None) -> bool:
-    """Whether the CPU has int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
-    oneDNN's int8 GEMM needs to beat float: on an AVX2-only VM it measured 5 GOP/s against
-    155 GFLOP/s for fp32. `flags`: /proc/cpuinfo's flags line (default: this machine's)."""
-    flags = native_build.cpu_flags() if flags is None else flags
-    if not flags.startswith("flags"):  # not x86, or unreadable: no warning on a guess
-        return True
-    return bool(set(flags.split()) & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-def num_blocks_for(model_cfg: ModelConfig, dtype: str, block_size: int, memory_bytes: int) -> int:
-    """KV blocks that fit in `memory_bytes` (see shared.config.kv_cache_blocks)."""
-    return kv_cache_blocks(model_cfg, dtype, block_size, memory_bytes)
-
-
-def configure_cpu_threads(ranks: int = 1) -> int:
-    """Intra-op threads for the CPU forward: RILL_WORKER_THREADS, else every core we may run on
-    (shared among the `ranks` tensor-parallel processes of one machine)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = envs.RILL_WORKER_THREADS or (usable or 1) // ranks or 1
-    torch.set_num_threads(max(1, n))
-    return torch.get_num_threads()
-
-
-def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str,
-                       model_dir: str | None = None, remeasure: bool = False) -> tuple[chooser.KernelTable, list[str]]:
-    """Install the kernel choices measured on this machine for this model's shapes (measuring
-    what Rill's cache lacks: a second or two on a machine's first start); with quantization
-    "gguf", also the routes of the GGUF block layers (`model_dir`: the converted checkpoint)."""
-    shapes = ModelShapes.of(cfg)
-    table, keys = tune_model(shapes, dtype, quantization, remeasure=remeasure)
-    if quantization == "gguf" and model_dir is not None:
-        parts, head = GGUFSource.of(Path(model_dir), cfg).part_shapes(cfg.tie_word_embeddings)
-        table, gguf_keys = tune_gguf(parts, dtype, head, remeasure=remeasure)
-        keys = keys + gguf_keys
-    log.info("kernels (%s, %d threads): %s", chooser.cpu_model(), torch.get_num_threads(),
-             chooser.summary(table, keys))
-    return table, keys
-
-
-def _keep_freed_memory() -> None:
-    """Ask glibc to keep freed large buffers instead of unmapping them. The CPU forward frees
-    and re-allocates the same multi-MB activations and KV gathers every layer; returning them
-    to the OS makes each reuse page-fault again, which measured ~2x slower gathers."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: keep the defaults
-
-
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head slice
-
-
-class PlanError(ValueError):
-    """A StepPlan that does not fit the worker's state (the step is refused, state untouched)."""
 
 
 @dataclass
@@ -160,7 +96,7 @@ class ModelRunner:
         if self.device == "cpu":
             # first: "auto" measures GEMMs with the threads that will serve
             configure_cpu_threads(tp.size if tp else 1)
-            _keep_freed_memory()
+            keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         if quantization == "gguf" and self.device != "cpu":
             log.warning("the GGUF block kernels are CPU-only: serving the dequantized weights on %s", self.device)
@@ -227,7 +163,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         try:
-            self._check(plan)
+            check_plan(plan, self.requests, Limits(self.cfg.vocab_size, self.num_blocks, self.block_size,
+                                                   self.max_model_len, self.tp is not None, self.draft is not None))
         except PlanError as exc:
             log.warning("step %d refused: %s", plan.step_id, exc)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], error=str(exc))
@@ -246,84 +183,6 @@ class ModelRunner:
         return StepResult(step_id=plan.step_id, request_ids=out.request_ids, token_ids=out.token_ids,
                           forward_ms=(time.perf_counter() - start) * 1e3, logprobs=out.logprobs,
                           prompt_logprobs=prompt, errors=self._errors, num_tokens=out.num_tokens)
-
-    def _check(self, plan: StepPlan) -> None:
-        """Validate the whole plan against the state it would produce, before changing anything."""
-        if len(plan.cached_request_ids) != len(plan.cached_new_block_ids):
-            raise PlanError("cached_request_ids and cached_new_block_ids differ in length")
-        if len(plan.scheduled_request_ids) != len(plan.num_scheduled_tokens):
-            raise PlanError("scheduled_request_ids and num_scheduled_tokens differ in length")
-        # (tokens known, tokens computed, blocks) of every request after this plan's diffs
-        forget = set(plan.finished_request_ids)
-        view: dict[str, tuple[int, int, int]] = {
-            rid: (len(s.token_ids), s.num_computed, len(s.block_ids)) for rid, s in self.requests.items()
-            if rid not in forget}
-        for new in plan.new_requests:
-            self._check_new(new)
-            view[new.request_id] = (len(new.token_ids), new.num_computed_tokens, len(new.block_ids))
-        for rid, blocks in zip(plan.cached_request_ids, plan.cached_new_block_ids, strict=True):
-            if rid not in view:
-                raise PlanError(f"unknown request id {rid!r} in cached_request_ids")
-            self._check_blocks(rid, blocks)
-            n_tok, n_done, n_blocks = view[rid]
-            view[rid] = (n_tok, n_done, n_blocks + len(blocks))
-        if len(set(plan.scheduled_request_ids)) != len(plan.scheduled_request_ids):
-            raise PlanError("a request is scheduled twice in one step")
-        drafts = self._check_drafts(plan)
-        for rid, n, k in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, drafts, strict=True):
-            if rid not in view:
-                raise PlanError(f"unknown request id {rid!r} in scheduled_request_ids")
-            n_tok, n_done, n_blocks = view[rid]
-            if k and (n != k + 1 or n_done + 1 != n_tok):
-                raise PlanError(f"request {rid!r}: {k} drafts need {k + 1} tokens scheduled after all but its last")
-            n_tok += k
-            if n < 1 or n_done + n > n_tok:
-                raise PlanError(f"request {rid!r}: {n} tokens scheduled, {n_tok - n_done} left to compute")
-            if n_done + n > self.max_model_len:
-                raise PlanError(f"request {rid!r}: {n_done + n} tokens exceed max_model_len {self.max_model_len}")
-            if n_done + n > n_blocks * self.block_size:
-                raise PlanError(f"request {rid!r}: {n_blocks} blocks cannot hold {n_done + n} tokens")
-
-    def _check_drafts(self, plan: StepPlan) -> list[int]:
-        """Draft counts per scheduled request, after checking the drafts can be verified here."""
-        if not plan.spec_token_ids:
-            return [0] * len(plan.scheduled_request_ids)
-        if len(plan.spec_token_ids) != len(plan.scheduled_request_ids):
-            raise PlanError("spec_token_ids and scheduled_request_ids differ in length")
-        params = {rid: s.params for rid, s in self.requests.items()} | {n.request_id: n.params for n in plan.new_requests}
-        for rid, drafts in zip(plan.scheduled_request_ids, plan.spec_token_ids, strict=True):
-            if not drafts:
-                continue
-            if self.tp is not None:
-                raise PlanError("speculative drafts with tensor parallelism")
-            if drafts[0] == DRAFT_PLACEHOLDER and self.draft is not None:
-                if any(d != DRAFT_PLACEHOLDER for d in drafts):
-                    raise PlanError(f"request {rid!r} mixes draft tokens and placeholders")
-            elif min(drafts) < 0 or max(drafts) >= self.cfg.vocab_size:
-                raise PlanError(f"request {rid!r} has draft tokens outside the vocabulary")
-            p = params.get(rid)
-            if p is not None and (p.uses_penalties or p.grammar is not None):
-                raise PlanError(f"request {rid!r}: drafts for a request with penalties or a grammar")
-        return [len(d) for d in plan.spec_token_ids]
-
-    def _check_new(self, new: NewRequestData) -> None:
-        rid = new.request_id
-        if not new.token_ids:
-            raise PlanError(f"request {rid!r} has no tokens")
-        if min(new.token_ids) < 0 or max(new.token_ids) >= self.cfg.vocab_size:
-            raise PlanError(f"request {rid!r} has token ids outside the vocabulary (size {self.cfg.vocab_size})")
-        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-            raise PlanError(f"request {rid!r}: num_computed_tokens {new.num_computed_tokens} out of range")
-        if not 0 <= new.num_output_tokens <= len(new.token_ids):
-            raise PlanError(f"request {rid!r}: num_output_tokens {new.num_output_tokens} out of range")
-        why = check_params(new.params)
-        if why:
-            raise PlanError(f"request {rid!r}: {why}")
-        self._check_blocks(rid, new.block_ids)
-
-    def _check_blocks(self, rid: str, blocks: Sequence[int]) -> None:
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            raise PlanError(f"request {rid!r}: block id outside 0..{self.num_blocks - 1}")
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         for rid in plan.finished_request_ids:

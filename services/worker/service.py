@@ -29,8 +29,9 @@ import msgspec
 import redis
 import torch
 
+from rill.services.worker.cpu_setup import resolve_device
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
-from rill.services.worker.model_runner import ModelRunner, num_blocks_for, resolve_device
+from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
 from rill.shared import envs
 from rill.shared.bus import Backoff, Bus
@@ -40,6 +41,7 @@ from rill.shared.config import (
     EngineArgs,
     ModelConfig,
     SpeculativeConfig,
+    kv_cache_blocks,
 )
 from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
@@ -111,7 +113,7 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     dtype = runner.dtype
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
-    num_blocks = num_blocks_for(cfg, dtype, args.block_size, budget)
+    num_blocks = kv_cache_blocks(cfg, dtype, args.block_size, budget)
     if runner.draft is not None:  # the draft's KV shares the budget, block for block
         per_token = cfg.kv_bytes_per_token(dtype) + runner.draft.kv_bytes_per_token()
         num_blocks = budget // (per_token * args.block_size)
