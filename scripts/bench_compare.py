@@ -20,6 +20,10 @@ the runner's Python), so the next bottleneck is visible, and the kernel table th
 
     .venv/bin/python scripts/bench_compare.py [--requests 64] [--dtype auto] [--serial-subset 4]
                                               [--quantization none|int8]   (Rill rows only)
+
+With --llama-server BIN (scripts/build_llama_server.sh builds one) it compares instead Rill's
+pipeline with llama.cpp's llama-server on the same GGUF and prompts, in alternating turns: 1, 8
+and 32 streams, and a single-stream section (TTFT, TPOT, tok/s of one 155-token prompt at a time).
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ from _step_profile import format_profile, profile  # noqa: E402
 
 from rill.kernels import chooser  # noqa: E402
 from rill.kernels.cpu_tuning import ModelShapes, entry_keys  # noqa: E402
+from rill.kernels.native_build import cpu_flags  # noqa: E402
 from rill.services.supervisor import children_of  # noqa: E402
 from rill.services.worker.dtype_choice import resolve_dtype  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.broker import free_port  # noqa: E402
 from rill.shared.config import default_max_num_batched_tokens  # noqa: E402
-from rill.shared.model_files import resolve_model  # noqa: E402
+from rill.shared.model_files import gguf_source, resolve_model  # noqa: E402
 
 Row = dict[str, float]
 
@@ -176,50 +181,127 @@ def cpu_split(before: dict[str, float], after: dict[str, float], client: float, 
     parts = ", ".join(f"{role} {v:.2f}" for role, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.005)
     return f"CPU-s {parts}; all but the worker {others / (wall * (os.cpu_count() or 1)):.1%} of the cores"
 
-class Pipeline:
-    """`rill serve` in a subprocess, measured by `rill bench serve`'s client in this process. It
-    stays up (idle) while the in-process engine runs, so the two can be measured in turns."""
+class _Server:
+    """A server in a subprocess on `self.port`, measured by `rill bench serve`'s client in this
+    process on the shared workload."""
+
+    port: int
+    proc: subprocess.Popen
+    label = "server"
+
+    def __init__(self, prompts: list[list[int]], out_len: int) -> None:
+        self.prompts, self.out_len = prompts, out_len
+
+    def measure(self, conc: int | None, prompts: list[list[int]] | None = None) -> Row:
+        import argparse as ap
+        import asyncio
+
+        import rill.services.bench_serve as bs
+
+        prompts = prompts or self.prompts
+        args = ap.Namespace(base_url=f"http://127.0.0.1:{self.port}", backend="openai-completions", model=None,
+                            dataset="random", num_prompts=len(prompts), input_len=0, output_len=self.out_len,
+                            input_len_range="", output_len_range="", request_rate=float("inf"),
+                            max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
+                            timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
+        # The shared workload, after two warm-up requests.
+        dataset = [bs.Prompt(p, len(p), self.out_len) for p in prompts[:2] + prompts]
+        before, t0, c0 = tree_cpu(self.proc.pid), time.perf_counter(), time.process_time()
+        r = asyncio.run(bs.run_benchmark(args, dataset))
+        split = cpu_split(before, tree_cpu(self.proc.pid), time.process_time() - c0, time.perf_counter() - t0)
+        if r["failed"]:
+            raise RuntimeError(f"{self.label} requests failed: {r['errors']}")
+        print(f"  {self.label}, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s; {split}", flush=True)
+        return {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"], "tpot": r["tpot_ms"]["median"]}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class Pipeline(_Server):
+    """`rill serve` in a subprocess. It stays up (idle) while the in-process engine runs, so the
+    two can be measured in turns."""
+
+    label = "pipeline"
 
     def __init__(self, model_dir: str, dtype: str, prompts: list[list[int]], out_len: int, quantization: str,
-                 budget: int) -> None:
-        self.prompts, self.out_len = prompts, out_len
+                 budget: int, extra: list[str] | None = None) -> None:
+        super().__init__(prompts, out_len)
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(self.port),
              "--host", "127.0.0.1", "--dtype", dtype, "--quantization", quantization,
              # Every phase replays the same prompts: without this the later phases would hit the
              # prefix cache, which (b) does not have.
-             "--max-num-seqs", "64", "--no-enable-prefix-caching", "--max-num-batched-tokens", str(budget)],
+             "--max-num-seqs", "64", "--no-enable-prefix-caching", "--max-num-batched-tokens", str(budget),
+             *(extra or [])],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "ready at" not in line:
             self.close()
             raise RuntimeError(f"rill serve did not start: {line!r}")
 
-    def measure(self, conc: int | None) -> Row:
-        import argparse as ap
-        import asyncio
 
-        import rill.services.bench_serve as bs
+class LlamaServer(_Server):
+    """llama.cpp's llama-server (scripts/build_llama_server.sh) on the same GGUF file: continuous
+    batching over `slots` sequences sharing one KV buffer, this machine's threads."""
 
-        args = ap.Namespace(base_url=f"http://127.0.0.1:{self.port}", backend="openai-completions", model=None,
-                            dataset="random", num_prompts=len(self.prompts), input_len=0, output_len=self.out_len,
-                            input_len_range="", output_len_range="", request_rate=float("inf"),
-                            max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
-                            timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
-        # The shared workload, after two warm-up requests.
-        dataset = [bs.Prompt(p, len(p), self.out_len) for p in self.prompts[:2] + self.prompts]
-        before, t0, c0 = tree_cpu(self.proc.pid), time.perf_counter(), time.process_time()
-        r = asyncio.run(bs.run_benchmark(args, dataset))
-        split = cpu_split(before, tree_cpu(self.proc.pid), time.process_time() - c0, time.perf_counter() - t0)
-        if r["failed"]:
-            raise RuntimeError(f"pipeline requests failed: {r['errors']}")
-        print(f"  pipeline, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s; {split}", flush=True)
-        return {"tok_s": r["output_throughput"], "ttft": r["ttft_ms"]["median"], "tpot": r["tpot_ms"]["median"]}
+    label = "llama-server"
 
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+    def __init__(self, binary: str, gguf: Path, prompts: list[list[int]], out_len: int, slots: int) -> None:
+        import urllib.request
+
+        super().__init__(prompts, out_len)
+        self.port = free_port()
+        threads = str(torch.get_num_threads())
+        cmd = [binary, "-m", str(gguf), "-c", str(slots * (max(map(len, prompts)) + out_len + 16)), "-np", str(slots),
+               "--kv-unified", "-t", threads, "-tb", threads, "--host", "127.0.0.1", "--port", str(self.port)]
+        if "amx_tile" in cpu_flags().split():
+            cmd.append("-nr")  # its AMX weight repacking faults on these VMs (reference/cpu-peers.md 3.1)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+
+def compare_llama_server(args: argparse.Namespace, model_dir: str, dtype: str, prompts: list[list[int]], out: int,
+                         budget: int) -> None:
+    """Rill's pipeline against llama-server, same GGUF, same prompts, in alternating turns: 1, 8
+    and 32 streams, then a single-stream section (one 155-token prompt at a time)."""
+    gguf = gguf_source(args.model)
+    if gguf is None:
+        raise SystemExit("--llama-server compares on a .gguf model; give one (or none: the default GGUF)")
+    single = workload(4, 155, 155, seed=1)
+    extra = ["--speculative-config", args.rill_speculative_config] if args.rill_speculative_config else []
+    servers = [Pipeline(model_dir, dtype, prompts, out, args.quantization, budget, extra),
+               LlamaServer(args.llama_server, gguf, prompts, out, slots=32)]
+    rows: dict[tuple[str, str], Row] = {}
+    try:
+        for i, (name, conc, subset) in enumerate([("1 stream", 1, prompts[:8]), ("8 streams", 8, None),
+                                                  ("32 streams", 32, None), ("single stream", 1, single)]):
+            for server in servers if i % 2 == 0 else servers[::-1]:
+                rows[(name, server.label)] = server.measure(conc, subset)
+    finally:
+        for server in servers:
+            server.close()
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in cpu_flags().split())
+    print(f"\n{gguf.name}; Rill --dtype {dtype} --quantization {args.quantization} {' '.join(extra)}; "
+          f"CPU {chooser.cpu_model()} [{flags}]")
+    print("| streams | system | output tok/s | TTFT p50 ms | TPOT p50 ms | Rill / llama-server tok/s |")
+    print("|---|---|---|---|---|---|")
+    for name in dict.fromkeys(n for n, _ in rows):
+        rill, llama = rows[(name, "pipeline")], rows[(name, "llama-server")]
+        for label, r in (("Rill", rill), ("llama-server", llama)):
+            ratio = f"{rill['tok_s'] / llama['tok_s']:.2f}x" if label == "Rill" else ""
+            print(f"| {name} | {label} | {r['tok_s']:.1f} | {r['ttft']:.0f} | {r['tpot']:.1f} | {ratio} |")
 
 
 def turn_order(turns: int) -> list[str]:
@@ -244,8 +326,15 @@ def main() -> None:
                    help="Rill's step budget, pipeline and in-process (default: Rill's CPU default)")
     p.add_argument("--turns", type=int, default=4,
                    help="runs of each of (a) and (b) at concurrency 16, in balanced turns")
+    p.add_argument("--llama-server", metavar="BIN", default=None,
+                   help="compare the pipeline with this llama-server binary (scripts/build_llama_server.sh) on the "
+                        "same GGUF instead: 1, 8, 32 streams and single-stream; Rill's --quantization defaults to auto")
+    p.add_argument("--rill-speculative-config", metavar="JSON", default=None,
+                   help="with --llama-server: Rill runs with this --speculative-config")
     add_quantization_flag(p)
+    p.set_defaults(quantization=None)
     args = p.parse_args()
+    args.quantization = args.quantization or ("auto" if args.llama_server else "none")
 
     from transformers import LlamaForCausalLM
 
@@ -261,6 +350,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads",
           flush=True)
 
+    if args.llama_server:
+        compare_llama_server(args, model_dir, dtype, prompts, out, budget)
+        return
     rows: dict[str, Row] = {}
     print("(a) Rill full pipeline ...", flush=True)
     pipe = Pipeline(model_dir, dtype, prompts, out, args.quantization, budget)

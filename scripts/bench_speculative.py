@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run: the in-process
-engine (scheduler + model runner, no broker), greedy chat requests with the model's EOS, on a
-repetitive prompt (rewrite a given code block) and a free-form one (a story). Prints per prompt
-and stream count: output tok/s, TPOT p50 and the ratio with / without, the acceptance rate and
-mean accepted length, whether the outputs were identical, and the CPU.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, in one
+run: the in-process engine (scheduler + model runner, no broker), greedy chat requests with the
+model's EOS, on a repetitive prompt (rewrite a given code block) and a free-form one (a story).
+Prints per prompt and stream count: output tok/s with and without and their ratio, time per
+output token, the acceptance rate and mean accepted length, and the CPU.
 
     .venv/bin/python scripts/bench_speculative.py [MODEL] [--quantization auto] [--dtype bfloat16]
         [--speculative-config JSON] [--output-len 128] [--streams 1,8] [--turns 3]
@@ -82,6 +82,10 @@ def main() -> None:
     quantization = resolve_quantization(args.quantization, model_dir, "cpu")
     streams = [int(s) for s in args.streams.split(",")]
     runner = ModelRunner(model_dir, dtype=args.dtype, quantization=quantization, num_blocks=4096)
+    # A draft model runs beside the same target weights in a second runner.
+    spec_runner = runner if config.method != "draft_model" else ModelRunner(
+        model_dir, dtype=args.dtype, quantization=quantization, num_blocks=4096, model=runner.model,
+        draft_model=str(resolve_model(config.model)))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -89,7 +93,7 @@ def main() -> None:
                      if f in cpu_flags().split())
     print(f"# {Path(model_dir).name}, {args.dtype}, quantization {quantization}, output <= {args.output_len}, "
           f"{args.speculative_config}; CPU {chooser.cpu_model()} [{flags}]")
-    run(runner, [1, 2, 3, 4] * 8, 1, 8, config)  # warm-up
+    run(spec_runner, [1, 2, 3, 4] * 8, 1, 8, config)  # warm-up
     print("| prompt | streams | tok/s plain | tok/s spec | ratio | TPOT p50 ms plain / spec | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|")
     for name, text in PROMPTS.items():
@@ -99,7 +103,8 @@ def main() -> None:
             got: dict[str, list[dict[str, float]]] = {"plain": [], "spec": []}
             for turn in range(args.turns):
                 for mode in ("plain", "spec") if turn % 2 == 0 else ("spec", "plain"):
-                    got[mode].append(run(runner, ids, n, args.output_len, config if mode == "spec" else None))
+                    got[mode].append(run(spec_runner, ids, n, args.output_len, config) if mode == "spec"
+                                     else run(runner, ids, n, args.output_len, None))
             tok_s = {m: statistics.median(r["tok_s"] for r in rows) for m, rows in got.items()}
             tpot = {m: statistics.median(r["tpot"] for r in rows) for m, rows in got.items()}
             acc = statistics.median(r.get("acceptance", 0.0) for r in got["spec"])
