@@ -21,7 +21,6 @@ from rill.shared.logs import setup_logging
 from rill.shared.model_files import converted_from
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
-REDIS_URL_ENV = "RILL_REDIS_URL"  # how rill serve hands its children the broker (see _child_argv)
 log = logging.getLogger("rill.cli")
 
 
@@ -119,12 +118,11 @@ def _memory_size(text: str) -> int:
 
 
 def _gateway_flags(p: argparse.ArgumentParser) -> None:
-    from rill.services.gateway.auth import ENV_VAR
     from rill.services.gateway.limits import DEFAULT_MAX_BODY_BYTES
 
     p.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        f"(default: ${ENV_VAR}; unset or empty: no key)")
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                        "(default: $RILL_API_KEY; unset or empty: no key)")
     p.add_argument("--max-request-body-bytes", type=_body_size, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES >> 20}MiB; "
                         f"accepts e.g. 4MiB)")
@@ -266,7 +264,7 @@ def run_service(ns: argparse.Namespace) -> None:
         envs.export("THP_MEM_ALLOC_ENABLE", "1", overwrite=False)
     ns.redis_url = ns.redis_url or envs.RILL_REDIS_URL
     if not ns.redis_url:
-        raise SystemExit(f"rill service: --redis-url (or ${REDIS_URL_ENV}) is required "
+        raise SystemExit("rill service: --redis-url (or $RILL_REDIS_URL) is required "
                          "(rill serve starts a broker for you)")
     model_dir = resolve_checked(ns.model)
     args = engine_args(ns, model_dir)

@@ -11,7 +11,6 @@ import urllib.request
 import uuid
 
 from rill.services.cli import (
-    REDIS_URL_ENV,
     engine_args,
     resolve_checked,
 )
@@ -144,13 +143,11 @@ def serve(ns: argparse.Namespace) -> int:
         # Its own password, so that no other local user can read prompts or inject messages.
         broker = EmbeddedBroker(password=secrets.token_urlsafe(24), maxmemory=ns.broker_maxmemory).start()
         redis_url = broker.url
-    envs.export(REDIS_URL_ENV, redis_url)  # the children's, off their command lines
+    envs.export("RILL_REDIS_URL", redis_url)  # the children's, off their command lines
     if ns.api_key is not None:
         # The gateways inherit the key through the environment: on their command lines it would
         # show in every process listing.
-        from rill.services.gateway.auth import ENV_VAR
-
-        envs.export(ENV_VAR, ns.api_key)
+        envs.export("RILL_API_KEY", ns.api_key)
     # Children run `python -m rill.services.cli` in our working directory: keep it off their
     # sys.path, where a checkout's kernels/ folder would shadow the `kernels` package transformers imports.
     envs.export("PYTHONSAFEPATH", "1")

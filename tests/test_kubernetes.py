@@ -26,10 +26,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from service_stack import ServiceStack, count_chats, rill_executable, stack_flags
 
-from rill.services.cli import REDIS_URL_ENV, build_parser
+from rill.services.cli import build_parser
 from rill.services.gateway import metrics as gateway_metrics
 from rill.services.gateway import openai_api
-from rill.services.gateway.auth import ENV_VAR as API_KEY_ENV
 from rill.services.gateway.metrics import GatewayMetrics, GroupBacklog
 from rill.shared.broker import free_port
 from rill.shared.schema import EngineStats
@@ -131,7 +130,7 @@ def test_container_args_pass_rills_parser() -> None:
         ns = build_parser().parse_args(args)  # exactly what the container runs after `rill`
         assert (ns.command, ns.name) == ("service", c["name"])
         # The broker URL (it may hold a password) comes from the environment, off the command line.
-        assert ns.redis_url is None and urlsplit(container_env(c)[REDIS_URL_ENV]).scheme in ("redis", "rediss")
+        assert ns.redis_url is None and urlsplit(container_env(c)["RILL_REDIS_URL"]).scheme in ("redis", "rediss")
         assert {m["mountPath"] for m in c["volumeMounts"]} == {"/models"}
         seen.setdefault(ns.name, []).append((workload, c, ns))
     assert sorted(seen) == sorted(["gateway", "tokenizer", "detokenizer", "scheduler", "worker"])
@@ -162,13 +161,13 @@ def test_container_args_pass_rills_parser() -> None:
     assert probe["path"] == "/health" and probe["port"] == "http"
     assert "/health" in {r.path for r in openai_api.routes()}
     assert gns.api_key is None
-    key = next(v for v in gateway["env"] if v["name"] == API_KEY_ENV)
+    key = next(v for v in gateway["env"] if v["name"] == "RILL_API_KEY")
     assert "secretKeyRef" in key["valueFrom"]
 
 
 def test_broker_address_is_the_bundled_service() -> None:
     config = find("ConfigMap", "rill")["data"]
-    url = urlsplit(config[REDIS_URL_ENV])
+    url = urlsplit(config["RILL_REDIS_URL"])
     service = find("Service", "rill-redis")
     namespace = kustomization()["namespace"]
     assert url.hostname == f"{service['metadata']['name']}.{namespace}.svc"
@@ -275,7 +274,7 @@ def test_manifest_commands_serve_a_chat(redis_url: str, smollm2_dir: str) -> Non
     commands = {c["name"]: [*rill_executable(), *rendered_args(c), *stack_flags(prefix, port), "--device", "cpu"]
                 for _, c in rill_containers()}
     env = dict(os.environ, RILL_WORKER_THREADS="2", PYTHONUNBUFFERED="1", **find("ConfigMap", "rill")["data"])
-    env.update({REDIS_URL_ENV: redis_url, API_KEY_ENV: key})
+    env.update({"RILL_REDIS_URL": redis_url, "RILL_API_KEY": key})
     stack = ServiceStack(redis_url, prefix, port, commands, env=env).start()
     try:
         for resp in asyncio.run(count_chats(stack.base_url, api_key=key, counts=(3, 4))):

@@ -149,15 +149,15 @@ def test_smoothing_fold_is_exact_in_float(which: str, request: pytest.FixtureReq
 
 
 def test_smoothquant_alphas_come_from_the_argument_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(smoothquant.ENV_VAR, raising=False)
+    monkeypatch.delenv("RILL_SMOOTHQUANT_ALPHA", raising=False)
     assert smoothquant.resolve_alphas(None) == smoothquant.DEFAULT_ALPHAS
     assert smoothquant.resolve_alphas(0.3) == dict.fromkeys(smoothquant.KINDS, 0.3)
     assert smoothquant.resolve_alphas({"down": 0.4}) == {**dict.fromkeys(smoothquant.KINDS, 0.0), "down": 0.4}
-    monkeypatch.setenv(smoothquant.ENV_VAR, "0")
+    monkeypatch.setenv("RILL_SMOOTHQUANT_ALPHA", "0")
     assert not any(smoothquant.resolve_alphas(None).values())
-    monkeypatch.setenv(smoothquant.ENV_VAR, "qkv=0.7, down=0.2")
+    monkeypatch.setenv("RILL_SMOOTHQUANT_ALPHA", "qkv=0.7, down=0.2")
     assert smoothquant.resolve_alphas(None) == {**smoothquant.DEFAULT_ALPHAS, "qkv": 0.7, "down": 0.2}
-    monkeypatch.setenv(smoothquant.ENV_VAR, "attn=0.5")
+    monkeypatch.setenv("RILL_SMOOTHQUANT_ALPHA", "attn=0.5")
     with pytest.raises(ValueError, match="unknown layer kind"):
         smoothquant.resolve_alphas(None)
 

@@ -19,7 +19,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rill.services.gateway.errors import APIError
 from rill.shared import envs
 
-ENV_VAR = "RILL_API_KEY"
 GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 MISSING = "Missing API key: send it as the header `Authorization: Bearer <key>`."
 INVALID = "Incorrect API key provided."

@@ -41,7 +41,6 @@ KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 # value, and qkv at 0.6 (its input has the largest outlier) was better or equal in both dtypes and
 # every calibration text tried. 0 for a kind leaves it unsmoothed.
 DEFAULT_ALPHAS: dict[str, float] = {"qkv": 0.6, "o": 0.5, "gate_up": 0.5, "down": 0.5, "lm_head": 0.5}
-ENV_VAR = "RILL_SMOOTHQUANT_ALPHA"
 
 # Varied ordinary text (prose, numbers, code, a list, another language) plus a chat exchange,
 # so that both plain and chat-templated prompts (and their special tokens) set the maxima.
@@ -77,7 +76,7 @@ def parse_alphas(text: str) -> dict[str, float]:
     for part in text.split(","):
         kind, _, value = part.partition("=")
         if kind.strip() not in KINDS:
-            raise ValueError(f"{ENV_VAR}: unknown layer kind {kind.strip()!r} (kinds: {', '.join(KINDS)})")
+            raise ValueError(f"RILL_SMOOTHQUANT_ALPHA: unknown layer kind {kind.strip()!r} (kinds: {', '.join(KINDS)})")
         out[kind.strip()] = float(value)
     return out
 

@@ -35,7 +35,6 @@ from rill.shared.config import ModelConfig
 
 log = logging.getLogger("rill.worker")
 
-ADDRESS_ENV = "RILL_TP_ADDRESS"
 DEFAULT_JOIN_TIMEOUT_S = 60.0
 # A collective waits this long for a peer that is alive but stuck; a dead peer fails it at once.
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -173,7 +172,7 @@ class TPGroup:
             raise TensorParallelError(f"--tp-rank {rank} is outside 0..{size - 1}")
         if not address or ":" not in address:
             raise TensorParallelError(f"tensor parallelism needs a rendezvous HOST:PORT (--tp-address or "
-                                      f"${ADDRESS_ENV}), got {address!r}")
+                                      f"$RILL_TP_ADDRESS), got {address!r}")
         timeout = join_timeout_s() if timeout_s is None else timeout_s
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
