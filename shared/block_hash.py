@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 NONE_HASH = b"\x00" * 16
 SHORT_HASH_BYTES = 8  # what an engine's prefix summary keeps of each hash (collisions: ~2^-64)
+SUMMARY_REFRESH_S = 0.25  # routers read the summaries this often; schedulers write no faster
 
 
 def hash_block(parent: bytes, tokens: list[int]) -> bytes:

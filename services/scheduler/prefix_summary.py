@@ -7,7 +7,7 @@ no order. At most one entry per KV block, so the value is bounded by num_blocks 
 by MAX_ENTRIES beyond that.
 
 Update rule: rewritten whole when the cache's contents changed (KVCacheManager.cache_version)
-and at least MIN_INTERVAL_S after the last write, as one more command in the scheduler's
+and at least SUMMARY_REFRESH_S after the last write, as one more command in the scheduler's
 per-step exchange (no round trip of its own). A whole snapshot rather than SADD/SREM deltas:
 the routers read every engine's summary whole at each refresh anyway (in the same MGET as the
 stats and heartbeats, no extra round trip on their side, where a Redis set would need SMEMBERS
@@ -21,10 +21,9 @@ from __future__ import annotations
 import time
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
-from rill.shared.block_hash import pack_summary
+from rill.shared.block_hash import SUMMARY_REFRESH_S, pack_summary
 from rill.shared.resp import Command
 
-MIN_INTERVAL_S = 0.25  # routers refresh every 0.25 s (Router.REFRESH_S): writing faster is waste
 MAX_ENTRIES = 1 << 16  # 512 KiB: bounds a huge GPU cache's summary (newest registrations kept)
 
 
@@ -39,7 +38,7 @@ def summary_bytes(kv: KVCacheManager, max_entries: int = MAX_ENTRIES) -> bytes:
 class PrefixSummary:
     """Decides when the engine's summary is rewritten, and builds the command that does it."""
 
-    def __init__(self, key: str, min_interval_s: float = MIN_INTERVAL_S) -> None:
+    def __init__(self, key: str, min_interval_s: float = SUMMARY_REFRESH_S) -> None:
         self.key = key
         self.min_interval_s = min_interval_s
         self._seen: tuple[int, int] | None = None  # (id of the cache manager, its cache_version)

@@ -14,7 +14,7 @@ its requests from prefill engines, with their KV). Engines that have published n
 (role unknown) are used only when no engine's role is known to run prompts. An engine whose
 scheduler or worker heartbeat is missing (killed, or not started) is skipped while another one
 beats; with none beating, every listed engine stays a candidate (its requests wait for it).
-Everything is read at most every REFRESH_S, in one MGET.
+Everything is read at most every SUMMARY_REFRESH_S, in one MGET.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, parse_summary
+from rill.shared.block_hash import SHORT_HASH_BYTES, SUMMARY_REFRESH_S, block_hashes, parse_summary
 from rill.shared.bus import Bus
 from rill.shared.heartbeat import engine_beat_keys, engine_ids, engines_alive
 from rill.shared.schema import stats_decoder
@@ -51,8 +51,6 @@ class EngineView:
 
 
 class Router:
-    REFRESH_S = 0.25
-
     def __init__(self, bus: Bus, policy: str = DEFAULT_POLICY) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -119,7 +117,7 @@ class Router:
 
     def pick(self, prompt_token_ids: Sequence[int] = ()) -> int:
         """The engine for a new request with this prompt (the prompt matters to cache-aware only)."""
-        if time.monotonic() - self._read_at >= self.REFRESH_S:
+        if time.monotonic() - self._read_at >= SUMMARY_REFRESH_S:
             self._refresh()
         candidates = self.candidates()
         if self.policy == "round-robin":

@@ -249,6 +249,12 @@ def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(parts)  # type: ignore[arg-type]
 
 
+def float_quantization(quantization: str) -> str:
+    """How a float weight is prepared in a model served with `quantization`: under "gguf" the
+    block layers come prepared, and a layer or head that stays float is a plain float layer."""
+    return "none" if quantization == "gguf" else quantization
+
+
 class LlamaModel:
     """Weights plus the forward pass. Not an nn.Module: no hooks or autograd on the hot path."""
 
@@ -266,9 +272,8 @@ class LlamaModel:
         self.norm = norm
         self.tied = lm_head is embed if tied is None else tied
         # Quantized, a tied head gets its own int8 copy; the embedding lookup keeps the model dtype.
-        float_quant = "none" if quantization == "gguf" else quantization  # a GGUF head comes prepared
         self.lm_head = lm_head if lm_head is None or not isinstance(lm_head, torch.Tensor) \
-            else ops.make_linear(lm_head, quantization=float_quant, logits=True)
+            else ops.make_linear(lm_head, quantization=float_quantization(quantization), logits=True)
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
@@ -358,7 +363,7 @@ class LlamaModel:
         # bf16 first is far below the int8 step). Layer by layer, each dropping its read tensors as
         # the prepared (pre-packed or int8) copies replace them, so the load peaks near one model.
         def float_linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
-            return ops.make_linear(w, b, "none" if quantization == "gguf" else quantization)
+            return ops.make_linear(w, b, float_quantization(quantization))
 
         source = gguf_weights.GGUFSource.of(model_dir, cfg) if quantization == "gguf" else None
         layers = [tensors.pop(0).prepare(source.layer_linears(i, float_linear) if source
