@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rill.kernels import chooser, cpu_native, gguf_blocks, gguf_linear, gguf_native, torch_ops
+from rill.kernels import (
+    chooser,
+    cpu_native,
+    gguf_blocks,
+    gguf_linear,
+    gguf_native,
+    torch_attention,
+    torch_ops,
+)
 from rill.kernels.chooser import KernelTable, Probe
 from rill.kernels.ops import make_attention_metadata
 
@@ -139,10 +147,10 @@ def _attention_probe(op: str, bucket: int, names: list[str], q: torch.Tensor, k_
 
     def run(name: str) -> Callable[[], torch.Tensor]:
         kernels = (name, "sdpa") if op == "decode" else ("native", name)
-        plan = torch_ops._AttentionPlan(meta, shapes.heads, shapes.kv_heads, BLOCK_SIZE, q.device, *kernels)
-        return lambda: torch_ops.attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
+        plan = torch_attention._AttentionPlan(meta, shapes.heads, shapes.kv_heads, BLOCK_SIZE, q.device, *kernels)
+        return lambda: torch_attention.attend(plan, q, k_cache, v_cache, scale, k_new, v_new)
 
-    return Probe(op, torch_ops.attention_shape(q, k_cache), bucket, {m: run(m) for m in names})
+    return Probe(op, torch_attention.attention_shape(q, k_cache), bucket, {m: run(m) for m in names})
 
 
 def prefill_probe(shapes: ModelShapes, dtype: torch.dtype, bucket: int) -> Probe | None:
@@ -150,13 +158,13 @@ def prefill_probe(shapes: ModelShapes, dtype: torch.dtype, bucket: int) -> Probe
     least the chunk itself): a fresh short prompt for the first bucket, a long prompt's later chunk after."""
     seq = max(PREFILL_CHUNK, bucket // 4)
     q, k_cache, v_cache, meta = _paged([seq], [PREFILL_CHUNK], shapes, dtype)
-    return _attention_probe("prefill", bucket, torch_ops.prefill_candidates(q, k_cache), q, k_cache, v_cache, meta,
+    return _attention_probe("prefill", bucket, torch_attention.prefill_candidates(q, k_cache), q, k_cache, v_cache, meta,
                             shapes, fresh=seq == PREFILL_CHUNK)
 
 
 def decode_probe(shapes: ModelShapes, dtype: torch.dtype) -> Probe | None:
     q, k_cache, v_cache, meta = _paged([DECODE_CONTEXT] * DECODE_BATCH, [1] * DECODE_BATCH, shapes, dtype)
-    return _attention_probe("decode", 0, torch_ops.decode_candidates(q, k_cache), q, k_cache, v_cache, meta, shapes)
+    return _attention_probe("decode", 0, torch_attention.decode_candidates(q, k_cache), q, k_cache, v_cache, meta, shapes)
 
 
 def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") \
@@ -181,7 +189,7 @@ def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
         shape = torch_ops.gemm_key(n, k, dtype, logits)
         for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             keys.append(KernelTable.key(op, shape, rows))
-    attn = torch_ops.attention_key(dtype, shapes.heads, shapes.kv_heads, shapes.head_dim)
+    attn = torch_attention.attention_key(dtype, shapes.heads, shapes.kv_heads, shapes.head_dim)
     keys += [KernelTable.key("prefill", attn, b) for b in chooser.CONTEXT_BUCKETS]
     keys.append(KernelTable.key("decode", attn, 0))
     return keys

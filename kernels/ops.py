@@ -2,7 +2,8 @@
 
 `llama.py` only ever calls the functions below; each one dispatches on the device of its input
 to an implementation module (`_impl_for`): CUDA tensors go to the Triton kernels (`triton_ops`,
-`triton_attention`), everything else to `torch_ops` (plain torch, tuned for CPU).
+`triton_attention`), everything else to `torch_ops` (plain torch and native kernels, tuned for CPU;
+its attention in `torch_attention`).
 
 RILL_KERNELS=triton|torch|auto (default auto) forces one backend for every device; `set_backend`
 does the same from code. Forcing Triton on a machine without CUDA runs the kernels under the

@@ -5,7 +5,7 @@ is the fp32-FMA vector kernel; in bf16 the AVX512-BF16 dot-product kernel ("dot"
 tile kernel ("amx") run too where the CPU has them.
 
 SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, 16-token blocks scattered over the
-pool). Each case is one step's multi-token rows, as `torch_ops.paged_attention` gets them:
+pool). Each case is one step's multi-token rows, as `torch_attention.paged_attention` gets them:
 (context, chunk length) per sequence.
 
     .venv/bin/python scripts/bench_prefill_attention.py [--dtypes float32,bfloat16] [--repeats 10]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from paged_case import PagedCase, close, decode_lengths, kv_heads_for
 
-from rill.kernels import cpu_native, native_build, ops, torch_ops
+from rill.kernels import cpu_native, native_build, ops, torch_attention, torch_ops
 
 TOL = {torch.float32: (5e-5, 5e-5), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -24,7 +24,7 @@ def native_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run_step(case: PagedCase, computed: list[int], query_lens: list[int], q: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch_ops._AttentionPlan]:
+             ) -> tuple[torch.Tensor, torch_attention._AttentionPlan]:
     bs = case.bs
     blocks = [[int(b) for b in row[: -(-n // bs)]] for row, n in zip(case.tables, case.seq_lens, strict=True)]
     _, meta = ops.make_attention_metadata(blocks, computed, query_lens, bs, "cpu")

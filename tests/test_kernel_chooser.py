@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rill.kernels import chooser, cpu_native, cpu_tuning, torch_ops
+from rill.kernels import chooser, cpu_native, cpu_tuning, torch_attention, torch_ops
 from rill.kernels.chooser import KernelTable, Probe
 from rill.kernels.ops import make_attention_metadata
 
@@ -183,16 +183,16 @@ def test_attention_follows_the_installed_table() -> None:
     q_all = torch.randn(1 + 40, 4, 64)
     caches = torch.randn(2, 8, 16, 2, 64).unbind(0)
     _, meta = make_attention_metadata([[0, 1], [2, 3, 4]], [20, 0], [1, 40], 16)
-    shape = torch_ops.attention_shape(q_all, caches[0])
-    assert torch_ops.attention_kernels(meta, q_all, caches[0]) == ("native", torch_ops.prefill_candidates(
+    shape = torch_attention.attention_shape(q_all, caches[0])
+    assert torch_attention.attention_kernels(meta, q_all, caches[0]) == ("native", torch_attention.prefill_candidates(
         q_all, caches[0])[0])
     chooser.install(KernelTable({KernelTable.key("decode", shape, 0): {"choice": "torch", "us": {}},
                                  KernelTable.key("prefill", shape, 1024): {"choice": "sdpa", "us": {}},
                                  KernelTable.key("prefill", shape, 8192): {"choice": "vector", "us": {}}}))
-    assert torch_ops.attention_kernels(meta, q_all, caches[0]) == ("torch", "sdpa")
+    assert torch_attention.attention_kernels(meta, q_all, caches[0]) == ("torch", "sdpa")
     _, long_meta = make_attention_metadata([list(range(8))], [100], [20], 16)
     long_meta.seq_lens_host = [2000]  # only the bucket is read: the longest prompt context
-    assert torch_ops.attention_kernels(long_meta, q_all, caches[0])[1] == "vector"
+    assert torch_attention.attention_kernels(long_meta, q_all, caches[0])[1] == "vector"
 
 
 def test_tune_model_measures_within_its_bound_and_reports(cache) -> None:

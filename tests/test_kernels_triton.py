@@ -88,14 +88,14 @@ def test_torch_attention_groups_decodes_by_length(monkeypatch: pytest.MonkeyPatc
     """The plain-torch CPU path (no native kernel) pads each decode group's KV to its longest
     row: rows of very different lengths are split into groups (fewer padded blocks), and every
     row still equals the reference, prefill chunks in the same step included."""
-    from rill.kernels import torch_ops
+    from rill.kernels import torch_attention
 
     monkeypatch.setenv("RILL_NATIVE_KERNELS", "0")
 
     bs = 16
-    assert [sorted(g) for g in torch_ops.split_by_length([1, 1, 2, 30, 31, 2, 30])] == [[0, 1, 2, 5], [3, 4, 6]]
-    assert torch_ops.split_by_length([4, 4, 5]) == [[0, 1, 2]]  # not worth a second group
-    assert sorted(i for g in torch_ops.split_by_length([7, 3, 9, 1, 120, 64] * 5) for i in g) == list(range(30))
+    assert [sorted(g) for g in torch_attention.split_by_length([1, 1, 2, 30, 31, 2, 30])] == [[0, 1, 2, 5], [3, 4, 6]]
+    assert torch_attention.split_by_length([4, 4, 5]) == [[0, 1, 2]]  # not worth a second group
+    assert sorted(i for g in torch_attention.split_by_length([7, 3, 9, 1, 120, 64] * 5) for i in g) == list(range(30))
     computed = [3, 500, 17, 260, 40, 900, 8, 120]
     query_lens = [1, 1, 1, 1, 1, 1, 1, 1]
     computed += [0, 70]
@@ -107,7 +107,7 @@ def test_torch_attention_groups_decodes_by_length(monkeypatch: pytest.MonkeyPatc
     case.v_cache = torch.nan_to_num(case.v_cache.cpu(), nan=0.5)
     blocks = [[int(b) for b in row[: -(-n // bs)]] for row, n in zip(case.tables.cpu(), seq_lens, strict=True)]
     _, meta = ops.make_attention_metadata(blocks, computed, query_lens, bs, "cpu")
-    out = torch_ops.paged_attention(case.q.cpu(), case.k_cache, case.v_cache, meta, case.scale)
+    out = torch_attention.paged_attention(case.q.cpu(), case.k_cache, case.v_cache, meta, case.scale)
     assert len(meta.aux["torch_plan"].decode_groups) > 1
     close(out, case.reference(), 2e-5, 2e-5)
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from paged_case import PagedCase, close  # noqa: E402
 from test_window_kernels import BS, KERNEL_TOL, STEP, WINDOW, step_meta, windowed_case  # noqa: E402
 
-from rill.kernels import cpu_native, ops, torch_ops  # noqa: E402
+from rill.kernels import cpu_native, ops, torch_attention  # noqa: E402
 
 CAP = 3.0  # small enough that the cap moves the scores of these cases (asserted below)
 
@@ -46,10 +46,10 @@ def test_native_kernels_soft_cap(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
                                              ("amx", cpu_native.amx_prefill_available())) if ok and dtype == torch.bfloat16]
     for prefill in prefills:
         for decode in ("native", "generic"):
-            plan = torch_ops._AttentionPlan(step_meta(case), case.heads, 2, BS, torch.device("cpu"), decode, prefill,
+            plan = torch_attention._AttentionPlan(step_meta(case), case.heads, 2, BS, torch.device("cpu"), decode, prefill,
                                             window=window)
             assert plan.native is not None and plan.native_prefill is not None
-            close(torch_ops.attend(plan, case.q, case.k_cache, case.v_cache, case.scale, softcap=CAP), want,
+            close(torch_attention.attend(plan, case.q, case.k_cache, case.v_cache, case.scale, softcap=CAP), want,
                   *KERNEL_TOL[dtype])
     close(ops.paged_attention(case.q, case.k_cache, case.v_cache, step_meta(case), case.scale, window=window,
                               softcap=CAP), want, *KERNEL_TOL[dtype])
@@ -63,7 +63,7 @@ def test_torch_path_soft_caps(monkeypatch: pytest.MonkeyPatch, window: int | Non
     # This path reads slots past a row's end in its last block (and masks them): numbers, not NaN.
     case.k_cache, case.v_cache = torch.nan_to_num(case.k_cache, nan=0.5), torch.nan_to_num(case.v_cache, nan=0.5)
     meta = step_meta(case)
-    out = torch_ops.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, window=window, softcap=CAP)
+    out = torch_attention.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, window=window, softcap=CAP)
     plan = meta.aux[("torch_plan", window) if window else "torch_plan"]
     assert plan.native is None and plan.decode_groups and plan.prefills
     close(out, want, 2e-5, 2e-5)

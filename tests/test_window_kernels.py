@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from paged_case import PagedCase, close  # noqa: E402
 
-from rill.kernels import cpu_native, ops, torch_ops  # noqa: E402
+from rill.kernels import cpu_native, ops, torch_attention  # noqa: E402
 
 WINDOW = 10
 BS = 4
@@ -56,10 +56,10 @@ def test_native_kernels_mask_the_window(monkeypatch: pytest.MonkeyPatch, dtype: 
     for prefill in prefills:
         for decode in ("native", "generic"):
             meta = step_meta(case)
-            plan = torch_ops._AttentionPlan(meta, case.heads, 2, BS, torch.device("cpu"), decode, prefill,
+            plan = torch_attention._AttentionPlan(meta, case.heads, 2, BS, torch.device("cpu"), decode, prefill,
                                             window=WINDOW)
             assert plan.native is not None and plan.native_prefill is not None
-            close(torch_ops.attend(plan, case.q, case.k_cache, case.v_cache, case.scale), want, *KERNEL_TOL[dtype])
+            close(torch_attention.attend(plan, case.q, case.k_cache, case.v_cache, case.scale), want, *KERNEL_TOL[dtype])
     # Through the interface the model calls: a plan of its own for the window.
     meta = step_meta(case)
     close(ops.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, window=WINDOW), want,
@@ -75,7 +75,7 @@ def test_torch_path_masks_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     # This path reads slots past a row's end in its last block (and masks them): numbers, not NaN.
     case.k_cache, case.v_cache = torch.nan_to_num(case.k_cache, nan=0.5), torch.nan_to_num(case.v_cache, nan=0.5)
     meta = step_meta(case)
-    out = torch_ops.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, window=WINDOW)
+    out = torch_attention.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, window=WINDOW)
     plan = meta.aux[("torch_plan", WINDOW)]
     assert plan.native is None and plan.decode_groups and plan.prefills
     close(out, case.reference(WINDOW), 2e-5, 2e-5)
