@@ -160,6 +160,11 @@ def test_penalties_and_grammars_are_not_speculated() -> None:
     plan = sched.schedule()
     drafts = dict(zip(plan.scheduled_request_ids, plan.spec_token_ids, strict=True))
     assert drafts["p"] == [] and drafts["g"] == [] and drafts["ok"] == [6, 7, 8]
+    assert not sched.may_plan_ahead(2)  # "ok" may speculate again after this step
+    sched.update(StepResult(step_id=plan.step_id, request_ids=["p", "g", "ok"], token_ids=[5, 5, 9, 9], num_tokens=[1, 1, 2]))
+    sched.abort("ok")
+    sched.schedule()
+    assert sched.may_plan_ahead(2)  # only requests that never speculate: async scheduling as usual
 
 
 # ------------------------------------------------------------------- with a real model

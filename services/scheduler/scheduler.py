@@ -216,12 +216,16 @@ class Scheduler:
         step. A step running prompt tokens is long (on a CPU each one costs about a decode
         row), and a plan fixed while it runs would hold every request arriving meanwhile back
         by one more whole step: waiting for its result lets them join the next plan instead.
+        With speculative decoding, not behind a step of a request that may speculate either.
         """
         if len(self._in_flight) >= depth:
             return False
-        if self.speculator is not None:  # a request's drafts come from the tokens its last step sampled
-            return not self._in_flight
-        return not self._in_flight or all(n == 1 for n in self._in_flight[-1].plan.num_scheduled_tokens)
+        if not self._in_flight:
+            return True
+        last = self._in_flight[-1]
+        if self.speculator is not None and any(self.speculator.may_speculate(r) for r in last.reqs):
+            return False  # its next drafts come from the tokens this step samples
+        return all(n == 1 for n in last.plan.num_scheduled_tokens)
 
     # ------------------------------------------------------------------------- scheduling
 

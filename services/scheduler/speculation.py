@@ -55,11 +55,15 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
+    @staticmethod
+    def may_speculate(req: Request) -> bool:
+        """Whether the request's sampling lets drafts be verified (not: penalties, a grammar)."""
+        return not req.params.uses_penalties and req.params.grammar is None
+
     def drafts(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts to run after the request's last token this step, within the step's `budget`
         (its last token included) and its length limits; [] when it is not speculated."""
-        p = req.params
-        if (not req.output_token_ids or req.num_inflight_tokens or p.uses_penalties or p.grammar is not None
+        if (not req.output_token_ids or req.num_inflight_tokens or not self.may_speculate(req)
                 or req.num_computed_tokens != req.num_tokens - 1):
             return []  # not decoding, its last token still unknown, or sampling that reads the drafts
         room = min(self.config.num_speculative_tokens, budget - 1,
