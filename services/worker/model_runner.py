@@ -77,8 +77,9 @@ class Sampled:
     logprobs: list[TokenLogprobs | None]
     num_tokens: list[int]  # empty: one token each
 
-
-NOTHING = Sampled([], [], [], [])
+    @classmethod
+    def nothing(cls) -> Sampled:
+        return cls([], [], [], [])
 
 
 class ModelRunner:
@@ -211,7 +212,7 @@ class ModelRunner:
     def _run(self, plan: StepPlan) -> Sampled:
         self.last_logits = None
         if not plan.scheduled_request_ids:
-            return NOTHING
+            return Sampled.nothing()
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
         drafts = self._propose(states, plan.spec_token_ids) if plan.spec_token_ids else [[] for _ in states]
@@ -247,7 +248,7 @@ class ModelRunner:
             for s, first, num, start in prompt_spans:
                 self._score_prompt(s, hidden[first:first + num], start)
             if not sampled:
-                return NOTHING
+                return Sampled.nothing()
             out = self._sample(states, sampled, self.model.logits(hidden[:num_sample_rows]),
                                [drafts[i] for i in sampled])
             if self.draft is not None:
@@ -294,7 +295,7 @@ class ModelRunner:
             for s in states:
                 s.num_computed += 1
             if not sampled:
-                return NOTHING
+                return Sampled.nothing()
             # A copy: the graph's output buffer is overwritten by the next replay.
             logits = all_logits.clone() if len(sampled) == len(states) else \
                 all_logits.index_select(0, torch.tensor(sampled, device=all_logits.device))
@@ -309,7 +310,7 @@ class ModelRunner:
         if self.tp is not None and not self.tp.lead:  # rank 0 samples; the others append its tokens
             for i, tok in zip(sampled, self.tp.broadcast_tokens(None, len(sampled)), strict=True):
                 states[i].token_ids.append(tok)
-            return NOTHING
+            return Sampled.nothing()
         row_states: list[RequestState] = []
         rows: list[SampleRow] = []
         for i, d in zip(sampled, drafts, strict=True):
@@ -320,7 +321,7 @@ class ModelRunner:
         out = self.sampler.sample_batch(logits, rows, self._token_mask(row_states))
         if self.tp is not None:
             self.tp.broadcast_tokens(out.token_ids, len(sampled))
-        result = Sampled([], [], [], [])
+        result = Sampled.nothing()
         kept_rows: list[int] = []
         at = 0
         for i, d in zip(sampled, drafts, strict=True):
