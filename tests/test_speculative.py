@@ -373,6 +373,14 @@ def test_draft_model_greedy_output_is_unchanged(smol, smollm2_dir: str, random_d
     rate = speculator.num_accepted_tokens / speculator.num_draft_tokens
     assert rate > 0.9 if draft == "itself" else rate < 0.3, rate
     assert sched.kv.num_free_blocks == sched.kv.num_blocks and not drafted.draft.seen
+    if draft == "random":  # a cache too small for all four: preempted requests' draft KV starts over
+        small = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=16, block_size=8,
+                            model=runner.model, draft_model=path)
+        sched = make_sched(num_blocks=16, block_size=8, budget=64, speculator=_draft_spec(path))
+        run = drive(small, sched, msgs)
+        assert sched.counters.preemptions > 0
+        assert _assert_same_greedy(reference, run, msgs) >= len(msgs) - 1
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks and not small.draft.seen
 
 
 def test_draft_model_sampling_keeps_the_distribution(smol, smollm2_dir: str, random_draft: str) -> None:
