@@ -383,6 +383,39 @@ def test_draft_model_greedy_output_is_unchanged(smol, smollm2_dir: str, random_d
         assert sched.kv.num_free_blocks == sched.kv.num_blocks and not small.draft.seen
 
 
+def test_sampled_drafts_from_the_target_itself_all_stand(smol, smollm2_dir: str) -> None:
+    """Drafts drawn from q = p are accepted with probability min(1, p/q) = 1: sampled requests
+    accept nearly every draft (a greedy draft would be accepted only with p(argmax))."""
+    tok, runner = smol
+    drafted = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=512, block_size=8,
+                          model=runner.model, draft_model=smollm2_dir)
+    msgs = [TokenizedRequest(request_id=f"t{i}", reply_to="none", prompt_token_ids=chat(tok, "Tell me a story."),
+                             params=SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=i),
+                             eos_token_ids=[2], arrival_time=0.0) for i in range(4)]
+    speculator = _draft_spec(smollm2_dir)
+    sched = make_sched(num_blocks=512, block_size=8, budget=512, speculator=speculator)
+    drive(drafted, sched, msgs)
+    assert speculator.num_accepted_tokens / speculator.num_draft_tokens > 0.9
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_distributions_are_what_the_sampler_draws_from() -> None:
+    """Sampler.distributions (used by rejection sampling) against 20000 draws of the sampler
+    itself, with top-k, top-p and min-p."""
+    from rill.services.worker.sampler import Sampler, SampleRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 2
+    sampler = Sampler("cpu", vocab_size=40)
+    for params in (SamplingParams(temperature=0.7, top_k=12), SamplingParams(temperature=1.3, top_p=0.8),
+                   SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02)):
+        want = sampler.distributions(logits, [SampleRow(params, 0)])[0]
+        picks = sampler.sample(logits.expand(20000, 40), [SampleRow(params, 0)] * 20000)
+        got = torch.bincount(torch.tensor(picks), minlength=40).float() / 20000
+        assert (got - want).abs().max() < 0.015, (params, (got - want).abs().max())
+        assert torch.all(got[want == 0] == 0)
+
+
 def test_draft_model_sampling_keeps_the_distribution(smol, smollm2_dir: str, random_draft: str) -> None:
     """Mostly rejected drafts: the tokens drawn where a draft was refused still pass the
     chi-square test against sampling without speculation."""

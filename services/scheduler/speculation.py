@@ -10,8 +10,10 @@ own sample disagrees with, plus that sample (or, all agreeing, the sample after 
 For a draft that is one fixed token (a lookup, a draft model's greedy token) this *is* rejection
 sampling: draft d survives with probability p(d), and otherwise the token is drawn from p without
 d, renormalised, so every output token is distributed as p, and greedy output is the same token
-for token. KV written for rejected drafts is rolled back by counting only accepted tokens as
-computed: their slots are overwritten by the next step.
+for token. A draft model's drafts for a sampled request are drawn from its own distribution q and
+verified with min(1, p/q) instead (model_runner._rejection_sample). KV written for rejected
+drafts is rolled back by counting only accepted tokens as computed: their slots are overwritten
+by the next step.
 
 Not speculated (they decode one token a step, as without speculation): requests with
 penalties or a grammar, whose sampling at draft i would depend on drafts 1..i-1.

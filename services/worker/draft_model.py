@@ -6,9 +6,10 @@ block size): the scheduler already gave every speculating request slots for its 
 k drafts, which is where the draft writes while proposing. Its KV is brought up to date lazily:
 a request's first pass runs every token the draft has not seen yet (the whole prompt the first
 time; a prefix-cache hit computed by another request is recomputed, to the same values), then
-k - 1 one-token passes. Drafts are the draft's greedy tokens, so the proposal is one fixed token
-per position and the target's sample-and-compare verification (model_runner) is rejection
-sampling exactly, as for n-gram drafts.
+k - 1 one-token passes. A greedy request's drafts are the draft's argmax, one fixed token per
+position, verified by the target's sample-and-compare as n-gram drafts are; a sampled request's
+drafts are drawn from the draft's own distribution q (its sampling settings applied to the draft's
+logits), returned with them for rejection sampling against the target's p (model_runner).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.llama import LlamaModel
+from rill.services.worker.sampler import Sampler, SampleRow
+from rill.shared.schema import SamplingParams
 
 log = logging.getLogger("rill.worker")
 
@@ -39,6 +42,16 @@ class DraftRow:
     num_computed: int  # target tokens computed: the last token sits at this position
     block_ids: list[int]
     num_drafts: int
+    params: SamplingParams
+    num_outputs: int  # output tokens so far: the first draft's output index
+
+
+@dataclass
+class Proposal:
+    """A row's drafts and, for a sampled request, the distributions they were drawn from [k, vocab]."""
+
+    tokens: list[int]
+    q: torch.Tensor | None
 
 
 class DraftModel:
@@ -67,34 +80,46 @@ class DraftModel:
     def forget_all(self) -> None:
         self.seen.clear()
 
-    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
-        """Each row's greedy drafts (`num_drafts` of them), all rows batched pass by pass."""
-        drafts: list[list[int]] = [[] for _ in rows]
+    def propose(self, rows: Sequence[DraftRow], sampler: Sampler) -> list[Proposal]:
+        """Each row's drafts (`num_drafts` of them), all rows batched pass by pass."""
+        out = [Proposal([], None) for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
         starts = [min(self.seen.get(r.request_id, 0), r.num_computed) for r in rows]
         inputs = [r.token_ids[s:r.num_computed + 1] for r, s in zip(rows, starts, strict=True)]
         live = list(range(len(rows)))
         with torch.inference_mode():
             while live:
-                tokens = self._pass([rows[i] for i in live], [starts[i] for i in live], [inputs[i] for i in live])
-                for i, tok in zip(live, tokens, strict=True):
-                    drafts[i].append(tok)
+                logits = self._pass([rows[i] for i in live], [starts[i] for i in live], [inputs[i] for i in live])
+                tokens = logits.argmax(dim=-1)
+                sampled = [j for j, i in enumerate(live) if rows[i].params.temperature > 0]
+                if sampled:
+                    q = sampler.distributions(logits[sampled], [
+                        SampleRow(rows[live[j]].params, rows[live[j]].num_outputs + len(out[live[j]].tokens))
+                        for j in sampled])
+                    tokens[sampled] = torch.multinomial(q, 1)[:, 0]
+                    for j, q_row in zip(sampled, q, strict=True):
+                        qs[live[j]].append(q_row)
+                for i, tok in zip(live, tokens.tolist(), strict=True):
+                    out[i].tokens.append(tok)
                     starts[i] += len(inputs[i])
                     inputs[i] = [tok]
-                live = [i for i in live if len(drafts[i]) < rows[i].num_drafts]
-        for r, d in zip(rows, drafts, strict=True):  # written: the last token and all drafts but the last
-            self.seen[r.request_id] = r.num_computed + len(d)
-        return drafts
+                live = [i for i in live if len(out[i].tokens) < rows[i].num_drafts]
+        for r, proposal, q_rows in zip(rows, out, qs, strict=True):
+            # written: the last token and all drafts but the last
+            self.seen[r.request_id] = r.num_computed + len(proposal.tokens)
+            proposal.q = torch.stack(q_rows) if q_rows else None
+        return out
 
     def accepted(self, request_id: str, num_computed: int) -> None:
         """After verification: draft KV past the accepted tokens (`num_computed` now) is stale."""
         if request_id in self.seen:
             self.seen[request_id] = min(self.seen[request_id], num_computed)
 
-    def _pass(self, rows: list[DraftRow], starts: list[int], inputs: list[list[int]]) -> list[int]:
+    def _pass(self, rows: list[DraftRow], starts: list[int], inputs: list[list[int]]) -> torch.Tensor:
         lens = [len(x) for x in inputs]
         positions, meta = make_attention_metadata([r.block_ids for r in rows], starts, lens, self.block_size,
                                                   self.model.device)
         ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64, device=self.model.device)
         last = torch.tensor(meta.query_start_loc_host[1:], dtype=torch.int64, device=self.model.device) - 1
         hidden = self.model.final_hidden(ids, positions, meta, self.kv_caches, last)
-        return self.model.logits(hidden).argmax(dim=-1).tolist()
+        return self.model.logits(hidden)

@@ -31,7 +31,7 @@ from rill.services.worker.draft_model import DraftModel, DraftRow
 from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.plan_check import Limits, PlanError, check_plan
-from rill.services.worker.sampler import Sampler, SampleRow, TokenMask
+from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, mix_seed
 from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
 from rill.shared.config import ModelConfig
@@ -215,7 +215,8 @@ class ModelRunner:
             return Sampled.nothing()
         states = [self.requests[rid] for rid in plan.scheduled_request_ids]
         counts = plan.num_scheduled_tokens
-        drafts = self._propose(states, plan.spec_token_ids) if plan.spec_token_ids else [[] for _ in states]
+        drafts, draft_q = self._propose(states, plan.spec_token_ids) if plan.spec_token_ids \
+            else ([[] for _ in states], {})
         if self.graphs is not None and self.graphs.fits(counts):
             return self._run_graph(states)
         input_ids: list[int] = []
@@ -250,24 +251,29 @@ class ModelRunner:
             if not sampled:
                 return Sampled.nothing()
             out = self._sample(states, sampled, self.model.logits(hidden[:num_sample_rows]),
-                               [drafts[i] for i in sampled])
+                               [drafts[i] for i in sampled], [draft_q.get(i) for i in sampled])
             if self.draft is not None:
                 for s, d in zip(states, drafts, strict=True):
                     if d:
                         self.draft.accepted(s.request_id, s.num_computed)
             return out
 
-    def _propose(self, states: list[RequestState], spec: list[list[int]]) -> list[list[int]]:
-        """The plan's drafts, placeholders filled in by the draft model."""
+    def _propose(self, states: list[RequestState],
+                 spec: list[list[int]]) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+        """The plan's drafts, placeholders filled in by the draft model, and the distributions
+        the sampled requests' drafts were drawn from (by batch index)."""
         wanted = [i for i, d in enumerate(spec) if d and d[0] == DRAFT_PLACEHOLDER]
         if not wanted or self.draft is None:
-            return spec
+            return spec, {}
         rows = [DraftRow(states[i].request_id, states[i].token_ids, states[i].num_computed, states[i].block_ids,
-                         len(spec[i])) for i in wanted]
-        drafts = list(spec)
-        for i, proposed in zip(wanted, self.draft.propose(rows), strict=True):
-            drafts[i] = proposed
-        return drafts
+                         len(spec[i]), states[i].params, len(states[i].token_ids) - states[i].num_prompt)
+                for i in wanted]
+        drafts, qs = list(spec), {}
+        for i, proposal in zip(wanted, self.draft.propose(rows, self.sampler), strict=True):
+            drafts[i] = proposal.tokens
+            if proposal.q is not None and states[i].params.logprobs is None:  # logprobs: sample-and-compare
+                qs[i] = proposal.q
+        return drafts, qs
 
     def _score_prompt(self, s: RequestState, hidden: torch.Tensor, start: int) -> None:
         """Append the logprobs of prompt tokens start + 1 .. start + len(hidden) (slices of rows, so
@@ -302,11 +308,13 @@ class ModelRunner:
             return self._sample(states, sampled, logits)
 
     def _sample(self, states: list[RequestState], sampled: list[int], logits: torch.Tensor,
-                drafts: list[list[int]] | None = None) -> Sampled:
+                drafts: list[list[int]] | None = None, draft_q: list[torch.Tensor | None] | None = None) -> Sampled:
         """Sample every row of `logits`: one per request at `sampled`, then one per draft of the
         request (`drafts`, aligned with `sampled`). Each request keeps its drafts up to the first
-        its sample disagrees with, plus that sample; its kept tokens are appended."""
+        its sample disagrees with, plus that sample; drafts drawn from a distribution q
+        (`draft_q`) are verified by rejection sampling instead. Kept tokens are appended."""
         drafts = drafts or [[] for _ in sampled]
+        draft_q = draft_q or [None for _ in sampled]
         if self.tp is not None and not self.tp.lead:  # rank 0 samples; the others append its tokens
             for i, tok in zip(sampled, self.tp.broadcast_tokens(None, len(sampled)), strict=True):
                 states[i].token_ids.append(tok)
@@ -324,9 +332,11 @@ class ModelRunner:
         result = Sampled.nothing()
         kept_rows: list[int] = []
         at = 0
-        for i, d in zip(sampled, drafts, strict=True):
+        for i, d, q in zip(sampled, drafts, draft_q, strict=True):
             s = states[i]
             picks = out.token_ids[at:at + len(d) + 1]
+            if q is not None:  # the drafts that stand, then a replacement or the sample after the last
+                picks = self._rejection_sample(logits[at:at + len(d)], rows[at:at + len(d)], d, q) or [*d, picks[-1]]
             accepted = next((j for j, (tok, draft) in enumerate(zip(picks, d, strict=False)) if tok != draft), len(d))
             s.num_computed -= len(d) - accepted  # rejected drafts' KV: overwritten by later steps
             if s.prompt_lps is not None and len(s.token_ids) == s.num_prompt:  # its first output token
@@ -353,6 +363,36 @@ class ModelRunner:
         if len(result.token_ids) == len(result.request_ids):
             result.num_tokens = []  # one each: the common case carries nothing extra
         return result
+
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SampleRow], drafts: list[int],
+                          q: torch.Tensor) -> list[int]:
+        """Speculative sampling (Leviathan et al.) of drafts drawn from q: draft j stands with
+        probability min(1, p_j(d) / q_j(d)); the first that does not is replaced by a draw from
+        max(p_j - q_j, 0), renormalised (it never holds d_j, whose p_j(d) < q_j(d) then). Returns
+        the drafts kept and that replacement, or [] when every draft stands."""
+        p = self.sampler.distributions(logits, rows)
+        index = torch.arange(len(drafts), device=p.device)
+        tokens = torch.tensor(drafts, device=p.device)
+        ratio = (p[index, tokens] / q[index, tokens].to(p.device)).tolist()
+        gen = self._draw_generator(rows[0])
+        u = torch.rand(len(drafts), dtype=torch.float64, generator=gen, device=p.device).tolist()
+        for j, (r, uj) in enumerate(zip(ratio, u, strict=True)):
+            if uj < r:
+                continue
+            residual = (p[j] - q[j].to(p.device)).clamp_min_(0)
+            if float(residual.sum()) <= 0:  # p_j == q_j up to rounding: the draft stands
+                continue
+            replacement = int(torch.multinomial(residual / residual.sum(), 1, generator=gen)[0])
+            return [*drafts[:j], replacement]
+        return []
+
+    def _draw_generator(self, row: SampleRow) -> torch.Generator | None:
+        """Rejection sampling's draws for a seeded request: from its generator, seeded apart
+        from the sampler's own draws (so they stay reproducible)."""
+        if row.generator is None or row.params.seed is None:
+            return None
+        row.generator.manual_seed(mix_seed(row.params.seed ^ 0x5EC0DE, row.output_index))
+        return row.generator
 
     def _token_mask(self, states: list[RequestState]) -> TokenMask | None:
         """The grammar masks of the constrained rows among `states` (sampling rows, in order)."""

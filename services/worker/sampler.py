@@ -30,7 +30,7 @@ from rill.shared.schema import SamplingParams, TokenLogprobs
 _MASK64 = (1 << 64) - 1
 
 
-def _mix_seed(seed: int, index: int) -> int:
+def mix_seed(seed: int, index: int) -> int:
     """A well-spread 63-bit seed for draw `index` of a request seeded with `seed` (splitmix64)."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -215,6 +215,25 @@ class Sampler:
             return sub
         return probs.index_copy_(0, torch.tensor(filtered, device=x.device), sub)  # probs is ours
 
+    def distributions(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """The whole distribution each row (temperature > 0, no grammar) samples from, [B, vocab]
+        fp32 summing to 1: what _pick draws from, top-k and top-p included (a full sort per row,
+        which _pick avoids; speculative decoding's rejection sampling needs every probability)."""
+        probs = self.probabilities(self.process(logits, rows), rows).float()
+        vocab = probs.shape[1]
+        ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+        ps = [r.params.top_p for r in rows]
+        if any(ks) or any(p < 1.0 for p in ps):
+            vals, order = probs.sort(dim=-1, descending=True)
+            k_t = torch.tensor(ks, device=probs.device)
+            in_k = torch.arange(vocab, device=probs.device)[None, :] < torch.where(k_t > 0, k_t, vocab)[:, None]
+            vals = vals * in_k
+            vals = torch.where(k_t[:, None] > 0, vals / vals.sum(-1, keepdim=True), vals)
+            p_t = torch.tensor([p if p < 1.0 else float("inf") for p in ps], device=probs.device)
+            vals = vals * (in_k & ((vals.cumsum(dim=-1) - vals) < p_t[:, None]))  # as _sample_top_k_top_p
+            probs = torch.zeros_like(probs).scatter_(1, order, vals)
+        return probs / probs.sum(-1, keepdim=True)
+
     def _bias_and_bans(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """logit_bias added; before min_tokens outputs, EOS and stop tokens cannot be sampled."""
         vocab = logits.shape[1]
@@ -290,7 +309,7 @@ class Sampler:
         u = torch.rand(len(rows), dtype=torch.float64, generator=self._shared, device=self.device)
         for i, r in enumerate(rows):
             if r.generator is not None and r.params.seed is not None:
-                r.generator.manual_seed(_mix_seed(r.params.seed, r.output_index))
+                r.generator.manual_seed(mix_seed(r.params.seed, r.output_index))
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=self.device)[0]
         return u
 
