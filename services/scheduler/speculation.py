@@ -15,8 +15,9 @@ verified with min(1, p/q) instead (model_runner._rejection_sample). KV written f
 drafts is rolled back by counting only accepted tokens as computed: their slots are overwritten
 by the next step.
 
-Not speculated (they decode one token a step, as without speculation): requests with
-penalties or a grammar, whose sampling at draft i would depend on drafts 1..i-1.
+Not speculated (they decode one token a step, as without speculation): requests with penalties,
+whose token counts at draft i would include drafts 1..i-1. A grammar's mask at draft i is taken
+after drafts 1..i-1 (the worker advances its matcher through them and rolls it back).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Speculator:
 
     @staticmethod
     def may_speculate(req: Request) -> bool:
-        """Whether the request's sampling lets drafts be verified (not: penalties, a grammar)."""
-        return not req.params.uses_penalties and req.params.grammar is None
+        """Whether the request's sampling lets drafts be verified (not: penalties)."""
+        return not req.params.uses_penalties
 
     def drafts(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts to run after the request's last token this step, within the step's `budget`

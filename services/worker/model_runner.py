@@ -271,7 +271,8 @@ class ModelRunner:
         drafts, qs = list(spec), {}
         for i, proposal in zip(wanted, self.draft.propose(rows, self.sampler), strict=True):
             drafts[i] = proposal.tokens
-            if proposal.q is not None and states[i].params.logprobs is None:  # logprobs: sample-and-compare
+            params = states[i].params  # logprobs, a grammar: sample-and-compare (the sampler masks)
+            if proposal.q is not None and params.logprobs is None and params.grammar is None:
                 qs[i] = proposal.q
         return drafts, qs
 
@@ -319,14 +320,12 @@ class ModelRunner:
             for i, tok in zip(sampled, self.tp.broadcast_tokens(None, len(sampled)), strict=True):
                 states[i].token_ids.append(tok)
             return Sampled.nothing()
-        row_states: list[RequestState] = []
         rows: list[SampleRow] = []
         for i, d in zip(sampled, drafts, strict=True):
             s = states[i]
             first = len(s.token_ids) - s.num_prompt  # output index of its next token
-            row_states += [s] * (len(d) + 1)
             rows += [SampleRow(s.params, first + j, s.generator, s.history_slot) for j in range(len(d) + 1)]
-        out = self.sampler.sample_batch(logits, rows, self._token_mask(row_states))
+        out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled], drafts))
         if self.tp is not None:
             self.tp.broadcast_tokens(out.token_ids, len(sampled))
         result = Sampled.nothing()
@@ -394,12 +393,27 @@ class ModelRunner:
         row.generator.manual_seed(mix_seed(row.params.seed ^ 0x5EC0DE, row.output_index))
         return row.generator
 
-    def _token_mask(self, states: list[RequestState]) -> TokenMask | None:
-        """The grammar masks of the constrained rows among `states` (sampling rows, in order)."""
-        rows = [j for j, s in enumerate(states) if s.matcher is not None and s.error is None]
-        if not rows:
-            return None
-        return TokenMask(rows, self.grammars.bitmask([states[j].matcher for j in rows]))
+    def _token_mask(self, states: list[RequestState], drafts: list[list[int]]) -> TokenMask | None:
+        """The grammar masks of the constrained sampling rows: one per request in `states`, then
+        one per draft, each for the matcher's state after the drafts before it. A draft the grammar
+        refuses is masked out of its own row, so it is rejected there; the rows after it are left
+        unmasked (never kept). The matchers end where they started."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        at = 0
+        for s, d in zip(states, drafts, strict=True):
+            if s.matcher is not None and s.error is None:
+                consumed = 0
+                for j in range(len(d) + 1):
+                    rows.append(at + j)
+                    masks.append(self.grammars.bitmask([s.matcher]))
+                    if j == len(d) or s.matcher.try_consume_tokens([d[j]]) != 1:  # (consume_token would break it)
+                        break
+                    consumed += 1
+                if consumed:
+                    s.matcher.rollback(consumed)
+            at += len(d) + 1
+        return TokenMask(rows, torch.cat(masks)) if rows else None
 
     # ------------------------------------------------------------------------------ warm-up
 

@@ -88,8 +88,8 @@ def _check_drafts(plan: StepPlan, requests: Mapping[str, Known], limits: Limits)
         elif min(drafts) < 0 or max(drafts) >= limits.vocab_size:
             raise PlanError(f"request {rid!r} has draft tokens outside the vocabulary")
         p = params.get(rid)
-        if p is not None and (p.uses_penalties or p.grammar is not None):
-            raise PlanError(f"request {rid!r}: drafts for a request with penalties or a grammar")
+        if p is not None and p.uses_penalties:
+            raise PlanError(f"request {rid!r}: drafts for a request with penalties")
     return [len(d) for d in plan.spec_token_ids]
 
 
