@@ -29,9 +29,7 @@ from rill.shared.model_files import resolve_model  # noqa: E402
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes the linear layers hold as served: blocks, float copies, and each float layer's
     prepared copies (oneDNN-packed, small-GEMM packed) alike."""
-    model = runner.model
-    layers = [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-    return sum(lin.nbytes for lin in layers)
+    return sum(lin.nbytes for lin in runner.model.linears())
 
 
 def run(runner: ModelRunner, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:

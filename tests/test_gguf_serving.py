@@ -35,7 +35,7 @@ def from_blocks(model_dir: str) -> LlamaModel:
         model = LlamaModel.load(model_dir, torch.float32, quantization="gguf")
     finally:
         chooser.install(saved)
-    for lin in linears(model):
+    for lin in model.linears():
         if isinstance(lin, QuantLinear):
             lin.force("blocks")
     return model
@@ -48,20 +48,16 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, LlamaModel, LlamaModel]:
     return model_dir, LlamaModel.load(model_dir, torch.float32), from_blocks(model_dir)
 
 
-def linears(model: LlamaModel) -> list[object]:
-    return [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-
-
 def test_every_linear_and_the_embedding_stay_in_the_files_blocks(pair: tuple[str, LlamaModel, LlamaModel]) -> None:
     """Gemma 3 270M Q4_K_M mixes Q5_0 (q, k, gate, up), Q8_0 (v, embedding), Q4_K and Q6_K: one
     fused QKV holds two formats. Both models tie their head to the embedding's blocks."""
     _, ref, model = pair
-    assert all(isinstance(lin, QuantLinear) for lin in linears(model))
+    assert all(isinstance(lin, QuantLinear) for lin in model.linears())
     assert model.embed.numel() == 0, "the float embedding should have been dropped for its blocks"
     ids = torch.tensor([0, 5, ref.embed.shape[0] - 1, 1234])
     assert torch.equal(model.embed_lookup(ids), ref.embed[ids])
-    held = sum(lin.nbytes for lin in linears(model))  # the head's blocks are the embedding's
-    floats = 4 * sum(lin.out_features * lin.in_features for lin in linears(model))
+    held = sum(lin.nbytes for lin in model.linears())  # the head's blocks are the embedding's
+    floats = 4 * sum(lin.out_features * lin.in_features for lin in model.linears())
     assert held < 0.3 * floats  # 4-6 bits a weight where fp32 has 32; the embedding 8.5
 
 
@@ -125,7 +121,7 @@ def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str)
         ref = LlamaModel.load(smollm2_dir, torch.float32)
     finally:
         chooser.install(saved)
-    assert not any(isinstance(lin, QuantLinear) for lin in linears(model))
+    assert not any(isinstance(lin, QuantLinear) for lin in model.linears())
     assert model.embed.numel() == ref.embed.numel(), "a tied float head keeps the float table"
     prompt = chat_ids(smollm2_dir)[1]
     assert torch.equal(run_rows(model, [prompt]), run_rows(ref, [prompt]))

@@ -224,8 +224,7 @@ class GGUFSource:
             held = 0 if shared else self.report.quantized_bytes.get("token_embd.weight", 0)
         else:
             held = embed.numel() * embed.element_size()
-        layers = [model.lm_head, *(f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-        held += sum(getattr(lin, "nbytes", 0) for lin in layers if lin is not None)
+        held += sum(getattr(lin, "nbytes", 0) for lin in model.linears() if lin is not None)
         log.info("%s", self.report.line(held))
 
     def _head_name(self, tied: bool) -> str:

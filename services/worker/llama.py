@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -379,6 +380,10 @@ class LlamaModel:
         if shard is not None and tp is not None:
             tensor_parallel.shard_model(model, shard, cfg, tp)
         return model
+
+    def linears(self) -> list[Any]:
+        """The LM head and each layer's four linear layers, in order (None where there is none)."""
+        return [self.lm_head, *(f for layer in self.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down))]
 
     @property
     def sliding_window(self) -> int | None:
