@@ -246,6 +246,10 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     # DRAFT_PLACEHOLDER drafts are the worker's draft model's to propose.
     spec_token_ids: list[list[int]] = []
 
+    def num_drafts(self) -> list[int]:
+        """Draft tokens each scheduled request verifies, aligned with scheduled_request_ids."""
+        return [len(d) for d in self.spec_token_ids] or [0] * len(self.scheduled_request_ids)
+
 
 DRAFT_PLACEHOLDER = -1
 

@@ -69,13 +69,13 @@ class _InFlight:
     reqs: list[Request]
     incarnations: list[int]  # num_preemptions at scheduling time: a preempted request restarts
     samples: list[bool]  # the step samples a token for this request
-    drafts: list[int]  # draft tokens it verifies (speculative decoding)
 
     def current_rows(self, requests: dict[str, Request]) -> Iterator[tuple[Request, int, bool, int]]:
         """(request, tokens, samples, drafts) of the rows whose request is still the one
         scheduled: not finished, aborted or preempted since."""
         for req, incarnation, sampling, n, drafts in zip(self.reqs, self.incarnations, self.samples,
-                                                         self.plan.num_scheduled_tokens, self.drafts, strict=True):
+                                                         self.plan.num_scheduled_tokens, self.plan.num_drafts(),
+                                                         strict=True):
             if (requests.get(req.request_id) is req and req.status is Status.RUNNING
                     and req.num_preemptions == incarnation):
                 yield req, n, sampling, drafts
@@ -397,13 +397,12 @@ class Scheduler:
             spec_token_ids=[drafts.get(rid, []) for rid in scheduled] if drafts else [])
         self._forget = []
         samples: list[bool] = []
-        num_drafts = [len(d) for d in plan.spec_token_ids] or [0] * len(reqs)
-        for req, n, k in zip(reqs, plan.num_scheduled_tokens, num_drafts, strict=True):
+        for req, n, k in zip(reqs, plan.num_scheduled_tokens, plan.num_drafts(), strict=True):
             # The worker samples when a step reaches the end of the tokens it knows by then.
             samples.append(req.num_planned_tokens + n - k == req.num_known_tokens)
             req.num_inflight_tokens += n
             req.num_inflight_samples += samples[-1]
-        self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples, num_drafts))
+        self._in_flight.append(_InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
         return plan
 
     def _count(self, reqs: list[Request], tokens: list[int]) -> None:

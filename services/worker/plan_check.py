@@ -73,7 +73,7 @@ def check_plan(plan: StepPlan, requests: Mapping[str, Known], limits: Limits) ->
 def _check_drafts(plan: StepPlan, requests: Mapping[str, Known], limits: Limits) -> list[int]:
     """Draft counts per scheduled request, after checking the drafts can be verified here."""
     if not plan.spec_token_ids:
-        return [0] * len(plan.scheduled_request_ids)
+        return plan.num_drafts()
     if len(plan.spec_token_ids) != len(plan.scheduled_request_ids):
         raise PlanError("spec_token_ids and scheduled_request_ids differ in length")
     params = {rid: s.params for rid, s in requests.items()} | {n.request_id: n.params for n in plan.new_requests}
@@ -90,7 +90,7 @@ def _check_drafts(plan: StepPlan, requests: Mapping[str, Known], limits: Limits)
         p = params.get(rid)
         if p is not None and p.uses_penalties:
             raise PlanError(f"request {rid!r}: drafts for a request with penalties")
-    return [len(d) for d in plan.spec_token_ids]
+    return plan.num_drafts()
 
 
 def _check_new(new: NewRequestData, limits: Limits) -> None:
