@@ -112,9 +112,12 @@ class ModelConfig:
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[dtype]
 
 
-def kv_cache_blocks(model: ModelConfig, dtype: str, block_size: int, memory_bytes: int) -> int:
-    """How many blocks of `block_size` tokens fit in `memory_bytes` of KV cache."""
-    return memory_bytes // (model.kv_bytes_per_token(dtype) * block_size)
+def kv_cache_blocks(model: ModelConfig, dtype: str, block_size: int, memory_bytes: int,
+                    draft: ModelConfig | None = None) -> int:
+    """How many blocks of `block_size` tokens fit in `memory_bytes` of KV cache (a speculative
+    `draft` model's KV in the same blocks sharing it)."""
+    per_token = model.kv_bytes_per_token(dtype) + (draft.kv_bytes_per_token(dtype) if draft else 0)
+    return memory_bytes // (per_token * block_size)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -125,7 +128,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """vLLM's --speculative-config. "ngram": k drafts from the longest suffix n-gram
     (prompt_lookup_max down to prompt_lookup_min tokens) seen before (scheduler/speculation.py);
-    "draft_model": k greedy drafts of `model`, a smaller checkpoint of the same vocabulary
+    "draft_model": k drafts of `model`, a smaller checkpoint of the same vocabulary
     (worker/draft_model.py)."""
 
     num_speculative_tokens: int
@@ -198,7 +201,7 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
     role: str = "both"  # "both" (colocated) | "prefill" | "decode": see services/scheduler/disagg.py
     async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
-    speculative_config: str = ""  # JSON (services/scheduler/speculation.py); empty: no speculation
+    speculative_config: str = ""  # JSON (SpeculativeConfig); empty: no speculation
 
     def step_token_budget(self, device: str) -> int:
         """max_num_batched_tokens, or its default on `device` (cpu / cuda)."""

@@ -6,10 +6,10 @@ block size): the scheduler already gave every speculating request slots for its 
 k drafts, which is where the draft writes while proposing. Its KV is brought up to date lazily:
 a request's first pass runs every token the draft has not seen yet (the whole prompt the first
 time; a prefix-cache hit computed by another request is recomputed, to the same values), then
-k - 1 one-token passes. A greedy request's drafts are the draft's argmax, one fixed token per
-position, verified by the target's sample-and-compare as n-gram drafts are; a sampled request's
-drafts are drawn from the draft's own distribution q (its sampling settings applied to the draft's
-logits), returned with them for rejection sampling against the target's p (model_runner).
+k - 1 one-token passes. Most drafts are the draft's argmax, one fixed token per position,
+verified by the target's sample-and-compare as n-gram drafts are; a sampled request's drafts (see
+draws_from_q) are drawn from the draft's own distribution q (its sampling settings applied to the
+draft's logits), returned with them for rejection sampling against the target's p (model_runner).
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ class Proposal:
     q: torch.Tensor | None
 
 
+def draws_from_q(params: SamplingParams) -> bool:
+    """Whether a request's drafts are drawn from q and rejection-sampled: sampled requests, but
+    not those asking for logprobs (reported for the tokens the sampler draws) or bound by a
+    grammar (the sampler applies its mask); those verify argmax drafts by sample-and-compare."""
+    return params.temperature > 0 and params.logprobs is None and params.grammar is None
+
+
 class DraftModel:
     def __init__(self, model_dir: str | Path, target: LlamaModel, max_positions: int) -> None:
         self.model = LlamaModel.load(model_dir, target.dtype, str(target.device), max_positions=max_positions)
@@ -63,10 +70,6 @@ class DraftModel:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.seen: dict[str, int] = {}  # request id -> tokens whose draft KV is in the cache
-
-    def kv_bytes_per_token(self) -> int:
-        c = self.model.cfg
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
 
     def resize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.seen.clear()
@@ -91,7 +94,7 @@ class DraftModel:
             while live:
                 logits = self._pass([rows[i] for i in live], [starts[i] for i in live], [inputs[i] for i in live])
                 tokens = logits.argmax(dim=-1)
-                sampled = [j for j, i in enumerate(live) if rows[i].params.temperature > 0]
+                sampled = [j for j, i in enumerate(live) if draws_from_q(rows[i].params)]
                 if sampled:
                     q = sampler.distributions(logits[sampled], [
                         SampleRow(rows[live[j]].params, rows[live[j]].num_outputs + len(out[live[j]].tokens))

@@ -271,8 +271,7 @@ class ModelRunner:
         drafts, qs = list(spec), {}
         for i, proposal in zip(wanted, self.draft.propose(rows, self.sampler), strict=True):
             drafts[i] = proposal.tokens
-            params = states[i].params  # logprobs, a grammar: sample-and-compare (the sampler masks)
-            if proposal.q is not None and params.logprobs is None and params.grammar is None:
+            if proposal.q is not None:
                 qs[i] = proposal.q
         return drafts, qs
 

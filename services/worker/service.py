@@ -113,10 +113,8 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     dtype = runner.dtype
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
-    num_blocks = kv_cache_blocks(cfg, dtype, args.block_size, budget)
-    if runner.draft is not None:  # the draft's KV shares the budget, block for block
-        per_token = cfg.kv_bytes_per_token(dtype) + runner.draft.kv_bytes_per_token()
-        num_blocks = budget // (per_token * args.block_size)
+    draft_cfg = runner.draft.model.cfg if runner.draft is not None else None
+    num_blocks = kv_cache_blocks(cfg, dtype, args.block_size, budget, draft_cfg)
     if tp is not None:  # one block table for every rank: the smallest cache sets it
         num_blocks = tp.all_reduce_min(num_blocks)
     if num_blocks < 1:
@@ -130,9 +128,9 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
              num_blocks, args.block_size, tokens, tokens * cfg.kv_bytes_per_token(dtype), dtype,
              runner.quantization, device, cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim,
              DTYPE_BYTES[dtype])
-    if runner.draft is not None:
+    if draft_cfg is not None:
         log.info("draft model: %s, its own KV cache in the same blocks: bytes=%d", args.speculative_config,
-                 tokens * runner.draft.kv_bytes_per_token())
+                 tokens * draft_cfg.kv_bytes_per_token(dtype))
     return runner
 
 
