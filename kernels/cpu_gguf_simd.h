@@ -10,7 +10,7 @@
 #include "cpu_gguf_formats.h"
 
 #define MR 4            // activation rows dotted per pass over a weight row (unpacked once)
-#define CHUNK_ROWS 16   // output rows a thread claims at a time
+#define CHUNK_ROWS 16   // a thread's claims of output rows are multiples of this
 #define SERIAL_WORK (1 << 18)  // m * n * k below this stays on the calling thread (measured)
 
 // The 8-bit activation: q [m][k]; d the scale of each block (32 or 256 values); s = d * sum(q)
