@@ -223,6 +223,7 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     except (UnsupportedModel, TensorParallelError) as exc:
         raise SystemExit(f"rill: {model_dir}: {exc}") from None
     cfg = ModelConfig.from_dir(model_dir)
+    _check_draft_model(ns.speculative_config, cfg)
     return EngineArgs(
         model_dir=model_dir, served_model_name=ns.served_model_name or "", engine_id=ns.engine_id,
         max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
@@ -233,6 +234,25 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
         long_prefill_token_threshold=ns.long_prefill_token_threshold, scheduling_policy=ns.scheduling_policy,
         enable_prefix_caching=ns.enable_prefix_caching, role=getattr(ns, "role", "both"),
         async_scheduling=ns.async_scheduling, speculative_config=ns.speculative_config or "")
+
+
+def _check_draft_model(config_json: str | None, target: ModelConfig) -> None:
+    """A --speculative-config draft model that cannot serve this target stops start-up with one
+    line: a family Rill does not serve, or another vocabulary."""
+    from rill.shared.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(config_json) if config_json else None
+    if config is None or config.method != "draft_model":
+        return
+    from rill.services.worker.draft_model import DraftMismatch, check_draft
+    from rill.services.worker.families import UnsupportedModel, check_checkpoint
+
+    draft_dir = resolve_checked(config.model)
+    try:
+        check_checkpoint(draft_dir, None, "none")
+        check_draft(target, ModelConfig.from_dir(draft_dir))
+    except (UnsupportedModel, DraftMismatch) as exc:
+        raise SystemExit(f"rill: draft model {config.model}: {exc}") from None
 
 
 def resolve_checked(model: str | None) -> str:

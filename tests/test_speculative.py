@@ -468,3 +468,18 @@ def test_constrained_requests_speculate_with_per_draft_masks(smol) -> None:
     assert _assert_same_greedy(reference, run, msgs) == 1
     assert speculator.num_accepted_tokens > 0 and speculator.num_draft_tokens > speculator.num_accepted_tokens
     assert "fruits" in json.loads(tok.decode(run.outputs["j"], skip_special_tokens=True))
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start(tmp_path, smollm2_dir: str, random_draft: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rill.services.cli import build_parser, engine_args
+
+    other = tmp_path / "other-vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
+    flag = ["--speculative-config", '{"model": "%s", "num_speculative_tokens": 3}']
+    with pytest.raises(SystemExit, match=r"draft model .*vocabulary \(1000 tokens\) is not the target's \(49152\)"):
+        engine_args(build_parser().parse_args(["serve", smollm2_dir, flag[0], flag[1] % other]), smollm2_dir)
+    ok = engine_args(build_parser().parse_args(["serve", smollm2_dir, flag[0], flag[1] % random_draft]), smollm2_dir)
+    assert ok.speculative_config == flag[1] % random_draft  # the same vocabulary passes

@@ -24,6 +24,7 @@ import torch
 from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow
+from rill.shared.config import ModelConfig
 from rill.shared.schema import SamplingParams
 
 log = logging.getLogger("rill.worker")
@@ -54,6 +55,13 @@ class Proposal:
     q: torch.Tensor | None
 
 
+def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
+    """DraftMismatch when `draft` cannot propose tokens for `target`."""
+    if draft.vocab_size != target.vocab_size:
+        raise DraftMismatch(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
+                            f"target's ({target.vocab_size})")
+
+
 def draws_from_q(params: SamplingParams) -> bool:
     """Whether a request's drafts are drawn from q and rejection-sampled: sampled requests, but
     not those asking for logprobs (reported for the tokens the sampler draws) or bound by a
@@ -64,9 +72,7 @@ def draws_from_q(params: SamplingParams) -> bool:
 class DraftModel:
     def __init__(self, model_dir: str | Path, target: LlamaModel, max_positions: int) -> None:
         self.model = LlamaModel.load(model_dir, target.dtype, str(target.device), max_positions=max_positions)
-        if self.model.cfg.vocab_size != target.cfg.vocab_size:
-            raise DraftMismatch(f"the draft model's vocabulary ({self.model.cfg.vocab_size} tokens) is not the "
-                                f"target's ({target.cfg.vocab_size})")
+        check_draft(target.cfg, self.model.cfg)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.seen: dict[str, int] = {}  # request id -> tokens whose draft KV is in the cache
