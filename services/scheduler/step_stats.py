@@ -6,6 +6,8 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from rill.services.scheduler.request import Request
+
 
 @dataclass
 class StepCounters:
@@ -18,6 +20,23 @@ class StepCounters:
     finished_requests: int = 0
     aborted_requests: int = 0
     preemptions: int = 0
+
+    def record_step(self, reqs: list[Request], tokens: list[int]) -> None:
+        """Count one plan's rows (`tokens` each) before it is sent."""
+        # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
+        decode = 0
+        for r, n in zip(reqs, tokens, strict=True):
+            known = r.num_known_tokens
+            if known > len(r.prompt_token_ids) and r.num_planned_tokens == known - 1:
+                decode += n
+        total = sum(tokens)
+        prefill = total - decode
+        self.steps += 1
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
+        self.mixed_steps += int(prefill > 0 and decode > 0)
+        self.last_step_tokens = total
+        self.max_step_tokens = max(self.max_step_tokens, total)
 
 
 # Bucket bounds (seconds) of the queue-time histogram; fixed, so every scrape of every engine
