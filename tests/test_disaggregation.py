@@ -546,9 +546,9 @@ def test_without_a_decode_engine_the_prefill_engine_decodes(engines: ThreadEngin
 
 
 def test_unacknowledged_transfer_times_out(engines: ThreadEngines, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rill.services.scheduler import disagg
+    from rill.services.scheduler import disagg_prefill
 
-    monkeypatch.setattr(disagg, "TRANSFER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(disagg_prefill, "TRANSFER_TIMEOUT_S", 0.5)
     monkeypatch.setenv("RILL_TEST_KV_IMPORT_DELAY_S", "2")  # only the decode worker imports
     engines.start(0, "prefill")
     engines.start(1, "decode")
