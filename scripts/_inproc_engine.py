@@ -15,7 +15,8 @@ from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import Speculator
 from rill.services.worker.model_runner import ModelRunner
 from rill.shared.config import QUANTIZATIONS
-from rill.shared.schema import SamplingParams, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import TokenizedRequest
 
 
 def add_quantization_flag(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,8 @@ from rill.services.worker import smoothquant  # noqa: E402
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan  # noqa: E402
+from rill.shared.request_params import SamplingParams  # noqa: E402
+from rill.shared.schema import NewRequestData, StepPlan  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 BLOCK = 16

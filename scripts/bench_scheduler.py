@@ -13,7 +13,8 @@ import time
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from rill.shared.schema import SamplingParams, StepResult, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepResult, TokenizedRequest
 
 
 def measure(num_seqs: int, steps: int, block_size: int = 16, prompt_len: int = 128) -> tuple[float, float, float]:

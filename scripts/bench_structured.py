@@ -31,7 +31,8 @@ from rill.kernels.chooser import cpu_model  # noqa: E402
 from rill.services.gateway.structured import _from_json  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan  # noqa: E402
+from rill.shared.request_params import SamplingParams  # noqa: E402
+from rill.shared.schema import NewRequestData, StepPlan  # noqa: E402
 
 LONG = {"type": "object", "required": ["lines"], "additionalProperties": False,
         "properties": {"lines": {"type": "array", "minItems": 40, "items": {"type": "string"}}}}

@@ -25,7 +25,8 @@ import torch
 
 
 def plans(batch: int, prompt: int, decode: int, block_size: int, vocab: int) -> list:
-    from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+    from rill.shared.request_params import SamplingParams
+    from rill.shared.schema import NewRequestData, StepPlan
 
     per = -(-(prompt + decode + 1) // block_size)
     ids = [f"r{i}" for i in range(batch)]

@@ -12,61 +12,10 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from rill.shared.request_params import ChatMessage, SamplingParams
+
 # ---------------------------------------------------------------------------------------------
-# Request level
-
-
-class SamplingParams(Struct, omit_defaults=True, frozen=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    seed: int | None = None
-    max_tokens: int | None = None  # None: fill the context (chat) — resolved by the tokenizer
-    min_tokens: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    n: int = 1  # parallel samples; they share the prompt's KV blocks
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
-    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
-    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # CTRL/HF: divides positive (multiplies negative) logits of
-    #                                  tokens in the prompt or the output
-    logit_bias: dict[int, float] = {}  # token id -> added to its logit
-    logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
-    prompt_logprobs: int | None = None  # per prompt token likewise (completions echo + logprobs)
-    # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks
-    # it); the worker masks every sampled token with it, EOS included.
-    grammar: str | None = None
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Whether sampling reads the request's token history (repetition/frequency/presence)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-
-def sample_request_id(request_id: str, index: int, n: int) -> str:
-    """The engine-side id of sample `index` of a request with `n` samples (the id itself when n=1)."""
-    return request_id if n == 1 else f"{request_id}:{index}"
-
-
-class ChatToolCall(Struct, omit_defaults=True):
-    """A function call of an earlier assistant turn, as the client sends it back in the history."""
-
-    id: str
-    name: str
-    arguments: str = ""  # JSON text, as OpenAI sends it (the tokenizer parses it for the template)
-    type: str = "function"
-
-
-class ChatMessage(Struct, omit_defaults=True):
-    role: str
-    content: str
-    name: str | None = None
-    tool_calls: list[ChatToolCall] = []  # assistant turns
-    tool_call_id: str | None = None  # tool turns: the call this result answers
+# Request level (what a request asks for, its parameters and chat turns: request_params.py)
 
 
 class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True):
@@ -99,7 +48,7 @@ class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=Tr
 class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
     """Anyone -> scheduler: drop these requests and free their blocks (idempotent).
 
-    An id may name a whole request (all its samples) or one sample (`sample_request_id`)."""
+    An id may name a whole request (all its samples) or one sample (request_params.sample_request_id)."""
 
     request_ids: list[str]
     reason: str = "abort"

@@ -22,7 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from rill.shared.schema import SamplingParams, StepPlan, StepResult, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepPlan, StepResult, TokenizedRequest
 
 EOS = 2
 MAX_MODEL_LEN = 64

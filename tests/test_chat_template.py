@@ -22,7 +22,8 @@ import redis
 from rill.services.gateway.errors import APIError
 from rill.services.tokenizer.chat_template import ChatTemplates, TemplateError
 from rill.services.tokenizer.service import RequestError, Tokenizer
-from rill.shared.schema import ChatMessage, ChatToolCall, GenerateRequest
+from rill.shared.request_params import ChatMessage, ChatToolCall
+from rill.shared.schema import GenerateRequest
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))
@@ -193,7 +194,7 @@ def test_replicas_import_no_torch_or_transformers(smollm2_dir: str) -> None:
             f"engine_args(build_parser().parse_args(['service', 'tokenizer', {smollm2_dir!r}]), {smollm2_dir!r})\n"
             f"t = Tokenizer({smollm2_dir!r}, 2048)\n"
             f"d = load_detokenizer({smollm2_dir!r})\n"
-            "from rill.shared.schema import ChatMessage\n"
+            "from rill.shared.request_params import ChatMessage\n"
             "assert t.chat_ids([ChatMessage(role='user', content='hi')]) and d.byte_level\n"
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -37,12 +37,12 @@ from rill.services.worker.model_runner import ModelRunner
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import StopFlag
+from rill.shared.request_params import SamplingParams
 from rill.shared.schema import (
     AbortRequest,
     EngineStats,
     KVExport,
     KVImport,
-    SamplingParams,
     StepPlan,
     StepResult,
     TokenizedRequest,

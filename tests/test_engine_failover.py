@@ -161,7 +161,8 @@ def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, 
     from rill.services.tokenizer.router import Router
     from rill.services.tokenizer.service import Tokenizer, handle
     from rill.shared.bus import Bus
-    from rill.shared.schema import GenerateRequest, Routed, SamplingParams
+    from rill.shared.request_params import SamplingParams
+    from rill.shared.schema import GenerateRequest, Routed
 
     bus = Bus(redis_url, prefix)
     tokenizer = Tokenizer(smollm2_dir, 2048)

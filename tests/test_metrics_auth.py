@@ -30,18 +30,17 @@ from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.step_stats import QUEUE_TIME_BOUNDS
 from rill.shared.broker import free_port
 from rill.shared.bus import FIELD
+from rill.shared.request_params import SamplingParams, sample_request_id
 from rill.shared.schema import (
     EngineStats,
     ErrorReply,
     GenerateRequest,
     ReplyBatch,
-    SamplingParams,
     StepResult,
     TextDelta,
     TokenizedRequest,
     encode,
     generate_decoder,
-    sample_request_id,
 )
 from rill.shared.streams import DETOKENIZER_GROUP, Streams
 

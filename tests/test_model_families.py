@@ -340,7 +340,8 @@ def test_gemma3_270m_matches_transformers(gemma3_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rill.services.worker.model_runner import ModelRunner
-    from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+    from rill.shared.request_params import SamplingParams
+    from rill.shared.schema import NewRequestData, StepPlan
 
     assert families.check_checkpoint(gemma3_dir).name == "gemma3"
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
@@ -375,7 +376,8 @@ def test_gemma3_270m_past_its_window(gemma3_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rill.services.worker.model_runner import ModelRunner
-    from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+    from rill.shared.request_params import SamplingParams
+    from rill.shared.schema import NewRequestData, StepPlan
 
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
     text = " ".join(f"Item {i}: the {('red', 'blue', 'green', 'small')[i % 4]} box holds {i * 7 % 13} stones."

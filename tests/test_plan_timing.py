@@ -19,9 +19,9 @@ from rill.services.scheduler.service import SchedulerService
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.lifecycle import StopFlag
+from rill.shared.request_params import SamplingParams
 from rill.shared.schema import (
     Hello,
-    SamplingParams,
     StepPlan,
     StepResult,
     TokenizedRequest,

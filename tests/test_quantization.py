@@ -18,7 +18,8 @@ from rill.services.launcher import build_children
 from rill.services.worker import smoothquant
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.model_runner import ModelRunner
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import NewRequestData, StepPlan
 
 # Re-chunking a prompt moved int8 SmolLM2's top-2 logit gaps by up to 2.3 without smoothing (over 458
 # positions measured; 0.9 with SmoothQuant over 254), so greedy outputs may part where the gap is

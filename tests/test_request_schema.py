@@ -45,7 +45,8 @@ from rill.services.gateway.bodies import (
 from rill.services.gateway.openapi_spec import build_spec
 from rill.services.gateway.requests import Admission, generate_request, not_yet_fields, parse
 from rill.shared.bus import FIELD
-from rill.shared.schema import ChatMessage, TokenizeReply, encode, tokenizer_input_decoder
+from rill.shared.request_params import ChatMessage
+from rill.shared.schema import TokenizeReply, encode, tokenizer_input_decoder
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

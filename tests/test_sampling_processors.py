@@ -13,7 +13,7 @@ from test_worker_runner import BLOCK, NUM_BLOCKS, HandScheduler, prompt
 
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.sampler import Sampler, SampleRow, check_params
-from rill.shared.schema import SamplingParams
+from rill.shared.request_params import SamplingParams
 
 EOS = [2]
 

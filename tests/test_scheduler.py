@@ -6,7 +6,8 @@ import pytest
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig, Status
-from rill.shared.schema import SamplingParams, StepPlan, StepResult, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepPlan, StepResult, TokenizedRequest
 
 EOS = 2
 

@@ -13,7 +13,8 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import Speculator
 from rill.services.worker.model_runner import ModelRunner
-from rill.shared.schema import SamplingParams, StepPlan, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepPlan, TokenizedRequest
 
 NEAR_TIE = 2e-3
 

@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from rill.shared.schema import SamplingParams, StepResult, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepResult, TokenizedRequest
 
 EOS = 2
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25], [5, 6, 7, 8, 30]]

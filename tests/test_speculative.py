@@ -19,7 +19,8 @@ from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import Speculator, ngram_drafts
 from rill.services.worker.model_runner import ModelRunner
 from rill.shared.config import SpeculativeConfig
-from rill.shared.schema import SamplingParams, StepResult, TokenizedRequest
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import StepResult, TokenizedRequest
 
 NEAR_TIE = 2e-3
 # The e2e prompts, and two a prompt lookup should speed up (they repeat what they were given).

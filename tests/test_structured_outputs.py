@@ -22,7 +22,8 @@ from rill.kernels import cpu_native
 from rill.services.gateway.structured import _from_json
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.structured import apply_bitmask
-from rill.shared.schema import NewRequestData, SamplingParams, StepPlan
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import NewRequestData, StepPlan
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 16},

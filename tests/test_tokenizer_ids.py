@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rill.services.tokenizer.service import RequestError, Tokenizer
-from rill.shared.schema import ChatMessage, GenerateRequest, SamplingParams
+from rill.shared.request_params import ChatMessage, SamplingParams
+from rill.shared.schema import GenerateRequest
 
 
 def test_ids_the_model_cannot_embed_are_refused_at_admission(tmp_path: Path, smollm2_dir: str) -> None:

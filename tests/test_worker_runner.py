@@ -17,10 +17,10 @@ from rill.services.worker.sampler import Sampler, SampleRow
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs, ModelConfig, kv_cache_blocks
 from rill.shared.lifecycle import StopFlag
+from rill.shared.request_params import SamplingParams
 from rill.shared.schema import (
     Hello,
     NewRequestData,
-    SamplingParams,
     Shutdown,
     StepPlan,
     StepResult,

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from rill.shared.schema import ChatToolCall
+from rill.shared.request_params import ChatToolCall
 
 FUNCTION_NAME = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$",
                                     description="a-z, A-Z, 0-9, underscores and dashes, at most 64.")]

@@ -11,15 +11,8 @@ import time
 from collections.abc import AsyncIterator
 
 from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
-from rill.shared.schema import (
-    ErrorReply,
-    GatewayInput,
-    ReplyBatch,
-    Routed,
-    TextDelta,
-    TokenizeReply,
-    sample_request_id,
-)
+from rill.shared.request_params import sample_request_id
+from rill.shared.schema import ErrorReply, GatewayInput, ReplyBatch, Routed, TextDelta, TokenizeReply
 
 # ---------------------------------------------------------------------------------------------
 # Exactly-once, in-order delivery (pure, no I/O)

@@ -35,7 +35,8 @@ from rill.services.gateway.errors import APIError
 from rill.services.gateway.fields import NotYet
 from rill.services.gateway.structured import check as check_structured
 from rill.services.gateway.structured import grammar_of
-from rill.shared.schema import ChatMessage, GenerateRequest, SamplingParams
+from rill.shared.request_params import ChatMessage, SamplingParams
+from rill.shared.schema import GenerateRequest
 
 log = logging.getLogger("rill.gateway.requests")
 

@@ -11,7 +11,8 @@ import msgspec
 
 from rill.services.scheduler.kv_cache_manager import block_hashes
 from rill.shared.config import detok_context_len
-from rill.shared.schema import SamplingParams, TokenizedRequest, sample_request_id
+from rill.shared.request_params import SamplingParams, sample_request_id
+from rill.shared.schema import TokenizedRequest
 
 
 class Status(enum.Enum):

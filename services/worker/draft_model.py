@@ -25,7 +25,7 @@ from rill.kernels.ops import make_attention_metadata
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.sampler import Sampler, SampleRow
 from rill.shared.config import ModelConfig
-from rill.shared.schema import SamplingParams
+from rill.shared.request_params import SamplingParams
 
 log = logging.getLogger("rill.worker")
 

@@ -35,14 +35,8 @@ from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, mix_seed
 from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
 from rill.shared.config import ModelConfig
-from rill.shared.schema import (
-    DRAFT_PLACEHOLDER,
-    NewRequestData,
-    SamplingParams,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-)
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import DRAFT_PLACEHOLDER, NewRequestData, StepPlan, StepResult, TokenLogprobs
 
 log = logging.getLogger("rill.worker")
 

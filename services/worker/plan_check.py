@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from rill.services.worker.sampler import check_params
-from rill.shared.schema import DRAFT_PLACEHOLDER, NewRequestData, SamplingParams, StepPlan
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import DRAFT_PLACEHOLDER, NewRequestData, StepPlan
 
 
 class PlanError(ValueError):

@@ -25,7 +25,8 @@ import torch
 
 from rill.kernels import cpu_native
 from rill.services.worker.structured import apply_bitmask
-from rill.shared.schema import SamplingParams, TokenLogprobs
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
