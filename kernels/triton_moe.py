@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from rill.kernels.moe import expert_counts
-from rill.kernels.triton_attention import INTERPRET, prepare_interpreter
+from rill.kernels.triton_setup import INTERPRET, prepare_interpreter
 
 prepare_interpreter()
 

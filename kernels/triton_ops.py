@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from rill.kernels.torch_ops import Linear
-from rill.kernels.triton_attention import INTERPRET, paged_attention, prepare_interpreter
+from rill.kernels.triton_attention import paged_attention
 from rill.kernels.triton_moe import make_experts
+from rill.kernels.triton_setup import INTERPRET, prepare_interpreter
 
 prepare_interpreter()  # a no-op by now; it must run before this module's own `import triton`
 

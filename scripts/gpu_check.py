@@ -55,7 +55,7 @@ warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
 
-from rill.kernels import moe, ops, triton_attention, triton_moe, triton_ops  # noqa: E402
+from rill.kernels import moe, ops, triton_attention, triton_attention_kernels, triton_moe, triton_ops  # noqa: E402
 from rill.kernels.triton_attention import (  # noqa: E402
     attention_bytes,
     choose_num_splits,
@@ -434,7 +434,7 @@ def time_decode_attention(bw: float) -> None:
             part_out = torch.randn((1, h, splits, d), device=DEV)
             part_lse = torch.randn((1, h, splits), device=DEV)
             out = torch.empty((1, h, d), dtype=torch.bfloat16, device=DEV)
-            red = bench_ms(lambda: triton_attention._reduce_kernel[(1, h)](  # noqa: B023
+            red = bench_ms(lambda: triton_attention_kernels.reduce_kernel[(1, h)](  # noqa: B023
                 part_out, part_lse, out, splits, out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=d,  # noqa: B023
                 BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4))  # noqa: B023
             add("kernel", f"  reduce stage share B=1 ctx={ctx}", f"{red / ms:.0%}", "(target <=10%)",
@@ -621,7 +621,7 @@ def compile_report() -> list[tuple[str, int, int, int]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ta, to = triton_attention, triton_ops
+    ta, tk, to = triton_attention, triton_attention_kernels, triton_ops
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cuobjdump = os.path.join(bin_dir, "cuobjdump")
     if CUDA:
@@ -640,23 +640,23 @@ def compile_report() -> list[tuple[str, int, int, int]]:
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, q_out_ptr=bf, k_out_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32",
                      k_cache_ptr=bf, v_cache_ptr=bf, slot_ptr="*i64")
     variants = [
-        ("decode split  G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
+        ("decode split  G=4 D=128", tk.decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=True), dw, ds),
-        ("decode 1-pass G=4 D=128", ta._decode_kernel, attn_ptrs, sf,
+        ("decode 1-pass G=4 D=128", tk.decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=False), dw, ds),
-        ("decode split  G=3 D=64", ta._decode_kernel, attn_ptrs, sf,
+        ("decode split  G=3 D=64", tk.decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=3, HEAD_DIM=64, BLOCK_D=64, SPLIT=True), dw, ds),
-        ("reduce S<=64 D=128", ta._reduce_kernel, attn_ptrs, set(), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64), 4, 1),
-        ("extend M=128 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
+        ("reduce S<=64 D=128", tk.reduce_kernel, attn_ptrs, set(), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64), 4, 1),
+        ("extend M=128 G=4 D=128", tk.extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=128, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e128[0],
               UPCAST=False, PRECISION="tf32", SOFTCAP=False), e128[1], e128[2]),
-        ("extend M=16 G=4 D=128", ta._extend_kernel, attn_ptrs, sf,
+        ("extend M=16 G=4 D=128", tk.extend_kernel, attn_ptrs, sf,
          dict(GROUP=4, BLOCK_M=16, BLOCK_Q=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=e16[0],
               UPCAST=False, PRECISION="tf32", SOFTCAP=False), e16[1], e16[2]),
         # Gemma 2's shape: head_dim 256, GQA 2, attention logit soft-capping.
-        ("decode split  G=2 D=256 softcap", ta._decode_kernel, attn_ptrs, sf,
+        ("decode split  G=2 D=256 softcap", tk.decode_kernel, attn_ptrs, sf,
          dict(dec, GROUP=2, HEAD_DIM=256, BLOCK_D=256, SPLIT=True, TILE_N=32, SOFTCAP=True), dw, ds),
-        ("extend M=128 G=2 D=256 softcap", ta._extend_kernel, attn_ptrs, sf,
+        ("extend M=128 G=2 D=256 softcap", tk.extend_kernel, attn_ptrs, sf,
          dict(GROUP=2, BLOCK_M=128, BLOCK_Q=64, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, TILE_N=e256[0],
               UPCAST=False, PRECISION="tf32", SOFTCAP=True), e256[1], e256[2]),
         ("add+rms_norm H=4096", to._rms_norm_kernel, dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf),
