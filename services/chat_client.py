@@ -71,6 +71,22 @@ class Reply:
     error: str | None = None
 
 
+@dataclass
+class _Turn:
+    """One reply as it streams in."""
+
+    rid: str
+    t0: float
+    parts: list[str] = field(default_factory=list)
+    t_first: float | None = None
+    t_last: float = 0.0
+    cancelled_at: float | None = None  # Ctrl-C: print nothing more, wait for the server's done
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 class ChatSession:
     """One conversation over one (re)connecting socket."""
 
@@ -132,62 +148,60 @@ class ChatSession:
         from websockets.exceptions import ConnectionClosed
 
         self._seq += 1
-        rid = f"t{self._seq}"
         messages = [*self.history, {"role": "user", "content": text}]
         self.interrupt.clear()
-        t0 = time.perf_counter()
-        parts: list[str] = []
-        t_first: float | None = None
-        t_last = 0.0
-        cancelled_at: float | None = None
+        turn = _Turn(rid=f"t{self._seq}", t0=time.perf_counter())
         self.streaming = True  # from here on Ctrl-C cancels instead of raising
         try:
-            self._send({"type": "chat", "id": rid, "messages": messages, **self.params})
-            while True:
-                if self.interrupt.is_set() and cancelled_at is None:
-                    cancelled_at = time.perf_counter()  # print nothing more; the server confirms with done
-                    self.ws.send(json.dumps({"type": "cancel", "id": rid}))
-                try:
-                    raw = self.ws.recv(timeout=RECV_POLL_S)
-                except TimeoutError:
-                    if cancelled_at is not None and time.perf_counter() - cancelled_at > CANCEL_WAIT_S:
-                        self.close()  # a server that does not answer: drop the socket, the next turn reconnects
-                        reply = Reply("".join(parts), "abort")
-                        break
-                    continue
-                try:
-                    frame = json.loads(raw)
-                except ValueError:
-                    continue
-                if not isinstance(frame, dict) or frame.get("id") not in (rid, None):
-                    continue
-                kind = frame.get("type")
-                if kind == "delta" and cancelled_at is None:
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    parts.append(str(frame.get("text", "")))
-                    self.out.write(parts[-1])
-                    self.out.flush()
-                    t_last = time.perf_counter()
-                elif kind == "done":
-                    reason = "abort" if cancelled_at is not None else frame.get("finish_reason")
-                    reply = Reply("".join(parts), reason, frame.get("usage") or {})
-                    break
-                elif kind == "error":
-                    err = frame.get("error") or {}
-                    reply = Reply("".join(parts), None, error=str(err.get("message", err)))
-                    break
+            self._send({"type": "chat", "id": turn.rid, "messages": messages, **self.params})
+            reply = None
+            while reply is None:
+                reply = self._next(turn)
         except ConnectionClosed:
             self.ws = None
-            reply = Reply("".join(parts), None, error="connection lost (the next message reconnects)")
+            reply = Reply(turn.text, None, error="connection lost (the next message reconnects)")
         finally:
             self.streaming = False
-        if t_first is not None:
-            reply.ttft_s = t_first - t0
-            reply.decode_s = t_last - t_first  # first to last token, as the page measures it
+        if turn.t_first is not None:
+            reply.ttft_s = turn.t_first - turn.t0
+            reply.decode_s = turn.t_last - turn.t_first  # first to last token, as the page measures it
         if reply.error is None and reply.text:  # a stopped reply keeps what was said so far
             self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
         return reply
+
+    def _next(self, turn: _Turn) -> Reply | None:
+        """Cancel on Ctrl-C, then take one frame of the streaming reply; the Reply once it ended."""
+        if self.interrupt.is_set() and turn.cancelled_at is None:
+            turn.cancelled_at = time.perf_counter()  # print nothing more; the server confirms with done
+            self.ws.send(json.dumps({"type": "cancel", "id": turn.rid}))
+        try:
+            raw = self.ws.recv(timeout=RECV_POLL_S)
+        except TimeoutError:
+            if turn.cancelled_at is not None and time.perf_counter() - turn.cancelled_at > CANCEL_WAIT_S:
+                self.close()  # a server that does not answer: drop the socket, the next turn reconnects
+                return Reply(turn.text, "abort")
+            return None
+        try:
+            frame = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(frame, dict) or frame.get("id") not in (turn.rid, None):
+            return None
+        kind = frame.get("type")
+        if kind == "delta" and turn.cancelled_at is None:
+            if turn.t_first is None:
+                turn.t_first = time.perf_counter()
+            turn.parts.append(str(frame.get("text", "")))
+            self.out.write(turn.parts[-1])
+            self.out.flush()
+            turn.t_last = time.perf_counter()
+        elif kind == "done":
+            reason = "abort" if turn.cancelled_at is not None else frame.get("finish_reason")
+            return Reply(turn.text, reason, frame.get("usage") or {})
+        elif kind == "error":
+            err = frame.get("error") or {}
+            return Reply(turn.text, None, error=str(err.get("message", err)))
+        return None
 
     def reset(self) -> None:
         self.history = [m for m in self.history if m["role"] == "system"]
