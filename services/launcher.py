@@ -172,11 +172,12 @@ def _announce_when_ready(ns: argparse.Namespace, sup: object, redis_url: str, ti
     """Print one line when the gateway answers and the engine has published its first stats."""
     import redis
 
+    from rill.shared.bus import connect
     from rill.shared.streams import Streams
 
     host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
     url = f"http://{host}:{ns.port}"
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     stats_keys = [Streams(ns.prefix).stats_key(e) for e, _ in engine_roles(ns)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -53,13 +53,15 @@ class EmbeddedBroker:
     """A child valkey-server on a free loopback port; stopped with the context manager."""
 
     def __init__(self, port: int | None = None, password: str | None = None,
-                 maxmemory: int = DEFAULT_MAXMEMORY) -> None:
+                 maxmemory: int = DEFAULT_MAXMEMORY, args: tuple[str, ...] = ()) -> None:
         """`password`: required of every client (AUTH); it goes in the URL and in a config file
         in a private folder, never on a command line (any local user can list those).
-        `maxmemory`: bytes of data before writes are refused (0: no limit)."""
+        `maxmemory`: bytes of data before writes are refused (0: no limit).
+        `args`: more server options (cluster mode: shared/local_cluster.py)."""
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
+        self.args = args
         auth = f":{quote(password, safe='')}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -74,7 +76,7 @@ class EmbeddedBroker:
         self.proc = subprocess.Popen(
             [str(binary), str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning",
-             "--protected-mode", "yes"],
+             "--protected-mode", "yes", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url)

@@ -20,6 +20,9 @@ is re-created on the spot.
 
 Group streams are trimmed only below their oldest unread or unacked entry (`trim_consumed`),
 so trimming never drops work; the MAXLEN caps on XADD stay as the hard bound.
+
+A URL that reaches a Redis Cluster gets redis-py's cluster clients and the few rules that differ
+there (cluster.py).
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ import re
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 from msgspec import Struct
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from rill.shared import cluster
+from rill.shared.cluster import AsyncClusterReader, ClusterHot, is_cluster, masters_id
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import AsyncRespConnection, Command, RespConnection
 from rill.shared.schema import encode
@@ -59,7 +66,8 @@ def _is_busygroup(exc: Exception) -> bool:
 
 def is_nogroup(exc: Exception) -> bool:
     """The group (or its stream) is gone: a broker restarted without persistence."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP")
+    # A cluster pipeline's errors start with which command of it failed.
+    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
 
 
 class BrokerRestarted(redis.ConnectionError):
@@ -95,18 +103,31 @@ def _tcp_options(url: str) -> dict[str, bool]:
 
 def connect(url: str, socket_timeout: float | None = None, name: str | None = None) -> redis.Redis:
     """A client that retries a command once, at once (see module doc); None: no read timeout.
-    `name` is shown by CLIENT LIST (which replica holds which connection)."""
+    `name` is shown by CLIENT LIST (which replica holds which connection). A cluster's URL gets
+    a cluster client (its commands are the same)."""
+    if is_cluster(url):
+        return RedisCluster.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,  # type: ignore[return-value]
+                                     decode_responses=False, client_name=_client_name(name), **_tcp_options(url))
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                 retry=Retry(NoBackoff(), 1), decode_responses=False,
                                 client_name=_client_name(name), **_tcp_options(url))
 
 
-def aconnect(url: str, socket_timeout: float | None = None, single: bool = False,
-             name: str | None = None) -> aioredis.Redis:
+def aconnect(url: str, socket_timeout: float | None = None, name: str | None = None) -> aioredis.Redis:
+    if is_cluster(url):
+        return aiocluster.RedisCluster.from_url(  # type: ignore[return-value]
+            url, socket_timeout=socket_timeout, socket_connect_timeout=5, decode_responses=False,
+            client_name=_client_name(name), **_tcp_options(url))
     return aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                    retry=AsyncRetry(NoBackoff(), 1), decode_responses=False,
-                                   single_connection_client=single, client_name=_client_name(name),
-                                   **_tcp_options(url))
+                                   client_name=_client_name(name), **_tcp_options(url))
+
+
+def hot_connection(url: str, name: str | None = None) -> RespConnection | ClusterHot:
+    """The hot path's connection: a bare RESP socket, or over a cluster redis-py's cluster client."""
+    if is_cluster(url):
+        return ClusterHot(connect(url, name=name), url, _client_name(name))  # type: ignore[arg-type]
+    return RespConnection(url, name=_client_name(name))
 
 
 def server_id_of(info: dict) -> str:
@@ -139,7 +160,8 @@ class Bus:
         self.url = url
         self.streams = Streams(prefix)
         self.r = connect(url, name=name)
-        self.hot = RespConnection(url, name=_client_name(name))
+        self.cluster = isinstance(self.r, RedisCluster)
+        self.hot = hot_connection(url, name)
         self._ack_and_send = self.r.register_script(_ACK_AND_SEND)
 
     # Commands, to batch with exchange(); the methods below run one at once.
@@ -177,6 +199,9 @@ class Bus:
                 # Fields are [b"m", payload]. A deleted entry (id, nil) or one without that field
                 # comes back with an empty payload, which no decoder accepts: its reader drops it
                 # and moves past it (skipping it here would leave a cursor stuck before it).
+                if isinstance(fields, dict):  # as redis-py's cluster client parses it
+                    out.append((entry_id, fields.get(FIELD, b"")))
+                    continue
                 ok = fields and len(fields) >= 2 and fields[0] == FIELD
                 out.append((entry_id, fields[1] if ok else b""))
         return out
@@ -230,6 +255,9 @@ class Bus:
         the entry was acked already (then nothing is sent). True where this call sent."""
         if not items:
             return []
+        if self.cluster:
+            return cluster.forward_exactly_once(self.r, stream, group, [  # type: ignore[arg-type]
+                (entry_id, [(dest, maxlen, encode(msg)) for dest, msg, maxlen in sends]) for entry_id, sends in items])
         pipe = self.r.pipeline(transaction=False)
         for entry_id, sends in items:
             args: list[bytes | str | int] = [group, entry_id]
@@ -291,15 +319,29 @@ class Bus:
             self.r.xgroup_delconsumer(stream, group, name)
         return len(dead)
 
-    def server_id(self) -> str:
+    def server_id(self, key: str | None = None) -> str:
+        """Changes when the broker lost its streams: a restart, or a cluster's failover (given
+        `key`, of the master that holds it)."""
+        if self.cluster:
+            return masters_id(self.r.cluster_nodes(), key)
         return server_id_of(self.r.info("server"))
 
-    def wait_for_broker(self, stop: StopFlag, backoff: Backoff | None = None) -> bool:
-        """Ping with backoff until the broker answers (True) or `stop` is set (False)."""
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        """GET of many keys; a cluster's client asks each slot's master."""
+        if not keys:
+            return []
+        return self.r.mget_nonatomic(keys) if self.cluster else self.r.mget(keys)  # type: ignore[attr-defined]
+
+    def wait_for_broker(self, stop: StopFlag, backoff: Backoff | None = None, key: str | None = None) -> bool:
+        """Ping with backoff until the broker answers (True) or `stop` is set (False); on a
+        cluster, given `key`, until the master of its slot does."""
         backoff = backoff or Backoff()
         while not stop:
             try:
-                self.r.ping()
+                if self.cluster and key is not None:
+                    self.r.exists(key)
+                else:
+                    self.r.ping()
                 return True
             except redis.RedisError:
                 stop.wait(backoff.next())
@@ -317,7 +359,9 @@ class AsyncBus:
     def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
         self.streams = Streams(prefix)
         self.r = aconnect(url, name=name)
-        self.reader = AsyncRespConnection(url, name=_client_name(name))
+        self.cluster = isinstance(self.r, aiocluster.RedisCluster)
+        self.reader: AsyncRespConnection | AsyncClusterReader = (
+            AsyncClusterReader(self.r) if self.cluster else AsyncRespConnection(url, name=_client_name(name)))
         self._outbox: list[tuple[str, bytes, int, asyncio.Future[bytes]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -358,6 +402,17 @@ class AsyncBus:
 
     async def get(self, key: str) -> bytes | None:
         return await self.r.get(key)
+
+    async def mget(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return await (self.r.mget_nonatomic(keys) if self.cluster else self.r.mget(keys))  # type: ignore[attr-defined]
+
+    async def server_id(self) -> str:
+        """Bus.server_id, for the gateway."""
+        if self.cluster:
+            return masters_id(await self.r.cluster_nodes())
+        return server_id_of(await self.r.info("server"))
 
     async def close(self) -> None:
         self.reader.close()

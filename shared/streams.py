@@ -1,4 +1,9 @@
-"""Every stream, key and consumer group Rill uses, named in one place, with each stream's cap."""
+"""Every stream, key and consumer group Rill uses, named in one place, with each stream's cap.
+
+An engine's streams and keys carry the hash tag `{engine:e}`, and a KV hand-off's chunks the
+tag of their transfer: on a Redis Cluster each lives in one slot, so one engine's step talks to
+one master and different engines spread over the masters.
+"""
 
 from __future__ import annotations
 
@@ -25,21 +30,21 @@ class Streams:
         return f"{self.prefix}:detok"
 
     def engine_in(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:in"
+        return f"{self.prefix}:{{engine:{engine}}}:in"
 
     def plan(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:plan"
+        return f"{self.prefix}:{{engine:{engine}}}:plan"
 
     def result(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:result"
+        return f"{self.prefix}:{{engine:{engine}}}:result"
 
     def stats_key(self, engine: int) -> str:
-        return f"{self.prefix}:engine:{engine}:stats"
+        return f"{self.prefix}:{{engine:{engine}}}:stats"
 
     def prefix_summary_key(self, engine: int) -> str:
         """The short hashes of the prompt-prefix blocks the engine has cached, for cache-aware
         routing (services/scheduler/prefix_summary.py has the format)."""
-        return f"{self.prefix}:engine:{engine}:prefixes"
+        return f"{self.prefix}:{{engine:{engine}}}:prefixes"
 
     def reply(self, gateway_id: str) -> str:
         return f"{self.prefix}:reply:{gateway_id}"
@@ -64,7 +69,7 @@ class Streams:
 
     def kv_chunk(self, transfer_id: str, index: int) -> str:
         """One chunk of an exported KV payload (prefill/decode disaggregation); expires by itself."""
-        return f"{self.prefix}:kv:{transfer_id}:{index}"
+        return f"{self.prefix}:kv:{{{transfer_id}}}:{index}"
 
     def cap(self, stream: str) -> int | None:
         """The MAXLEN of one of our streams, from its name (None: not one of ours)."""
@@ -75,7 +80,7 @@ class Streams:
             return MAXLEN[rest]
         if rest.startswith("reply:"):
             return MAXLEN["reply"]
-        if rest.startswith("engine:"):
+        if rest.startswith("{engine:"):
             kind = rest.rsplit(":", 1)[-1]
             return {"in": MAXLEN["engine_in"], "plan": MAXLEN["plan"], "result": MAXLEN["result"]}.get(kind)
         return None

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 import openai
-import redis
 
 from rill.shared.broker import free_port
+from rill.shared.bus import connect
 from rill.shared.schema import EngineStats
 from rill.shared.streams import Streams
 
@@ -68,7 +68,7 @@ class ServiceStack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.redis = redis.Redis.from_url(self.redis_url)
+        self.redis = connect(self.redis_url)
         self.streams = Streams(self.prefix)
 
     @property

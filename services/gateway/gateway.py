@@ -37,7 +37,7 @@ from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.gateway.request_tracker import RequestStream, RequestTracker
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
-from rill.shared.bus import FIELD, AsyncBus, Backoff, server_id_of
+from rill.shared.bus import FIELD, AsyncBus, Backoff
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engine_ids, engines_alive
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
@@ -208,12 +208,12 @@ class Gateway:
         assert self.bus is not None
         now = time.monotonic()
         try:
+            server = await asyncio.wait_for(self.bus.server_id(), 5.0)
             pipe = self.bus.r.pipeline(transaction=False)
-            pipe.info("server")
             pipe.smembers(self.bus.streams.engines_key())
             for role in REPLICA_ROLES:
                 pipe.smembers(self.bus.streams.replicas_key(role))
-            info, members, *replicas = await asyncio.wait_for(pipe.execute(), 5.0)
+            members, *replicas = await asyncio.wait_for(pipe.execute(), 5.0)
             live = True
             lost: list[int] = []
             if self.watch_engine:
@@ -224,7 +224,7 @@ class Gateway:
                 for role, names in zip(REPLICA_ROLES, replicas, strict=True):
                     spans.append((role, len(keys), len(keys) + len(names)))
                     keys += [s.heartbeat(role, n.decode() if isinstance(n, bytes) else n) for n in names]
-                beats = await self.bus.r.mget(keys)
+                beats = await self.bus.mget(keys)
                 alive = engines_alive(beats, len(engines))
                 live = any(alive)
                 lost = [e for e, up in zip(engines, alive, strict=True)
@@ -240,7 +240,6 @@ class Gateway:
             return
         self.broker_ok = True
         self._broker_gone.observe(True, now)
-        server = server_id_of(info)
         if self._server is not None and server != self._server:
             # Everything in flight went down with the old server (requests, replies, groups).
             log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
@@ -362,7 +361,7 @@ class Gateway:
         """Every registered engine's latest EngineStats (engines that published none, or an
         undecodable one, are skipped); for /stats and /metrics."""
         assert self.bus is not None
-        raw = await self.bus.r.mget([self.bus.streams.stats_key(e) for e in await self.engine_ids()])
+        raw = await self.bus.mget([self.bus.streams.stats_key(e) for e in await self.engine_ids()])
         out: list[EngineStats] = []
         for payload in raw:
             if payload is None:

@@ -73,7 +73,7 @@ class EngineGuard:
     # ------------------------------------------------------------------------------ broker
 
     def check_broker(self) -> None:
-        server = self.bus.server_id()
+        server = self.bus.server_id(self.service.in_stream)
         if self.server is None:
             self.server = server
         elif server != self.server:
@@ -82,7 +82,7 @@ class EngineGuard:
 
     def resync_broker(self) -> None:
         """After a broker error: remember the server we are now talking to."""
-        self.server = self.bus.server_id()
+        self.server = self.bus.server_id(self.service.in_stream)
 
     # ------------------------------------------------------------------------------ worker
 

@@ -338,7 +338,7 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
                 # Whatever was in flight may be lost (plans, results, replies): fail it all once the
                 # broker answers, then start over with a new handshake.
                 log.warning("broker error: %r; failing in-flight requests and starting over", exc)
-                if not bus.wait_for_broker(stop, backoff):
+                if not bus.wait_for_broker(stop, backoff, key=service.in_stream):
                     break
                 try:
                     service.guard.resync_broker()

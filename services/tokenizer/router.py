@@ -71,7 +71,7 @@ class Router:
         keys = [s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)
         if self.policy == "cache-aware":
             keys += [s.prefix_summary_key(e) for e in ids]
-        raw = self.bus.r.mget(keys) if ids else []
+        raw = self.bus.mget(keys)
         live = [e for e, up in zip(ids, engines_alive(raw[n:3 * n], n), strict=True) if up]
         engines: dict[int, EngineView] = {}
         for i, e in enumerate(ids):

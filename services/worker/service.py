@@ -34,7 +34,7 @@ from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTranspor
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
 from rill.shared import envs
-from rill.shared.bus import Backoff, Bus
+from rill.shared.bus import Backoff, Bus, hot_connection
 from rill.shared.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     DTYPE_BYTES,
@@ -46,7 +46,6 @@ from rill.shared.config import (
 from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.model_files import resolve_model
-from rill.shared.resp import RespConnection
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
 from rill.shared.streams import MAXLEN
 
@@ -168,7 +167,7 @@ def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TP
     backoff = Backoff()
     last_id: bytes | None = None  # None until announced
     server = ""  # the broker we announced ourselves to
-    plans = RespConnection(redis_url, name=f"{me}-plans")
+    plans = hot_connection(redis_url, name=f"{me}-plans")
     results = bus.hot  # results are posted here; their replies are taken with the next post
     unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
     reconnected = False
@@ -193,7 +192,7 @@ def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TP
                     last_id = bus.last_id(plan_stream) if lead else None
                     if tp is not None:  # every rank reads the same plans from here on
                         last_id = tp.share(last_id)
-                    server = bus.server_id()
+                    server = bus.server_id(plan_stream)
                     if lead:
                         # Beat before announcing, so the scheduler never sees us ready yet "dead".
                         heartbeat = heartbeat or Heartbeat(
@@ -205,9 +204,9 @@ def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TP
                     # Same broker: the scheduler may still wait for results whose post was not
                     # confirmed (a duplicate is ignored). A restarted broker lost the plans too;
                     # the scheduler starts over with a Hello, so those results are stale.
-                    if bus.server_id() != server:
+                    if bus.server_id(plan_stream) != server:
                         log.warning("the broker restarted; waiting for the scheduler's hello")
-                        server, unconfirmed = bus.server_id(), []
+                        server, unconfirmed = bus.server_id(plan_stream), []
                     if unconfirmed:
                         bus.exchange([Bus.xadd(result_stream, r, result_maxlen) for r in unconfirmed])
                         unconfirmed = []

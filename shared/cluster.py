@@ -1,0 +1,254 @@
+"""What the bus does differently when its URL reaches a Redis Cluster.
+
+Every service finds out at connect time (INFO cluster) and then talks through redis-py's
+cluster client, which routes each command to the master of its key's slot and follows the
+cluster when a replica is promoted. The names in streams.py put each engine's streams and keys
+in one slot (hash tag `{e}`) so a step's reads and writes of an engine stay on one master, and
+multi-key commands (MGET of the engines' stats) are split per slot by the client.
+
+Two things change beside the client:
+- Forwarding exactly once (a tokenizer's request to its engine, a detokenizer's deltas to their
+  gateway) cannot be one Lua script when source and destination live in different slots. It
+  becomes three steps, each in one slot: pin the forward in the source's slot while the entry
+  is still pending (the first replica to pin decides route and payload, so a replica that redoes
+  the entry after a crash sends the same thing to the same place), deliver to each destination
+  under a "seen" key in that destination's slot (a redo delivers nothing twice), then ack the
+  entry and drop its pin.
+- "The broker restarted" (its streams are gone) becomes "a replica was promoted": it may lack
+  the last writes of the master it replaces. An engine watches the master of its own streams
+  (another engine's failover leaves it alone); a gateway, whose requests cross every master,
+  watches them all and fails what was in flight, as after a restart of a single broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+import redis
+import redis.asyncio.cluster as aiocluster
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from rill.shared.resp import Command, RespConnection
+
+PROBE_S = 10.0  # how long connecting waits for the broker to answer whether it is a cluster
+FORWARD_TTL_MS = 600_000  # pins and seen keys: far longer than any redo takes to happen
+
+_kinds: dict[str, bool] = {}
+
+
+def is_cluster(url: str) -> bool:
+    """Whether `url` reaches a Redis Cluster (asked once per URL and process). A broker that does
+    not answer within PROBE_S is taken for a single server."""
+    if url not in _kinds:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        deadline = time.monotonic() + PROBE_S
+        while True:
+            try:
+                _kinds[url] = bool(int(client.info("cluster").get("cluster_enabled", 0)))
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    return False  # not cached: the next connection asks again
+                time.sleep(0.2)
+        client.close()
+    return _kinds[url]
+
+
+def masters_id(nodes: dict[str, dict[str, Any]], key: str | None = None) -> str:
+    """The masters that serve slots (given `key`, the one that serves its slot), from a parsed
+    CLUSTER NODES: it changes when a replica is promoted, and with it writes may be lost, as a
+    single broker's run_id changes on a restart."""
+    slot = None if key is None else key_slot(key.encode())
+    return ",".join(sorted(
+        n["node_id"] for n in nodes.values() if "master" in n["flags"] and n["slots"]
+        and (slot is None or any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"]))))
+
+
+def same_slot(key: str, suffix: str) -> str:
+    """A key in `key`'s hash slot: `key` itself carries the tag, or becomes it."""
+    return f"{key}:{suffix}" if "{" in key else f"{{{key}}}:{suffix}"
+
+
+class ClusterHot:
+    """The hot path's connection (resp.RespConnection's interface: pipeline, post, take) over a
+    cluster: a bare RESP connection to each master, commands sent to the master of their key's
+    slot, the slot map kept by redis-py's cluster client (refreshed after a failure). Sends then
+    acks stay in that order: an XACK after other commands waits for their replies (masters answer
+    in no set order), so an entry is never acked before what it produced was written."""
+
+    def __init__(self, client: RedisCluster, url: str, name: str | None = None) -> None:
+        self.r = client
+        self.url = urlsplit(url)
+        self.name = name
+        self._conns: dict[str, RespConnection] = {}
+        # Per connection, the places of its posted commands (a connection's take() reads them all).
+        self._posted: dict[str, tuple[RespConnection, list[int]]] = {}
+        self._n_posted = 0
+
+    def execute(self, *args: bytes | str | int | float) -> Any:
+        return self.pipeline([args])[0]
+
+    def pipeline(self, commands: Sequence[Command]) -> list[Any]:
+        if self._posted:
+            self.take()
+        out: list[Any] = []
+        start = 0
+        for i, cmd in enumerate(commands):
+            if i > start and _name(cmd) == "XACK" and _name(commands[i - 1]) != "XACK":
+                self.post(commands[start:i])
+                out += self.take()
+                start = i
+        self.post(commands[start:])
+        return out + self.take()
+
+    @property
+    def posted(self) -> int:
+        return self._n_posted
+
+    def post(self, commands: Sequence[Command]) -> None:
+        by_addr: dict[str, list[int]] = {}
+        try:
+            for i, cmd in enumerate(commands):
+                by_addr.setdefault(self._addr(_key(cmd)), []).append(i)
+            for addr, places in by_addr.items():
+                conn = self._conn(addr)
+                conn.post([commands[i] for i in places])
+                self._posted.setdefault(addr, (conn, []))[1].extend(i + self._n_posted for i in places)
+        except redis.ConnectionError:
+            self._forget()
+            raise
+        self._n_posted += len(commands)
+
+    def take(self) -> list[Any]:
+        posted, self._posted, n, self._n_posted = self._posted.values(), {}, self._n_posted, 0
+        out: list[Any] = [None] * n
+        error: redis.ResponseError | None = None
+        try:
+            for conn, places in posted:
+                try:
+                    replies = conn.take()
+                except redis.ResponseError as exc:  # every reply was read: the others are fine
+                    error = error or exc
+                    continue
+                for i, reply in zip(places, replies, strict=True):
+                    out[i] = reply
+        except redis.ConnectionError:
+            self._forget()
+            raise
+        if error is not None:
+            if str(error).startswith(("MOVED", "ASK")):  # slots moved (a failover): ask again
+                self._forget()
+                raise redis.ConnectionError(f"cluster slots moved: {error}") from error
+            raise error
+        return out
+
+    def _addr(self, key: str) -> str:
+        node = self.r.get_node_from_key(key)
+        return f"{node.host}:{node.port}"
+
+    def _conn(self, addr: str) -> RespConnection:
+        if addr not in self._conns:
+            netloc = self.url.netloc.rsplit("@", 1)[0] + "@" if "@" in self.url.netloc else ""
+            url = urlunsplit(self.url._replace(netloc=f"{netloc}{addr}"))
+            self._conns[addr] = RespConnection(url, name=self.name)
+        return self._conns[addr]
+
+    def _forget(self) -> None:
+        """After a failure: drop the sockets and learn the slot map again (a replica may have
+        been promoted)."""
+        self.close(client=False)
+        with contextlib.suppress(redis.RedisError):
+            self.r.nodes_manager.initialize()
+
+    def close(self, client: bool = True) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        self._posted, self._n_posted = {}, 0
+        if client:
+            self.r.close()
+
+
+def _name(cmd: Command) -> str:
+    name = cmd[0]
+    return (name.decode() if isinstance(name, bytes) else str(name)).upper()
+
+
+def _key(cmd: Command) -> str:
+    """The key a hot-path command works on (the first, for the slot)."""
+    name = _name(cmd)
+    if name in ("XREAD", "XREADGROUP"):
+        key = cmd[[str(a).upper() for a in cmd].index("STREAMS") + 1]
+    elif name in ("EVAL", "EVALSHA"):
+        key = cmd[3]
+    else:
+        key = cmd[1]
+    return key.decode() if isinstance(key, bytes) else str(key)
+
+
+class AsyncClusterReader:
+    """resp.AsyncRespConnection's interface for the gateway's read of its reply stream."""
+
+    def __init__(self, client: aiocluster.RedisCluster) -> None:
+        self.r = client
+
+    async def execute(self, *args: bytes | str | int | float) -> Any:
+        return await self.r.execute_command(*args)
+
+    def close(self) -> None:
+        pass  # the client is the bus's own, closed with it
+
+
+# KEYS[1] source stream, KEYS[2] pin; ARGV[1] group, ARGV[2] entry id, ARGV[3] ttl, ARGV[4] the forward.
+_PIN = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return false end
+redis.call('SET', KEYS[2], ARGV[4], 'NX', 'PX', ARGV[3])
+return redis.call('GET', KEYS[2])
+"""
+# KEYS[1] destination stream, KEYS[2] seen key; ARGV[1] maxlen, ARGV[2] payload, ARGV[3] ttl.
+_DELIVER = """
+if not redis.call('SET', KEYS[2], 1, 'NX', 'PX', ARGV[3]) then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'm', ARGV[2])
+return 1
+"""
+# KEYS[1] source stream, KEYS[2] pin; ARGV[1] group, ARGV[2] entry id.
+_ACK = """
+local n = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('DEL', KEYS[2])
+return n
+"""
+
+Forward = list[tuple[str, int, bytes]]  # (destination stream, maxlen, payload)
+
+
+def forward_exactly_once(r: RedisCluster, stream: str, group: str,
+                         items: Sequence[tuple[bytes, Forward]]) -> list[bool]:
+    """For each (entry id, forward): deliver the entry's forward once, then ack it (module doc).
+    True where the entry was still pending, so that its (pinned) forward went out."""
+    def pin_key(entry_id: bytes) -> str:
+        return same_slot(stream, f"fwd:{entry_id.decode()}")
+
+    pipe = r.pipeline(transaction=False)
+    for entry_id, forward in items:
+        pipe.execute_command("EVAL", _PIN, 2, stream, pin_key(entry_id), group, entry_id, FORWARD_TTL_MS,
+                             msgspec.msgpack.encode(forward))
+    pinned = pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    for (entry_id, _), got in zip(items, pinned, strict=True):
+        if got is None:
+            continue  # acked already: delivered by whoever acked it
+        for i, (dest, maxlen, payload) in enumerate(msgspec.msgpack.decode(got, type=Forward)):
+            seen = same_slot(dest, f"seen:{stream}:{entry_id.decode()}:{i}")
+            pipe.execute_command("EVAL", _DELIVER, 2, dest, seen, maxlen, payload, FORWARD_TTL_MS)
+    pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    for entry_id, _ in items:
+        pipe.execute_command("EVAL", _ACK, 2, stream, pin_key(entry_id), group, entry_id)
+    pipe.execute()
+    return [got is not None for got in pinned]

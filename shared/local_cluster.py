@@ -1,0 +1,95 @@
+"""A Redis Cluster of embedded valkey-servers on loopback ports: masters with one replica each.
+
+For the cluster tests and for trying a cluster deployment on one machine
+(`python -m rill.shared.local_cluster`). The cluster is formed the way `valkey-cli --cluster
+create` does it, with plain commands: MEET, ADDSLOTSRANGE in equal thirds, REPLICATE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+
+import redis
+
+from rill.shared.broker import EmbeddedBroker, free_port
+
+SLOTS = 16384
+
+
+class LocalCluster:
+    """`masters` masters, each with `replicas` replicas; `url` reaches the whole cluster."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000) -> None:
+        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no")
+        # The cluster bus's port is given: its default, port + 10000, can be past 65535.
+        self.bus_ports = [free_port() for _ in range(masters * (1 + replicas))]
+        self.nodes = [EmbeddedBroker(args=(*args, "--cluster-port", str(bus))) for bus in self.bus_ports]
+        self.masters = masters
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(port=n.port) for n in self.nodes]
+        first = clients[0]
+        for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        step = SLOTS // self.masters
+        for i, client in enumerate(clients[:self.masters]):
+            end = SLOTS - 1 if i == self.masters - 1 else (i + 1) * step - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, end)
+        deadline = time.monotonic() + timeout
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients[:self.masters]]
+        for i, client in enumerate(clients[self.masters:]):
+            while True:  # a replica can follow its master once it has learnt of it by gossip
+                try:
+                    client.execute_command("CLUSTER", "REPLICATE", ids[i % self.masters])
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        while not all(self._ok(c) for c in clients):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("the local cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        for client in clients:
+            client.close()
+        return self
+
+    @staticmethod
+    def _ok(client: redis.Redis) -> bool:
+        info = client.cluster("INFO")
+        return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) > 1
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a local Redis Cluster of valkey-servers.")
+    parser.add_argument("--masters", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=1)
+    args = parser.parse_args()
+    with LocalCluster(args.masters, args.replicas) as cluster:
+        print(f"cluster ready: --redis-url {cluster.url} "
+              f"(nodes on ports {', '.join(str(n.port) for n in cluster.nodes)}); Ctrl-C stops it", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Rill on a Redis Cluster: six valkey-servers (3 masters, 3 replicas) on local ports.
+
+The bus's cluster rules one by one (exactly-once forwarding across slots, the hot path's
+pipelines, a failover seen as a restart), then the whole pipeline with 2 engines, 2 tokenizers,
+2 detokenizers and 2 gateways: greedy outputs equal a single-Redis stack's, the engines' streams
+sit on different masters, and a master killed under load fails what was in flight with a clear
+error while new requests succeed without restarting any service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import pytest
+import redis
+from service_stack import ServiceStack, fast_flags, rill_executable
+
+from rill.shared.broker import free_port
+from rill.shared.bus import Bus, connect
+from rill.shared.local_cluster import LocalCluster
+from rill.shared.schema import Routed, encode
+from rill.shared.streams import Streams
+
+N_REQUESTS = 32
+MAX_TOKENS = 8
+RECOVER_S = 15.0  # the issue's bound from a master's death to new requests succeeding
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(masters=3, replicas=1) as c:
+        yield c
+
+
+def master_of(cluster: LocalCluster, key: str) -> int:
+    """The port of the master that serves `key`'s slot, asked of the servers (CLUSTER KEYSLOT, NODES)."""
+    r = redis.Redis(port=cluster.nodes[0].port)
+    slot = r.execute_command("CLUSTER", "KEYSLOT", key)
+    for addr, node in r.cluster("NODES").items():
+        if "master" in node["flags"] and any(int(a) <= slot <= int(b) for a, b, *_ in node["slots"]):
+            return int(addr.rsplit(":", 1)[1].split("@")[0])
+    raise AssertionError(f"no master serves slot {slot}")
+
+
+def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluster) -> None:
+    """A redo (another replica claimed the entry) sends nothing twice, and a redo that would
+    route elsewhere still sends the first replica's forward to the first destination."""
+    bus = Bus(cluster.url, "rill")
+    try:
+        assert bus.cluster
+        src, dest_a, dest_b = bus.streams.requests, bus.streams.engine_in(0), bus.streams.engine_in(1)
+        assert len({master_of(cluster, k) for k in (src, dest_a, dest_b)}) == 3
+        bus.ensure_group(src, "g")
+        entry_id = bus.send(src, Routed(request_id="r", engine=0))
+        assert [e for e, _ in bus.read_group(src, "g", "one", block_ms=None)] == [entry_id]
+        first = Routed(request_id="r", engine=0)
+        other = Routed(request_id="r", engine=1)
+        # The first forward is pinned before it is delivered; a second replica redoing the entry
+        # (its forward differs) before the first acked delivers the pinned one, to dest_a, once.
+        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_a, first, 100)])]) == [True]
+        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_b, other, 100)])]) == [False]
+        assert bus.r.xlen(dest_a) == 1 and bus.r.xlen(dest_b) == 0
+        # The middle of the protocol replayed by hand: pinned, delivered, but the replica died
+        # before acking. Whoever redoes it delivers nothing new and acks it.
+        entry2 = bus.send(src, Routed(request_id="s", engine=0))
+        bus.read_group(src, "g", "one", block_ms=None)
+        from rill.shared import cluster as cl
+        fwd = msgspec.msgpack.encode([(dest_a, 100, encode(first))])
+        pin = cl.same_slot(src, f"fwd:{entry2.decode()}")
+        assert bus.r.execute_command("EVAL", cl._PIN, 2, src, pin, "g", entry2, 60_000, fwd) == fwd
+        seen = cl.same_slot(dest_a, f"seen:{src}:{entry2.decode()}:0")
+        assert bus.r.execute_command("EVAL", cl._DELIVER, 2, dest_a, seen, 100, encode(first), 60_000) == 1
+        assert bus.ack_and_send_many(src, "g", [(entry2, [(dest_b, other, 100)])]) == [True]
+        assert bus.r.xlen(dest_a) == 2 and bus.r.xlen(dest_b) == 0
+        assert not bus.r.exists(pin) and bus.r.xpending(src, "g")["pending"] == 0
+    finally:
+        bus.close()
+
+
+def test_hot_path_pipelines_span_masters(cluster: LocalCluster) -> None:
+    """One exchange writes to and reads from streams on different masters; a group lost with its
+    master (NOGROUP) is re-created on the spot, as on a single broker."""
+    bus = Bus(cluster.url, "rill")
+    try:
+        s = bus.streams
+        assert master_of(cluster, s.plan(0)) != master_of(cluster, s.detok)
+        bus.ensure_group(s.detok, "g")
+        replies = bus.exchange([Bus.xadd(s.plan(0), Routed(request_id="p", engine=0)),
+                                Bus.xadd(s.detok, Routed(request_id="d", engine=0)),
+                                Bus.xread(s.plan(0), b"0-0", None),
+                                Bus.xreadgroup(s.detok, "g", "c", None)])
+        assert [len(Bus.entries(r)) for r in replies[2:]] == [1, 1]
+        assert Bus.entries(replies[3])[0][1] == encode(Routed(request_id="d", engine=0))
+        bus.r.delete(s.detok)
+        bus.send(s.detok, Routed(request_id="e", engine=0))
+        assert [e for e, _ in bus.read_group(s.detok, "g", "c", None)]  # NOGROUP → group re-created
+        assert len(bus.mget([s.stats_key(e) for e in range(4)])) == 4
+    finally:
+        bus.close()
+
+
+def _chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Count to {3 + i % 7}, then say item {i}."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+async def _ask(base_urls: list[str], idx: list[int], timeout: float = 120) -> list[dict]:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        async def one(i: int) -> dict:
+            try:
+                r = await client.post(f"{base_urls[i % len(base_urls)]}/v1/chat/completions", json=_chat(i))
+                return r.json() | {"status": r.status_code}
+            except httpx.HTTPError as exc:
+                return {"status": 0, "error": {"message": repr(exc)}}
+        return list(await asyncio.gather(*(one(i) for i in idx)))
+
+
+def _texts(replies: list[dict]) -> list[str]:
+    assert all(r["status"] == 200 for r in replies), [r for r in replies if r["status"] != 200][:3]
+    return [r["choices"][0]["message"]["content"] for r in replies]
+
+
+def _cluster_stack(url: str, model_dir: str, ports: list[int]) -> ServiceStack:
+    base = fast_flags(model_dir, url, "rill", ports[0])  # a gateway's own --port comes later and wins
+    commands: dict[str, list[str]] = {}
+    for e in (0, 1):
+        for kind in ("worker", "scheduler"):
+            commands[f"{kind}-{e}"] = [*rill_executable(), "service", kind, *base, "--engine-id", str(e)]
+    for kind in ("tokenizer", "detokenizer"):
+        for i in (0, 1):
+            commands[f"{kind}-{i}"] = [*rill_executable(), "service", kind, *base, "--replica-name", f"{kind}-{i}"]
+    for i, port in enumerate(ports):
+        commands[f"gateway-{i}"] = [*rill_executable(), "service", "gateway", *base, "--port", str(port),
+                                    "--replica-name", f"gateway-{i}"]
+    env = dict(os.environ, RILL_WORKER_THREADS="1", PYTHONUNBUFFERED="1")
+    return ServiceStack(url, "rill", ports[0], commands, env=env)
+
+
+def _wait_ready(stack: ServiceStack, ports: list[int], timeout: float = 300) -> None:
+    r = connect(stack.redis_url)
+    s = Streams("rill")
+    deadline = time.monotonic() + timeout
+    while not all(r.exists(s.stats_key(e)) for e in (0, 1)):
+        assert stack.alive(), "a service died during start-up"
+        assert time.monotonic() < deadline, "the engines did not start"
+        time.sleep(0.3)
+    for port in ports:
+        stack.port = port
+        stack.wait_ready(timeout)
+    stack.port = ports[0]
+
+
+def test_pipeline_on_a_cluster_survives_a_master_failover(cluster: LocalCluster, redis_url: str,
+                                                          smollm2_dir: str) -> None:
+    ports = [free_port(), free_port()]
+    stack = _cluster_stack(cluster.url, smollm2_dir, ports).launch()
+    try:
+        _wait_ready(stack, ports)
+        s = Streams("rill")
+        engine_masters = {e: master_of(cluster, s.engine_in(e)) for e in (0, 1)}
+        assert engine_masters[0] != engine_masters[1], engine_masters
+        for e in (0, 1):  # each engine's streams and keys share its master
+            assert {master_of(cluster, k) for k in (s.plan(e), s.result(e), s.stats_key(e))} == {engine_masters[e]}
+
+        bases = [f"http://127.0.0.1:{p}" for p in ports]
+        on_cluster = _texts(asyncio.run(_ask(bases, list(range(N_REQUESTS)))))
+        used = {e: connect(cluster.url).xinfo_stream(s.engine_in(e))["entries-added"] for e in (0, 1)}
+        assert all(used.values()), used  # both engines served
+
+        # Kill engine 0's master under load: what was in flight ends with a clear error; new
+        # requests succeed within 15 s of the kill, and from then on all do; no service restarted.
+        async def failover() -> tuple[list[dict], float]:
+            load = asyncio.create_task(_ask(bases, list(range(N_REQUESTS)), timeout=60))
+            await asyncio.sleep(1.0)
+            victim = next(n for n in cluster.nodes if n.port == engine_masters[0])
+            assert victim.proc is not None
+            victim.proc.kill()
+            killed = time.monotonic()
+            while time.monotonic() - killed < RECOVER_S:
+                got = await _ask(bases, [0, 1], timeout=10)
+                if all(r["status"] == 200 for r in got):
+                    break
+                await asyncio.sleep(0.5)
+            first_ok = time.monotonic() - killed
+            await asyncio.sleep(max(0.0, RECOVER_S - (time.monotonic() - killed)))
+            return await load, first_ok
+
+        in_flight, first_ok = asyncio.run(failover())
+        assert first_ok <= RECOVER_S, f"no success {first_ok:.1f} s after the kill"
+        for r in in_flight:  # finished, or failed with an error that says why
+            if r["status"] != 200:
+                assert r["status"] >= 500 and r["error"]["message"], r
+        assert any(r["status"] != 200 for r in in_flight), "the kill failed nothing"
+        assert _texts(asyncio.run(_ask(bases, list(range(8))))) == on_cluster[:8]
+        assert stack.alive(), "a service exited"
+    finally:
+        stack.stop()
+
+    # The same requests on one Redis server give the same text.
+    single = _single_stack(redis_url, smollm2_dir)
+    try:
+        single.start()
+        assert _texts(asyncio.run(_ask([single.base_url], list(range(N_REQUESTS))))) == on_cluster
+    finally:
+        single.stop()
+
+
+def _single_stack(redis_url: str, model_dir: str) -> ServiceStack:
+    from service_stack import standard_stack
+
+    prefix, port = f"rillcl-{os.getpid()}-{time.time_ns() % 10**8}", free_port()
+    return standard_stack(redis_url, model_dir, prefix, port)
