@@ -302,7 +302,7 @@ def check_attention(dtype: torch.dtype, big: bool) -> None:
 
 
 def llama3_cos_sin(head_dim: int, max_pos: int) -> torch.Tensor:
-    from rill.services.worker.llama import cos_sin_cache
+    from rill.services.worker.rope import cos_sin_cache
     from rill.shared.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_hidden_layers=1,
@@ -522,7 +522,8 @@ def time_other_kernels(bw: float, flops: float) -> None:
 def random_llama(max_positions: int):
     """A Llama-3-8B-shaped model (P's shapes) with random bf16 weights, and the weight bytes one
     decode step must read (every projection and the LM head; the embedding is only gathered)."""
-    from rill.services.worker.llama import LayerWeights, LlamaModel
+    from rill.services.worker.llama import LlamaModel
+    from rill.services.worker.llama_weights import LayerWeights
     from rill.shared.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=P.vocab, hidden_size=P.hidden, intermediate_size=P.ffn, num_hidden_layers=P.layers,

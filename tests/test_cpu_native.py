@@ -331,7 +331,7 @@ def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, t
                                               kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """RoPE on q/k slices of a fused qkv output plus the cache write: bit-identical to the torch
     ops (same rounding), every slot written by exactly the torch path's values, slots < 0 left alone."""
-    from rill.services.worker.llama import cos_sin_cache
+    from rill.services.worker.rope import cos_sin_cache
 
     g = torch.Generator().manual_seed(tokens * heads)
     cfg = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)

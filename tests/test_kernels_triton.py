@@ -132,7 +132,7 @@ def test_num_splits_follow_work_not_batch() -> None:
 
 
 def _llama3_cos_sin(head_dim: int, max_pos: int) -> torch.Tensor:
-    from rill.services.worker.llama import cos_sin_cache
+    from rill.services.worker.rope import cos_sin_cache
     from rill.shared.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=10, hidden_size=head_dim, intermediate_size=8, num_hidden_layers=1,

@@ -125,7 +125,7 @@ def test_scaled_rope_tables(kind: str, served: int) -> None:
     LongRoPE switches to its long factors past original_max_position_embeddings (16)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from rill.services.worker.llama import inv_frequencies, rope_attention_factor
+    from rill.services.worker.rope import inv_frequencies, rope_attention_factor
     from rill.shared.config import ModelConfig
 
     _, cfg_cls, extra = CASES["llama-dynamic" if kind == "dynamic" else "phi3-longrope"]

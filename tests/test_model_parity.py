@@ -10,7 +10,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from rill.kernels import ops
-from rill.services.worker.llama import LlamaModel, cos_sin_cache
+from rill.services.worker.llama import LlamaModel
+from rill.services.worker.rope import cos_sin_cache
 from rill.shared.config import ModelConfig
 
 TOL = 1e-3

@@ -18,7 +18,7 @@ from typing import Any
 
 from rill.shared.config import ModelConfig
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # what llama.inv_frequencies implements
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # what rope.inv_frequencies implements
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from rill.kernels.ops import make_attention_metadata
-from rill.services.worker.llama import LayerTensors, LlamaModel
+from rill.services.worker.llama import LlamaModel
+from rill.services.worker.llama_weights import LayerTensors
 from rill.shared import envs
 from rill.shared.config import ModelConfig
 

@@ -93,7 +93,7 @@ class Shard:
 
 
 class ShardedCheckpoint:
-    """A llama._Checkpoint read through one rank's `Shard`: each tensor's slice only."""
+    """A llama_weights.Checkpoint read through one rank's `Shard`: each tensor's slice only."""
 
     def __init__(self, ckpt: Any, cfg: ModelConfig, shard: Shard) -> None:
         self.ckpt = ckpt

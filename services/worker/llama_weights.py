@@ -1,0 +1,169 @@
+"""A Llama-family model's weights: read by HF name from its safetensors files (Checkpoint), one
+layer as read, fused, in the model dtype (LayerTensors: where SmoothQuant folds its factors in),
+and as prepared for the forward (LayerWeights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from rill.services.worker import families
+from rill.services.worker.experts import SparseMoe, read_sparse_moe
+from rill.shared.config import ModelConfig
+
+# x -> x @ W.T + b: an ops.make_linear layer, or a calibration probe (smoothquant.Probe).
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear | None  # fused [2 * intermediate, hidden]; None in a sparse (experts) layer
+    down: Linear | None
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm of each q head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False  # a sliding-attention layer: its own RoPE table (Gemma 3)
+    window: int | None = None  # sliding-window size: a query at p sees keys p - window + 1 .. p
+    moe: SparseMoe | None = None  # the layer's MLP is a mixture of experts (experts.py)
+
+
+@dataclass
+class LayerTensors:
+    """One layer's weights as read (model dtype, fused like LayerWeights), before the linear layers
+    are prepared: the stage where smoothing factors are folded in."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False
+    window: int | None = None
+    moe: SparseMoe | None = None  # already prepared (no quantized experts)
+
+    def prepare(self, linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear]) -> LayerWeights:
+        """`linear(field, weight, bias)` builds each linear layer (field: qkv, o, gate_up, down)."""
+        dense = self.moe is None
+        return LayerWeights(input_norm=self.input_norm, qkv=linear("qkv", self.qkv, self.qkv_bias),
+                            o=linear("o", self.o, self.o_bias), post_norm=self.post_norm,
+                            gate_up=linear("gate_up", self.gate_up, self.gate_up_bias) if dense else None,
+                            down=linear("down", self.down, self.down_bias) if dense else None,
+                            q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
+                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window,
+                            moe=self.moe)
+
+
+class Checkpoint:
+    """Tensors by HF name across every *.safetensors file of a folder, read on demand."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._where: dict[str, Path] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._where[name] = path
+        if not self._where:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self._where else None
+
+    def part(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        """Only rows (and cols) of a tensor, read without the rest (a tensor-parallel shard)."""
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            return view[rows] if cols is None else view[rows, cols]
+
+
+def cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("a fused projection has a bias on some parts only")
+    return torch.cat(parts)  # type: ignore[arg-type]
+
+
+class LayerReader:
+    """Each layer's tensors from a checkpoint, fused and placed as LlamaModel.load wants them."""
+
+    def __init__(self, ckpt: Checkpoint, raw: dict[str, Any], family: families.Family, cfg: ModelConfig,
+                 windows: list[int | None], dtype: torch.dtype, device: str) -> None:
+        self.ckpt = ckpt
+        self.raw = raw
+        self.family = family
+        self.cfg = cfg
+        self.windows = windows
+        self.sparse = families.sparse_layers(raw, family)
+        self.dtype = dtype
+        self.device = device
+
+    def put(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype=self.dtype).to(self.device).contiguous()
+
+    def norm_weight(self, name: str) -> torch.Tensor | None:
+        # Gemma's norms scale by (1 + w): folded in once, in fp32, so the forward's norm is Llama's.
+        t = self.ckpt.get(name)
+        return self.put(t.float() + 1.0 if self.family.gemma else t)
+
+    def layer(self, i: int) -> LayerTensors:
+        ckpt, family, cfg, put, norm_weight = self.ckpt, self.family, self.cfg, self.put, self.norm_weight
+        p = f"model.layers.{i}."
+        *attn, o_name = family.attn_names(i)  # [q, k, v] or [qkv]: concatenated either way
+        *mlp, down_name = family.mlp_names(i)
+        gemma = family.gemma
+        moe = read_sparse_moe(ckpt, i, self.raw, family, put) if self.sparse[i] else None
+        if moe is not None:
+            mlp, down_name = [], None
+        return LayerTensors(
+            input_norm=norm_weight(f"{p}input_layernorm.weight"),
+            qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
+            qkv_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
+            o=put(ckpt.get(f"{o_name}.weight")), o_bias=put(ckpt.maybe(f"{o_name}.bias")),
+            # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
+            # pre_feedforward and uses post_attention for the attention output's own norm.
+            post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
+                                  else f"{p}post_attention_layernorm.weight"),
+            gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])) if mlp else None,
+            gate_up_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])) if mlp else None,
+            down=put(ckpt.get(f"{down_name}.weight")) if down_name else None,
+            down_bias=put(ckpt.maybe(f"{down_name}.bias")) if down_name else None,
+            q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
+            k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
+            attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
+            mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
+            local_rope=cfg.rope_theta_local is not None and i < len(cfg.layer_types)
+            and cfg.layer_types[i] == "sliding_attention", window=self.windows[i], moe=moe)
