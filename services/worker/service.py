@@ -149,107 +149,137 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
 
 
 def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TPGroup | None) -> None:
-    runner = build_runner(args, tp)
-    lead = tp is None or tp.lead  # announces, beats and posts results
-    me = f"worker-{args.engine_id}-{os.getpid()}" if tp is None else \
-        f"worker-{args.engine_id}-r{tp.rank}-{os.getpid()}"
-    bus = Bus(redis_url, prefix, name=me)
-    plan_stream = bus.streams.plan(args.engine_id)
-    result_stream = bus.streams.result(args.engine_id)
-    result_maxlen = MAXLEN["result"]
-    ready = WorkerReady(worker_id=me, num_blocks=runner.num_blocks,
-                        block_size=runner.block_size, max_model_len=runner.max_model_len,
-                        dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
-                        sliding_window=runner.model.sliding_window or 0)
-    # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
-    transfers = KVTransferExecutor(runner, [RedisKVTransport(bus.r, bus.streams)])
-    heartbeat: Heartbeat | None = None
-    backoff = Backoff()
-    last_id: bytes | None = None  # None until announced
-    server = ""  # the broker we announced ourselves to
-    plans = hot_connection(redis_url, name=f"{me}-plans")
-    results = bus.hot  # results are posted here; their replies are taken with the next post
-    unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
-    reconnected = False
-
-    def post_read() -> None:
-        plans.post([Bus.xread(plan_stream, last_id, POLL_MS, count=1)])  # type: ignore[arg-type]
-
-    def post_result(result: StepResult) -> None:
-        nonlocal unconfirmed
-        unconfirmed.append(result)
-        if results.posted:
-            results.take()  # the previous result's reply, long arrived
-            unconfirmed = [result]
-        results.post([Bus.xadd(result_stream, result, result_maxlen)])
-
+    loop = _PlanLoop(redis_url, prefix, args, build_runner(args, tp), tp)
     try:
+        loop.run(stop)
+    finally:
+        loop.close()
+
+
+class _PlanLoop:
+    """One worker's bus loop: announce, then read a plan, run it and post its result, step after
+    step; after a broker outage, reconnect and pick up where it was."""
+
+    def __init__(self, redis_url: str, prefix: str, args: EngineArgs, runner: ModelRunner,
+                 tp: TPGroup | None) -> None:
+        self.redis_url = redis_url
+        self.engine_id = args.engine_id
+        self.runner = runner
+        self.tp = tp
+        self.lead = tp is None or tp.lead  # announces, beats and posts results
+        me = f"worker-{args.engine_id}-{os.getpid()}" if tp is None else \
+            f"worker-{args.engine_id}-r{tp.rank}-{os.getpid()}"
+        self.bus = Bus(redis_url, prefix, name=me)
+        self.plan_stream = self.bus.streams.plan(args.engine_id)
+        self.result_stream = self.bus.streams.result(args.engine_id)
+        self.result_maxlen = MAXLEN["result"]
+        self.ready = WorkerReady(worker_id=me, num_blocks=runner.num_blocks,
+                                 block_size=runner.block_size, max_model_len=runner.max_model_len,
+                                 dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
+                                 sliding_window=runner.model.sliding_window or 0)
+        # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
+        self.transfers = KVTransferExecutor(runner, [RedisKVTransport(self.bus.r, self.bus.streams)])
+        self.heartbeat: Heartbeat | None = None
+        self.backoff = Backoff()
+        self.last_id: bytes | None = None  # None until announced
+        self.server = ""  # the broker we announced ourselves to
+        self.plans = hot_connection(redis_url, name=f"{me}-plans")
+        self.results = self.bus.hot  # results are posted here; their replies are taken with the next post
+        self.unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
+        self.reconnected = False
+
+    def run(self, stop: StopFlag) -> None:
         while not stop:
             try:
-                if last_id is None:
-                    # Read from the newest entry before announcing: a Hello sent in answer is not
-                    # missed, and plans meant for a previous worker are not replayed.
-                    last_id = bus.last_id(plan_stream) if lead else None
-                    if tp is not None:  # every rank reads the same plans from here on
-                        last_id = tp.share(last_id)
-                    server = bus.server_id(plan_stream)
-                    if lead:
-                        # Beat before announcing, so the scheduler never sees us ready yet "dead".
-                        heartbeat = heartbeat or Heartbeat(
-                            redis_url, bus.streams.heartbeat("worker", args.engine_id)).start()
-                        bus.send(result_stream, ready, maxlen=result_maxlen)
-                    log.info("worker ready: engine=%d plan_stream=%s%s", args.engine_id, plan_stream,
-                             f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp else "")
-                elif reconnected:
-                    # Same broker: the scheduler may still wait for results whose post was not
-                    # confirmed (a duplicate is ignored). A restarted broker lost the plans too;
-                    # the scheduler starts over with a Hello, so those results are stale.
-                    if bus.server_id(plan_stream) != server:
-                        log.warning("the broker restarted; waiting for the scheduler's hello")
-                        server, unconfirmed = bus.server_id(plan_stream), []
-                    if unconfirmed:
-                        bus.exchange([Bus.xadd(result_stream, r, result_maxlen) for r in unconfirmed])
-                        unconfirmed = []
-                    reconnected = False
-                if not plans.posted:
-                    post_read()
-                (reply,) = plans.take()
+                if self.last_id is None:
+                    self._announce()
+                elif self.reconnected:
+                    self._resume()
+                if not self.plans.posted:
+                    self._post_read()
+                (reply,) = self.plans.take()
                 for entry_id, payload in Bus.entries(reply):  # one plan per read
-                    last_id = entry_id
-                    try:
-                        msg = worker_input_decoder.decode(payload)
-                    except msgspec.DecodeError as exc:
-                        log.warning("undecodable message %s on %s: %s", entry_id, plan_stream, exc)
-                        continue
-                    if isinstance(msg, StepPlan):
-                        post_read()  # the next plan's read waits in the socket while this step runs
-                        result = runner.execute(msg)
-                        if lead:
-                            transfers.run(msg, result)
-                            post_result(result)
-                    elif isinstance(msg, Hello):
-                        log.info("hello from scheduler %s: state reset", msg.scheduler_id)
-                        runner.reset()
-                        unconfirmed = []
-                        if lead:
-                            bus.send(result_stream, ready, maxlen=result_maxlen)
-                    elif isinstance(msg, Shutdown):
-                        log.info("shutdown requested: %s", msg.reason or "no reason given")
+                    self.last_id = entry_id
+                    if not self._handle(entry_id, payload):
                         return
-                backoff.reset()
+                self.backoff.reset()
             except redis.RedisError as exc:  # broker restarting or unreachable: back off, reconnect
-                if not backoff.failures:  # once per outage; the retries that follow are quiet
+                if not self.backoff.failures:  # once per outage; the retries that follow are quiet
                     log.warning("broker error, reconnecting with backoff: %r", exc)
-                plans.close()
-                results.close()
-                delay = backoff.next()
-                reconnected = last_id is not None
+                self.plans.close()
+                self.results.close()
+                delay = self.backoff.next()
+                self.reconnected = self.last_id is not None
                 stop.wait(delay)
-        if unconfirmed and not reconnected:  # stopping: make sure the last result landed
+        if self.unconfirmed and not self.reconnected:  # stopping: make sure the last result landed
             with contextlib.suppress(redis.RedisError):
-                results.take()
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        plans.close()
-        bus.close()
+                self.results.take()
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.plans.close()
+        self.bus.close()
+
+    def _announce(self) -> None:
+        bus, tp = self.bus, self.tp
+        # Read from the newest entry before announcing: a Hello sent in answer is not
+        # missed, and plans meant for a previous worker are not replayed.
+        self.last_id = bus.last_id(self.plan_stream) if self.lead else None
+        if tp is not None:  # every rank reads the same plans from here on
+            self.last_id = tp.share(self.last_id)
+        self.server = bus.server_id(self.plan_stream)
+        if self.lead:
+            # Beat before announcing, so the scheduler never sees us ready yet "dead".
+            self.heartbeat = self.heartbeat or Heartbeat(
+                self.redis_url, bus.streams.heartbeat("worker", self.engine_id)).start()
+            bus.send(self.result_stream, self.ready, maxlen=self.result_maxlen)
+        log.info("worker ready: engine=%d plan_stream=%s%s", self.engine_id, self.plan_stream,
+                 f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp else "")
+
+    def _resume(self) -> None:
+        # Same broker: the scheduler may still wait for results whose post was not
+        # confirmed (a duplicate is ignored). A restarted broker lost the plans too;
+        # the scheduler starts over with a Hello, so those results are stale.
+        bus = self.bus
+        if bus.server_id(self.plan_stream) != self.server:
+            log.warning("the broker restarted; waiting for the scheduler's hello")
+            self.server, self.unconfirmed = bus.server_id(self.plan_stream), []
+        if self.unconfirmed:
+            bus.exchange([Bus.xadd(self.result_stream, r, self.result_maxlen) for r in self.unconfirmed])
+            self.unconfirmed = []
+        self.reconnected = False
+
+    def _handle(self, entry_id: bytes, payload: bytes) -> bool:
+        """Act on one message of the plan stream; False when it asks this worker to stop."""
+        try:
+            msg = worker_input_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable message %s on %s: %s", entry_id, self.plan_stream, exc)
+            return True
+        if isinstance(msg, StepPlan):
+            self._post_read()  # the next plan's read waits in the socket while this step runs
+            result = self.runner.execute(msg)
+            if self.lead:
+                self.transfers.run(msg, result)
+                self._post_result(result)
+        elif isinstance(msg, Hello):
+            log.info("hello from scheduler %s: state reset", msg.scheduler_id)
+            self.runner.reset()
+            self.unconfirmed = []
+            if self.lead:
+                self.bus.send(self.result_stream, self.ready, maxlen=self.result_maxlen)
+        elif isinstance(msg, Shutdown):
+            log.info("shutdown requested: %s", msg.reason or "no reason given")
+            return False
+        return True
+
+    def _post_read(self) -> None:
+        self.plans.post([Bus.xread(self.plan_stream, self.last_id, POLL_MS, count=1)])  # type: ignore[arg-type]
+
+    def _post_result(self, result: StepResult) -> None:
+        self.unconfirmed.append(result)
+        if self.results.posted:
+            self.results.take()  # the previous result's reply, long arrived
+            self.unconfirmed = [result]
+        self.results.post([Bus.xadd(self.result_stream, result, self.result_maxlen)])
