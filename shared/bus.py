@@ -123,10 +123,11 @@ def aconnect(url: str, socket_timeout: float | None = None, name: str | None = N
                                    client_name=_client_name(name), **_tcp_options(url))
 
 
-def hot_connection(url: str, name: str | None = None) -> RespConnection | ClusterHot:
-    """The hot path's connection: a bare RESP socket, or over a cluster redis-py's cluster client."""
+def hot_connection(url: str, name: str | None = None, client: redis.Redis | None = None) -> RespConnection | ClusterHot:
+    """The hot path's connection: a bare RESP socket, or over a cluster one per master, routed by
+    the slot map of `client` (a cluster client of the same URL; a new one if not given)."""
     if is_cluster(url):
-        return ClusterHot(connect(url, name=name), url, _client_name(name))  # type: ignore[arg-type]
+        return ClusterHot(client or connect(url, name=name), url, _client_name(name))  # type: ignore[arg-type]
     return RespConnection(url, name=_client_name(name))
 
 
@@ -161,7 +162,7 @@ class Bus:
         self.streams = Streams(prefix)
         self.r = connect(url, name=name)
         self.cluster = isinstance(self.r, RedisCluster)
-        self.hot = hot_connection(url, name)
+        self.hot = hot_connection(url, name, self.r)
         self._ack_and_send = self.r.register_script(_ACK_AND_SEND)
 
     # Commands, to batch with exchange(); the methods below run one at once.

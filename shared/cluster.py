@@ -95,8 +95,16 @@ class ClusterHot:
         return self.pipeline([args])[0]
 
     def pipeline(self, commands: Sequence[Command]) -> list[Any]:
+        """As RespConnection.pipeline: a batch that fails on a socket is retried once, at once,
+        here after learning the slot map again (the master may have changed)."""
         if self._posted:
             self.take()
+        try:
+            return self._pipeline(commands)
+        except redis.ConnectionError:
+            return self._pipeline(commands)
+
+    def _pipeline(self, commands: Sequence[Command]) -> list[Any]:
         out: list[Any] = []
         start = 0
         for i, cmd in enumerate(commands):
@@ -162,17 +170,16 @@ class ClusterHot:
     def _forget(self) -> None:
         """After a failure: drop the sockets and learn the slot map again (a replica may have
         been promoted)."""
-        self.close(client=False)
+        self.close()
         with contextlib.suppress(redis.RedisError):
             self.r.nodes_manager.initialize()
 
-    def close(self, client: bool = True) -> None:
+    def close(self) -> None:
+        """The sockets; the cluster client (its slot map) stays usable, its owner closes it."""
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
         self._posted, self._n_posted = {}, 0
-        if client:
-            self.r.close()
 
 
 def _name(cmd: Command) -> str:

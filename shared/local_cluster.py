@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 import time
 
 import redis
@@ -23,7 +24,8 @@ class LocalCluster:
 
     def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000) -> None:
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no")
+                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
+                "--shutdown-on-sigterm", "now")  # a master would wait for its replicas to catch up
         # The cluster bus's port is given: its default, port + 10000, can be past 65535.
         self.bus_ports = [free_port() for _ in range(masters * (1 + replicas))]
         self.nodes = [EmbeddedBroker(args=(*args, "--cluster-port", str(bus))) for bus in self.bus_ports]
@@ -34,6 +36,13 @@ class LocalCluster:
         return self.nodes[0].url
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
+        try:
+            return self._form(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _form(self, timeout: float) -> LocalCluster:
         for node in self.nodes:
             node.start()
         clients = [redis.Redis(port=n.port) for n in self.nodes]
@@ -57,7 +66,6 @@ class LocalCluster:
                     time.sleep(0.1)
         while not all(self._ok(c) for c in clients):
             if time.monotonic() > deadline:
-                self.stop()
                 raise TimeoutError("the local cluster did not reach cluster_state:ok")
             time.sleep(0.1)
         for client in clients:
@@ -70,6 +78,9 @@ class LocalCluster:
         return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) > 1
 
     def stop(self) -> None:
+        for node in self.nodes:  # all at once: each takes a moment to shut down
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.terminate()
         for node in self.nodes:
             node.stop()
 
@@ -85,10 +96,14 @@ def main() -> None:
     parser.add_argument("--masters", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=1)
     args = parser.parse_args()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a handler (not a mask, which children inherit)
+        signal.signal(sig, lambda *_: stop.set())
     with LocalCluster(args.masters, args.replicas) as cluster:
         print(f"cluster ready: --redis-url {cluster.url} "
               f"(nodes on ports {', '.join(str(n.port) for n in cluster.nodes)}); Ctrl-C stops it", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while not stop.wait(1.0):
+            pass
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from rill.shared.schema import (
 from rill.shared.streams import MAXLEN, SCHEDULER_GROUP
 
 log = logging.getLogger("rill.scheduler")
+HELLO_AGAIN_S = 5.0  # the handshake repeats its hello this often until the worker answers
 
 
 
@@ -96,10 +97,15 @@ class SchedulerService:
     # ------------------------------------------------------------------------ start-up
 
     def handshake(self) -> WorkerReady | None:
-        """Say hello to the worker and wait for its WorkerReady (whichever started first)."""
+        """Say hello to the worker and wait for its WorkerReady (whichever started first). The
+        hello is repeated now and then: a worker whose answer was lost (its broker connection
+        failed as it sent it) answers again."""
         self.result_cursor = self.bus.last_id(self.result_stream)
-        self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+        next_hello = 0.0
         while not self.stop:
+            if time.monotonic() >= next_hello:
+                self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+                next_hello = time.monotonic() + HELLO_AGAIN_S
             for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS):
                 self.result_cursor = entry_id
                 msg = decode_worker_output(data)

@@ -39,7 +39,7 @@ import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rill.shared.schema import ChatMessage
+from rill.shared.request_params import ChatMessage
 from rill.shared.tokenizer_files import read_json
 
 log = logging.getLogger("rill.tokenizer.chat_template")

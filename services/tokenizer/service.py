@@ -28,8 +28,8 @@ from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_group
 from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
+from rill.shared.request_params import ChatMessage
 from rill.shared.schema import (
-    ChatMessage,
     DetokenizeRequest,
     ErrorReply,
     GenerateRequest,
