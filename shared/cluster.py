@@ -3,12 +3,12 @@
 Every service finds out at connect time (INFO cluster) and then talks through redis-py's
 cluster client, which routes each command to the master of its key's slot and follows the
 cluster when a replica is promoted. The names in streams.py put each engine's streams and keys
-in one slot (hash tag `{e}`) so a step's reads and writes of an engine stay on one master, and
-multi-key commands (MGET of the engines' stats) are split per slot by the client.
+in one slot (hash tag `{engine:e}`), so a step's reads and writes of an engine stay on one
+master, and Bus.mget splits a multi-key read (the engines' stats) per slot.
 
 Two things change beside the client:
-- Forwarding exactly once (a tokenizer's request to its engine, a detokenizer's deltas to their
-  gateway) cannot be one Lua script when source and destination live in different slots. It
+- Forwarding exactly once (a tokenizer's request to its engine, or its answer to a gateway)
+  cannot be one Lua script when source and destination live in different slots. It
   becomes three steps, each in one slot: pin the forward in the source's slot while the entry
   is still pending (the first replica to pin decides route and payload, so a replica that redoes
   the entry after a crash sends the same thing to the same place), deliver to each destination
@@ -23,6 +23,7 @@ Two things change beside the client:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,13 @@ PROBE_S = 10.0  # how long connecting waits for the broker to answer whether it 
 FORWARD_TTL_MS = 600_000  # pins and seen keys: far longer than any redo takes to happen
 
 _kinds: dict[str, bool] = {}
+log = logging.getLogger("rill.bus")
+
+
+def _redact(url: str) -> str:
+    """`url` without its password, for logs."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
 
 
 def is_cluster(url: str) -> bool:
@@ -53,8 +61,10 @@ def is_cluster(url: str) -> bool:
                 _kinds[url] = bool(int(client.info("cluster").get("cluster_enabled", 0)))
                 break
             except redis.RedisError:
-                if time.monotonic() > deadline:
-                    return False  # not cached: the next connection asks again
+                if time.monotonic() > deadline:  # not cached: the next connection asks again
+                    log.warning("the broker at %s did not answer for %.0f s: taken for a single server",
+                                _redact(url), PROBE_S)
+                    return False
                 time.sleep(0.2)
         client.close()
     return _kinds[url]
