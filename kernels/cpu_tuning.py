@@ -216,17 +216,6 @@ def tune_model(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
 GgufShape = tuple[int, int, int]  # (out features n, in features k, ggml type id) of one weight part
 
 
-def _random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
-    """Random raw blocks uint8 [n, row_bytes], their fp16 scales small and finite."""
-    fmt = gguf_blocks.block_format(qtype)
-    g = _gen()
-    blocks = torch.randint(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=torch.uint8, generator=g)
-    for at in fmt.halves:
-        scale = (torch.rand(blocks.shape[0], 1, generator=g) * 0.02 - 0.01).half()
-        blocks[:, at:at + 2] = scale.view(torch.uint8)
-    return blocks.reshape(n, -1)
-
-
 @functools.lru_cache(maxsize=2)
 def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
         -> tuple[gguf_linear.QuantLinear, gguf_linear.QuantLinear] | None:
@@ -236,7 +225,7 @@ def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
     native library cannot run the block routes (nothing to choose)."""
     if not (gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype)):
         return None
-    raw = _random_blocks(qtype, n, k)
+    raw = gguf_blocks.random_blocks(qtype, n, k, scale=0.01)
     blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)
     blocks.force("blocks")  # drops a float copy the table may have asked for
     floats = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)

@@ -10,6 +10,7 @@ equal, not just close; the native GEMM (cpu_gguf.c) reads the same blocks withou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,19 @@ def block_format(qtype: int) -> BlockFormat:
     return FORMATS[qtype]
 
 
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0, scale: float = 0.05) -> torch.Tensor:
+    """Random raw blocks uint8 [n, row_bytes(qtype, k)] with finite fp16 scales in (-scale, scale)
+    where random bits would give NaNs and infinities (for kernel tests and timing)."""
+    fmt = block_format(qtype)
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=torch.uint8, generator=g)
+    for at in fmt.halves:
+        scales = ((torch.rand(blocks.shape[0], 1, generator=g) * 2 - 1) * scale).half()
+        blocks[:, at:at + 2] = scales.view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+@functools.cache  # asked on every block GEMM call
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one weight row of k elements; ValueError unless k is a whole number of blocks."""
     fmt = block_format(qtype)

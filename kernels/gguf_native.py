@@ -66,16 +66,11 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
     return gemm_with(_declared if _declared is not None else _lib(), x, raw, qtype, n, k, bias)
 
 
-_row_bytes: dict[tuple[int, int], int] = {}
-
-
 def gemm_with(lib: ctypes.CDLL | None, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
               bias: torch.Tensor | None) -> torch.Tensor:
     """`gemm` through a given library (`declare`d)."""
     assert lib is not None and x.dim() == 2 and x.shape[1] == k
-    rb = _row_bytes.get((qtype, k))
-    if rb is None:
-        rb = _row_bytes[(qtype, k)] = gguf_blocks.row_bytes(qtype, k)
+    rb = gguf_blocks.row_bytes(qtype, k)
     if raw.dtype != torch.uint8 or raw.shape != (n, rb) or not raw.is_contiguous():
         raise ValueError(f"{gguf_blocks.name(qtype)} weight: want contiguous uint8 [{n}, {rb}], "
                          f"got {raw.dtype} {list(raw.shape)}")

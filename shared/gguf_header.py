@@ -4,6 +4,7 @@ took ~20 s for Gemma 3). Torch-free: the launcher's checks use it too."""
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,14 @@ class _Cursor:
 
 
 def read_header(path: Path) -> Header:
-    """The metadata and tensor table of a GGUF (version 2 or later)."""
+    """The metadata and tensor table of a GGUF (version 2 or later), read once per version of
+    the file (the model's family check and the worker's block reader both want it)."""
+    st = Path(path).resolve().stat()
+    return _read_header(Path(path).resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, _size: int, _mtime_ns: int) -> Header:
     import mmap
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:

@@ -32,17 +32,6 @@ SMALL_FORMATS = [q for q in FORMATS if gguf_blocks.FORMATS[q].elements == 32]
 EMUL_TOL = 2e-5  # fp32 sums of up to 2048 products in another order: ~sqrt(k) * 2^-24, with margin
 
 
-def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random raw blocks uint8 [n, row_bytes], with sane fp16 scales in place of random bits."""
-    fmt = gguf_blocks.FORMATS[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=np.uint8)
-    for at in fmt.halves:
-        scale = rng.uniform(-0.05, 0.05, (blocks.shape[0], 1)).astype(np.float16)
-        blocks[:, at:at + 2] = scale.view(np.uint8)
-    return torch.from_numpy(blocks.reshape(n, -1))
-
-
 def reference(raw: torch.Tensor, qtype: int) -> np.ndarray:
     return gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
 
@@ -56,7 +45,7 @@ def assert_bit_equal(got: torch.Tensor, want: np.ndarray) -> None:
 @pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
 def test_dequantize_random_blocks_bit_equal(qtype: int) -> None:
     k = gguf_blocks.FORMATS[qtype].elements * 3
-    raw = random_blocks(qtype, 7, k)
+    raw = gguf_blocks.random_blocks(qtype, 7, k)
     assert_bit_equal(gguf_blocks.dequantize(raw, qtype, k), reference(raw, qtype))
 
 
@@ -115,7 +104,7 @@ def native_lib() -> ctypes.CDLL:
 def test_native_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
     k = gguf_blocks.FORMATS[qtype].elements * (6 if gguf_blocks.FORMATS[qtype].elements == 32 else 3)
     for n in (37, 101):  # odd: partial chunks of output rows
-        check_gemm(gguf_native.gemm, random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
+        check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
 
 
 @pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[gguf_blocks.name(q) for q in SMALL_FORMATS])
@@ -123,12 +112,12 @@ def test_native_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) 
 def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
     """Rows of 2 full batches of 16 blocks and 1, 3, 5 or 9 left (the AVX-512 kernels' tails)."""
     for left in (1, 3, 5, 9):
-        check_gemm(gguf_native.gemm, random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
+        check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
 def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
     """Big enough that the rows are split over threads and the activation quantized in parallel."""
-    check_gemm(gguf_native.gemm, random_blocks(gguf_blocks.Q4_K, 300, 1024), gguf_blocks.Q4_K, 70, bias=True)
+    check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(gguf_blocks.Q4_K, 300, 1024), gguf_blocks.Q4_K, 70, bias=True)
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
@@ -149,7 +138,7 @@ def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -
 
     for qtype in FORMATS:
         k = gguf_blocks.FORMATS[qtype].elements * 2
-        raw = random_blocks(qtype, 19, k)
+        raw = gguf_blocks.random_blocks(qtype, 19, k)
         check_gemm(gemm, raw, qtype, 5, bias=True)
         assert_bit_equal(gguf_native.dequantize_with(lib, raw, qtype, k, torch.float32, None), reference(raw, qtype))
 
@@ -159,7 +148,7 @@ def test_native_dequantize_bit_equal(native_lib: ctypes.CDLL, qtype: int) -> Non
     """fp32 equal to gguf's dequantizer, bf16 equal to that rounded by torch; 300 x 1024 values
     go through the threaded loop, 3 rows of 1 block through the serial one."""
     for n, k in ((300, 1024), (3, gguf_blocks.FORMATS[qtype].elements)):
-        raw = random_blocks(qtype, n, k, seed=n)
+        raw = gguf_blocks.random_blocks(qtype, n, k, seed=n)
         want = reference(raw, qtype)
         assert_bit_equal(gguf_native.dequantize(raw, qtype, k), want)
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
@@ -169,9 +158,9 @@ def test_native_dequantize_bit_equal(native_lib: ctypes.CDLL, qtype: int) -> Non
 
 
 def parts_of_mixed_layer(k: int) -> list[tuple[int, torch.Tensor]]:
-    return [(gguf_blocks.Q5_0, random_blocks(gguf_blocks.Q5_0, 24, k, 1)),
-            (gguf_blocks.Q5_0, random_blocks(gguf_blocks.Q5_0, 8, k, 2)),
-            (gguf_blocks.Q8_0, random_blocks(gguf_blocks.Q8_0, 8, k, 3))]
+    return [(gguf_blocks.Q5_0, gguf_blocks.random_blocks(gguf_blocks.Q5_0, 24, k, 1)),
+            (gguf_blocks.Q5_0, gguf_blocks.random_blocks(gguf_blocks.Q5_0, 8, k, 2)),
+            (gguf_blocks.Q8_0, gguf_blocks.random_blocks(gguf_blocks.Q8_0, 8, k, 3))]
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
@@ -257,7 +246,7 @@ def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monke
     and the float copy is made only where some bucket chose float."""
     monkeypatch.setattr(chooser, "_installed", KernelTable())
     calls = counting(monkeypatch)
-    raw = random_blocks(gguf_blocks.Q8_0, 24, 64)
+    raw = gguf_blocks.random_blocks(gguf_blocks.Q8_0, 24, 64)
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
     assert layer.float_copy_bytes == 24 * 64 * 4
     for rows in (1, 4, 5, 64):

@@ -143,8 +143,8 @@ class Scheduler(RequestStates):
             # first. Counted from the computed tokens, not the planned ones, so a block is
             # released only after its prefix-cache hash is published.
             self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
-            draft = self._draft(req, n, budget)
-            n += len(draft)
+            draft = self._draft(req, n, budget)  # holds its drafts' blocks already: the loop
+            n += len(draft)                       # below then only ever preempts for the token itself
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
