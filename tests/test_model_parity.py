@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_cases import BASE
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from rill.kernels import ops
@@ -30,9 +31,7 @@ def tiny_llama(tmp: Path, seed: int = 0, **overrides) -> tuple[Path, LlamaForCau
     """A random GQA Llama saved as a checkpoint folder, with weights large enough that logits
     differ by whole units (so a 1e-3 tolerance means something)."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-5, initializer_range=0.1)
+    kw: dict = dict(vocab_size=300, **BASE, initializer_range=0.1)  # the families' tiny shape
     kw.update(overrides)
     model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
     model.save_pretrained(tmp)
