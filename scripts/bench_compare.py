@@ -196,7 +196,7 @@ class _Server:
         import argparse as ap
         import asyncio
 
-        import rill.services.bench_serve as bs
+        import rill.services.clients.bench_serve as bs
 
         prompts = prompts or self.prompts
         args = ap.Namespace(base_url=f"http://127.0.0.1:{self.port}", backend="openai-completions", model=None,

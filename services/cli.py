@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --kernel-report: measure every choice again and replace the cached table")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    from rill.services.bench_serve import add_arguments as bench_serve_arguments
+    from rill.services.clients.bench_serve import add_arguments as bench_serve_arguments
 
     bench_serve_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server or Rill's WebSocket"))
 
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="scheduler and worker: both (colocated), prefill (runs prompts, hands requests "
                           "and their KV to decode engines) or decode (continues them); give the scheduler "
                           "and the worker of one engine the same --role and --engine-id")
-    from rill.services.chat_client import add_arguments as chat_arguments
+    from rill.services.clients.chat_client import add_arguments as chat_arguments
 
     chat_arguments(sub.add_parser("chat", help="chat with a running server in the terminal (over /v1/ws)"))
     return parser
@@ -344,12 +344,12 @@ def kernel_report(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     if ns.command == "bench":
-        from rill.services.bench_serve import main as bench_serve
+        from rill.services.clients.bench_serve import main as bench_serve
 
         result = bench_serve(ns)
         raise SystemExit(0 if result["completed"] else 1)
     if ns.command == "chat":
-        from rill.services.chat_client import run as chat
+        from rill.services.clients.chat_client import run as chat
 
         raise SystemExit(chat(ns))
     if ns.command == "serve":

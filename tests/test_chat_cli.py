@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from service_stack import ServiceStack, fresh_stack, rill_executable
 
-from rill.services.chat_client import ws_url
+from rill.services.clients.chat_client import ws_url
 from rill.shared.broker import free_port
 from rill.shared.bus import FIELD
 from rill.shared.schema import generate_decoder
@@ -166,7 +166,7 @@ def test_rill_chat_in_a_terminal(stack: ServiceStack) -> None:
 # select starts waiting). read_line must still raise KeyboardInterrupt.
 PENDING_CTRL_C = """
 import signal, sys, threading, time
-from rill.services.chat_client import read_line
+from rill.services.clients.chat_client import read_line
 signal.signal(signal.SIGINT, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
 signal.signal(signal.SIGALRM, lambda signum, frame: None)
 def ctrl_c_elsewhere():

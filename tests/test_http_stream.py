@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from rill.services.http_stream import Head, ProtocolError, stream_lines
+from rill.services.clients.http_stream import Head, ProtocolError, stream_lines
 
 LINES = [b"data: {\"a\": 1}", b"", b"data: [DONE]", b""]
 BODY = b"\r\n".join(LINES) + b"\r\n"

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from rill.services.http_stream import Head, LineSplitter, ProtocolError, stream_lines
+from rill.services.clients.http_stream import Head, LineSplitter, ProtocolError, stream_lines
 
 WORDS = ("the river carries light across stone and time while engines hum softly under a quiet sky "
          "every token finds its place in a block of memory that the scheduler lends and takes back "
