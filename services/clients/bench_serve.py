@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -257,6 +258,7 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], duration: float
     in_tokens = sum(o.input_len for o in ok)
     tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     return {
+        "label": args.label or urlsplit(args.base_url).netloc or args.base_url,
         "backend": args.backend, "base_url": args.base_url, "model": args.model, "dataset": args.dataset,
         "num_prompts": len(outcomes), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
         "completed": len(ok), "failed": len(outcomes) - len(ok),
@@ -311,6 +313,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--label", default=None,
+                   help="the system's name in the saved result, for scripts/plot_bench.py (default: the URL's host:port)")
     p.add_argument("--save-detailed", action="store_true", help="include every request in the JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -319,6 +323,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result = asyncio.run(run_benchmark(args))
     print_result(result)
     if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump({k: v for k, v in result.items() if v is not None}, f, indent=2)
+        save_result(result, args.save_result)
     return result
+
+
+def save_result(result: dict[str, Any], path: str) -> None:
+    """The --save-result file (read back by scripts/plot_bench.py): the result, unset fields left out."""
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in result.items() if v is not None}, f, indent=2)
