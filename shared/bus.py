@@ -1,5 +1,7 @@
 """A small Redis-streams bus: connections, sends, reads, consumer groups, acks and trimming.
-Stream names and caps are in streams.py; the replicas' consumer loop in group_consumer.py.
+Stream names, caps and the message types each stream carries are in streams.py: every send
+derives its cap from the stream's name there, and refuses a message the stream does not carry
+(WrongStream). The replicas' consumer loop is in group_consumer.py.
 
 Each entry holds one msgspec-encoded message under the field ``m``. Single-reader streams
 (plan, result, reply) are read with plain XREAD from the last seen id; replicated stateless
@@ -167,9 +169,8 @@ class Bus:
 
     # Commands, to batch with exchange(); the methods below run one at once.
 
-    @staticmethod
-    def xadd(stream: str, msg: Struct, maxlen: int = 10_000) -> Command:
-        return ("XADD", stream, "MAXLEN", "~", maxlen, "*", FIELD, encode(msg))
+    def xadd(self, stream: str, msg: Struct) -> Command:
+        return ("XADD", stream, "MAXLEN", "~", self.streams.admit(stream, msg), "*", FIELD, encode(msg))
 
     @staticmethod
     def xread(stream: str, last_id: bytes, block_ms: int | None, count: int = 100) -> Command:
@@ -207,12 +208,12 @@ class Bus:
                 out.append((entry_id, fields[1] if ok else b""))
         return out
 
-    def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
-        return self.hot.execute(*self.xadd(stream, msg, maxlen))
+    def send(self, stream: str, msg: Struct) -> bytes:
+        return self.hot.execute(*self.xadd(stream, msg))
 
-    def send_many(self, items: list[tuple[str, Struct, int]]) -> None:
+    def send_many(self, items: list[tuple[str, Struct]]) -> None:
         """Fan-out of one step to several streams in one round trip."""
-        self.exchange([self.xadd(stream, msg, maxlen) for stream, msg, maxlen in items])
+        self.exchange([self.xadd(stream, msg) for stream, msg in items])
 
     def last_id(self, stream: str) -> bytes:
         """Id of the newest entry, or 0-0; read from here to see only what comes next."""
@@ -251,20 +252,21 @@ class Bus:
             self.hot.execute(*self.xack(stream, group, ids))
 
     def ack_and_send_many(self, stream: str, group: str,
-                          items: list[tuple[bytes, list[tuple[str, Struct, int]]]]) -> list[bool]:
+                          items: list[tuple[bytes, list[tuple[str, Struct]]]]) -> list[bool]:
         """For each (entry id, sends): ack the entry and do its sends in one atomic step, unless
         the entry was acked already (then nothing is sent). True where this call sent."""
         if not items:
             return []
+        admit = self.streams.admit
         if self.cluster:
             return cluster.forward_exactly_once(self.r, stream, group, [  # type: ignore[arg-type]
-                (entry_id, [(dest, maxlen, encode(msg)) for dest, msg, maxlen in sends]) for entry_id, sends in items])
+                (entry_id, [(dest, admit(dest, msg), encode(msg)) for dest, msg in sends]) for entry_id, sends in items])
         pipe = self.r.pipeline(transaction=False)
         for entry_id, sends in items:
             args: list[bytes | str | int] = [group, entry_id]
-            for _, msg, maxlen in sends:
-                args += [maxlen, encode(msg)]
-            self._ack_and_send(keys=[stream, *(dest for dest, _, _ in sends)], args=args, client=pipe)
+            for dest, msg in sends:
+                args += [admit(dest, msg), encode(msg)]
+            self._ack_and_send(keys=[stream, *(dest for dest, _ in sends)], args=args, client=pipe)
         return [bool(n) for n in pipe.execute()]
 
     def claim(self, stream: str, group: str, consumer: str, idle_ms: int = CLAIM_IDLE_MS,
@@ -366,10 +368,11 @@ class AsyncBus:
         self._outbox: list[tuple[str, bytes, int, asyncio.Future[bytes]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def send(self, stream: str, msg: Struct, maxlen: int = 10_000) -> bytes:
+    async def send(self, stream: str, msg: Struct) -> bytes:
         """XADD, queued with whatever else is waiting to be sent and written in one pipelined
         round trip on one connection: a burst of requests waits a round trip instead of needing
         a pooled connection each (the pool's 100 ran out at ~128 concurrent clients)."""
+        maxlen = self.streams.admit(stream, msg)
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._outbox.append((stream, encode(msg), maxlen, fut))
         if self._flusher is None or self._flusher.done():

@@ -1,4 +1,6 @@
-"""Every stream, key and consumer group Rill uses, named in one place, with each stream's cap.
+"""Every stream, key and consumer group Rill uses, named in one place, with what each kind of
+stream carries: its cap and the message types that may be sent on it (KINDS). The bus derives
+both from the stream's name on every send.
 
 An engine's streams and keys carry the hash tag `{engine:e}`, and a KV hand-off's chunks the
 tag of their transfer: on a Redis Cluster each lives in one slot, so one engine's step talks to
@@ -8,6 +10,19 @@ one master and different engines spread over the masters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, get_args
+
+from msgspec import Struct
+
+from rill.shared.schema import (
+    DetokBatch,
+    EngineInput,
+    GatewayInput,
+    TokenizerInput,
+    WorkerInput,
+    WorkerOutput,
+)
 
 # Groups of replicated readers.
 TOKENIZER_GROUP = "tokenizers"
@@ -71,21 +86,66 @@ class Streams:
         """One chunk of an exported KV payload (prefill/decode disaggregation); expires by itself."""
         return f"{self.prefix}:kv:{{{transfer_id}}}:{index}"
 
-    def cap(self, stream: str) -> int | None:
-        """The MAXLEN of one of our streams, from its name (None: not one of ours)."""
+    def kind(self, stream: str) -> StreamKind | None:
+        """What one of our streams carries and its cap, from its name (None: not one of ours)."""
         if not stream.startswith(f"{self.prefix}:"):
             return None
         rest = stream[len(self.prefix) + 1:]
         if rest in ("requests", "detok"):
-            return MAXLEN[rest]
+            return KINDS[rest]
         if rest.startswith("reply:"):
-            return MAXLEN["reply"]
+            return KINDS["reply"]
         if rest.startswith("{engine:"):
-            kind = rest.rsplit(":", 1)[-1]
-            return {"in": MAXLEN["engine_in"], "plan": MAXLEN["plan"], "result": MAXLEN["result"]}.get(kind)
+            return KINDS.get(_ENGINE_KINDS.get(rest.rsplit(":", 1)[-1], ""))
         return None
 
+    def cap(self, stream: str) -> int | None:
+        """The MAXLEN of one of our streams, from its name (None: not one of ours)."""
+        kind = self.kind(stream)
+        return None if kind is None else kind.cap
 
-# Caps (MAXLEN ~): far above any real backlog, since trimming ignores pending entries.
-MAXLEN = {"requests": 100_000, "engine_in": 100_000, "plan": 1_000, "result": 1_000,
-          "detok": 20_000, "reply": 20_000}
+    def admit(self, stream: str, msg: Struct) -> int:
+        """The cap to send `msg` to `stream` with; WrongStream if that stream does not carry
+        its type (or is not one of ours): every send goes through here."""
+        kind = _kind_of(self, stream)
+        if kind is None:
+            raise WrongStream(f"{stream!r} is not one of the streams of prefix {self.prefix!r}")
+        if not isinstance(msg, kind.types):
+            raise WrongStream(f"{type(msg).__name__} may not be sent on {stream!r}, which carries "
+                              f"{', '.join(t.__name__ for t in kind.types)}")
+        return kind.cap
+
+
+class WrongStream(TypeError):
+    """A message sent to a stream that does not carry its type, or to no stream of ours."""
+
+
+@dataclass(frozen=True)
+class StreamKind:
+    """One kind of stream: the most entries it keeps and the message types sent on it."""
+
+    cap: int  # MAXLEN ~
+    types: tuple[type[Struct], ...]  # the members of the schema union its readers decode
+
+
+def _members(union: Any) -> tuple[type[Struct], ...]:
+    return get_args(union) or (union,)
+
+
+# Caps (MAXLEN ~): far above any real backlog, since trimming ignores pending entries. The types
+# are the unions schema.py builds each stream's decoder from.
+KINDS: dict[str, StreamKind] = {
+    "requests": StreamKind(100_000, _members(TokenizerInput)),
+    "engine_in": StreamKind(100_000, _members(EngineInput)),
+    "plan": StreamKind(1_000, _members(WorkerInput)),
+    "result": StreamKind(1_000, _members(WorkerOutput)),
+    "detok": StreamKind(20_000, _members(DetokBatch)),
+    "reply": StreamKind(20_000, _members(GatewayInput)),
+}
+_ENGINE_KINDS = {"in": "engine_in", "plan": "plan", "result": "result"}
+
+
+@lru_cache(maxsize=4096)
+def _kind_of(streams: Streams, stream: str) -> StreamKind | None:
+    """Streams.kind, remembered: a sender names the same few streams again and again."""
+    return streams.kind(stream)

@@ -23,7 +23,7 @@ from service_stack import ServiceStack, fast_flags, rill_executable
 from rill.shared.broker import free_port
 from rill.shared.bus import Bus, connect
 from rill.shared.local_cluster import LocalCluster
-from rill.shared.schema import Routed, encode
+from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode
 from rill.shared.streams import Streams
 
 N_REQUESTS = 32
@@ -56,18 +56,18 @@ def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluste
         src, dest_a, dest_b = bus.streams.requests, bus.streams.engine_in(0), bus.streams.engine_in(1)
         assert len({master_of(cluster, k) for k in (src, dest_a, dest_b)}) == 3
         bus.ensure_group(src, "g")
-        entry_id = bus.send(src, Routed(request_id="r", engine=0))
+        entry_id = bus.send(src, DetokenizeRequest(request_id="r", reply_to="", token_ids=[]))
         assert [e for e, _ in bus.read_group(src, "g", "one", block_ms=None)] == [entry_id]
-        first = Routed(request_id="r", engine=0)
-        other = Routed(request_id="r", engine=1)
+        first = AbortRequest(request_ids=["r"])
+        other = AbortRequest(request_ids=["r"], reason="other")
         # The first forward is pinned before it is delivered; a second replica redoing the entry
         # (its forward differs) before the first acked delivers the pinned one, to dest_a, once.
-        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_a, first, 100)])]) == [True]
-        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_b, other, 100)])]) == [False]
+        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_a, first)])]) == [True]
+        assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_b, other)])]) == [False]
         assert bus.r.xlen(dest_a) == 1 and bus.r.xlen(dest_b) == 0
         # The middle of the protocol replayed by hand: pinned, delivered, but the replica died
         # before acking. Whoever redoes it delivers nothing new and acks it.
-        entry2 = bus.send(src, Routed(request_id="s", engine=0))
+        entry2 = bus.send(src, DetokenizeRequest(request_id="s", reply_to="", token_ids=[]))
         bus.read_group(src, "g", "one", block_ms=None)
         from rill.shared import cluster as cl
         fwd = msgspec.msgpack.encode([(dest_a, 100, encode(first))])
@@ -75,7 +75,7 @@ def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluste
         assert bus.r.execute_command("EVAL", cl._PIN, 2, src, pin, "g", entry2, 60_000, fwd) == fwd
         seen = cl.same_slot(dest_a, f"seen:{src}:{entry2.decode()}:0")
         assert bus.r.execute_command("EVAL", cl._DELIVER, 2, dest_a, seen, 100, encode(first), 60_000) == 1
-        assert bus.ack_and_send_many(src, "g", [(entry2, [(dest_b, other, 100)])]) == [True]
+        assert bus.ack_and_send_many(src, "g", [(entry2, [(dest_b, other)])]) == [True]
         assert bus.r.xlen(dest_a) == 2 and bus.r.xlen(dest_b) == 0
         assert not bus.r.exists(pin) and bus.r.xpending(src, "g")["pending"] == 0
     finally:
@@ -90,14 +90,15 @@ def test_hot_path_pipelines_span_masters(cluster: LocalCluster) -> None:
         s = bus.streams
         assert master_of(cluster, s.plan(0)) != master_of(cluster, s.detok)
         bus.ensure_group(s.detok, "g")
-        replies = bus.exchange([Bus.xadd(s.plan(0), Routed(request_id="p", engine=0)),
-                                Bus.xadd(s.detok, Routed(request_id="d", engine=0)),
+        batch = DetokBatch(0, 0, ["d"], [""], [0], [[]], [[]], [None], [0], [[]], [True], [False])
+        replies = bus.exchange([bus.xadd(s.plan(0), Hello(scheduler_id="p")),
+                                bus.xadd(s.detok, batch),
                                 Bus.xread(s.plan(0), b"0-0", None),
                                 Bus.xreadgroup(s.detok, "g", "c", None)])
         assert [len(Bus.entries(r)) for r in replies[2:]] == [1, 1]
-        assert Bus.entries(replies[3])[0][1] == encode(Routed(request_id="d", engine=0))
+        assert Bus.entries(replies[3])[0][1] == encode(batch)
         bus.r.delete(s.detok)
-        bus.send(s.detok, Routed(request_id="e", engine=0))
+        bus.send(s.detok, batch)
         assert [e for e, _ in bus.read_group(s.detok, "g", "c", None)]  # NOGROUP → group re-created
         assert len(bus.mget([s.stats_key(e) for e in range(4)])) == 4
     finally:

@@ -175,7 +175,7 @@ def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, 
                                   params=SamplingParams(max_tokens=4), arrival_time=time.time())
             sends = handle(bus, tokenizer, Router(bus), encode(req))
             assert sends[0][0] == s.engine_in(0) and isinstance(sends[0][1], TokenizedRequest)
-            notes = [(stream, msg) for stream, msg, _ in sends if isinstance(msg, Routed)]
+            notes = [(stream, msg) for stream, msg in sends if isinstance(msg, Routed)]
             assert notes == ([("gw", Routed(request_id=req.request_id, engine=0))] if role == "both" else [])
     finally:
         bus.r.delete(s.engines_key(), s.stats_key(0))

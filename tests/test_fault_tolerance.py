@@ -48,8 +48,8 @@ def test_ack_and_send_forwards_each_entry_once(redis_url: str, prefix: str) -> N
         claimed = bus.claim(src, TOKENIZER_GROUP, "fast", idle_ms=0)
         assert [[eid for eid, _ in batch] for batch in claimed] == [[entry_id]]
         msg = ErrorReply(request_id="r", message="m")
-        assert bus.ack_and_send_many(src, TOKENIZER_GROUP, [(entry_id, [(dest, msg, 100)])]) == [True]
-        assert bus.ack_and_send_many(src, TOKENIZER_GROUP, [(entry_id, [(dest, msg, 100)])]) == [False]
+        assert bus.ack_and_send_many(src, TOKENIZER_GROUP, [(entry_id, [(dest, msg)])]) == [True]
+        assert bus.ack_and_send_many(src, TOKENIZER_GROUP, [(entry_id, [(dest, msg)])]) == [False]
         assert bus.r.xlen(dest) == 1
         assert bus.r.xpending(src, TOKENIZER_GROUP)["pending"] == 0
     finally:

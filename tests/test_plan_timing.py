@@ -28,7 +28,6 @@ from rill.shared.schema import (
     WorkerReady,
     worker_input_decoder,
 )
-from rill.shared.streams import MAXLEN
 
 
 class FakeClock:
@@ -140,8 +139,7 @@ class SlowWorker(threading.Thread):
 
     def ready(self) -> None:
         self.bus.send(self.result_stream, WorkerReady(worker_id="slow", num_blocks=64, block_size=16,
-                                                      max_model_len=256, dtype="float32", device="cpu"),
-                      MAXLEN["result"])
+                                                      max_model_len=256, dtype="float32", device="cpu"))
 
     def run(self) -> None:
         cursor = b"0-0"
@@ -170,8 +168,7 @@ class SlowWorker(threading.Thread):
                 sampled.append(rid)
         time.sleep(STEP_S)
         self.bus.send(self.result_stream, StepResult(step_id=plan.step_id, request_ids=sampled,
-                                                     token_ids=[7] * len(sampled), forward_ms=STEP_S * 1e3),
-                      MAXLEN["result"])
+                                                     token_ids=[7] * len(sampled), forward_ms=STEP_S * 1e3))
 
     def wait_step(self, step_id: int, timeout: float = 30.0) -> float:
         with self.step_started:
@@ -193,7 +190,7 @@ def submit(bus: Bus, rid: str, prompt_len: int) -> None:
     bus.send(bus.streams.engine_in(0), TokenizedRequest(
         request_id=rid, reply_to=f"{bus.streams.prefix}:reply:test", prompt_token_ids=list(range(3, 3 + prompt_len)),
         params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), eos_token_ids=[2],
-        arrival_time=time.time()), MAXLEN["engine_in"])
+        arrival_time=time.time()))
 
 
 @pytest.mark.parametrize("lead, steps_later", [(plan_timing.LEAD, 1), (1.0, 2)])

@@ -23,9 +23,9 @@ def batch(step: int) -> DetokBatch:
 
 def test_exchange_runs_sends_then_reads_in_order(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix, name="resp-test")
-    stream = f"{prefix}:s"
+    stream = bus.streams.detok
     try:
-        replies = bus.exchange([Bus.xadd(stream, batch(i)) for i in range(3)] + [Bus.xread(stream, b"0-0", None)])
+        replies = bus.exchange([bus.xadd(stream, batch(i)) for i in range(3)] + [Bus.xread(stream, b"0-0", None)])
         ids, read = replies[:3], replies[3]
         got = Bus.entries(read)
         assert [eid for eid, _ in got] == ids  # the read saw the three sends of the same round trip
@@ -44,7 +44,7 @@ def test_a_posted_blocking_read_is_answered_while_the_caller_works(redis_url: st
     take() then finds the reply waiting (the worker's plan read). Errors of posted commands
     raise on take(); pipeline() takes what was posted first, so replies never go astray."""
     reader, writer = RespConnection(redis_url), Bus(redis_url, prefix)
-    stream = f"{prefix}:plans"
+    stream = writer.streams.detok
     try:
         t0 = time.monotonic()
         reader.post([Bus.xread(stream, b"0-0", 5000, count=1)])
@@ -95,7 +95,7 @@ def test_error_reply_raises_after_the_whole_batch_and_keeps_the_connection_in_st
 
 def test_group_reads_and_acks(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix)
-    stream = f"{prefix}:detok"
+    stream = bus.streams.detok
     try:
         bus.ensure_group(stream, DETOKENIZER_GROUP)
         sent = [bus.send(stream, batch(i)) for i in range(2)]
@@ -192,7 +192,7 @@ async def test_async_blocking_read_waits_for_the_entry_and_errors_keep_it_in_ste
     import asyncio
 
     conn, writer = AsyncRespConnection(redis_url, name="aresp-test"), Bus(redis_url, prefix)
-    stream, key = f"{prefix}:replies", f"{prefix}:k"
+    stream, key = writer.streams.detok, f"{prefix}:k"
     try:
         read = asyncio.ensure_future(conn.execute(*Bus.xread(stream, b"0-0", 5000)))
         await asyncio.sleep(0.05)
@@ -218,7 +218,7 @@ async def test_async_cancelled_read_does_not_answer_the_next_command(redis_url: 
     import asyncio
 
     conn, writer = AsyncRespConnection(redis_url), Bus(redis_url, prefix)
-    stream = f"{prefix}:replies"
+    stream = writer.streams.detok
     try:
         read = asyncio.ensure_future(conn.execute(*Bus.xread(stream, b"$", 5000)))
         await asyncio.sleep(0.05)

@@ -21,7 +21,7 @@ from rill.shared.heartbeat import replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
-from rill.shared.streams import DETOKENIZER_GROUP, MAXLEN
+from rill.shared.streams import DETOKENIZER_GROUP
 from rill.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("rill.detokenizer")
@@ -54,9 +54,9 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[C
         if out.errors:
             log.warning("detok rows failed engine=%s step=%s: %s", batch.engine_id, batch.step_id,
                         "; ".join(out.errors)[:2000])
-    sends: list[Command] = [Bus.xadd(stream, ReplyBatch(deltas=deltas), MAXLEN["reply"])
+    sends: list[Command] = [bus.xadd(stream, ReplyBatch(deltas=deltas))
                             for stream, deltas in replies.items()]
-    sends += [Bus.xadd(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason), MAXLEN["engine_in"])
+    sends += [bus.xadd(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason))
               for (engine, reason), ids in aborts.items()]
     # The ack goes last in the same round trip: it runs only after the sends did.
     return [*sends, Bus.xack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])]

@@ -37,7 +37,7 @@ from rill.services.gateway.metrics import GatewayMetrics
 from rill.services.gateway.request_tracker import RequestStream, RequestTracker
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
-from rill.shared.bus import FIELD, AsyncBus, Backoff
+from rill.shared.bus import AsyncBus, Backoff
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engine_ids, engines_alive
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
@@ -48,11 +48,10 @@ from rill.shared.schema import (
     GenerateRequest,
     TokenizeReply,
     TokenizeRequest,
-    encode,
     gateway_input_decoder,
     stats_decoder,
 )
-from rill.shared.streams import MAXLEN, Streams
+from rill.shared.streams import Streams
 
 log = logging.getLogger("rill.gateway")
 
@@ -318,7 +317,7 @@ class Gateway:
         try:
             # Counted in /metrics from now on (set before the send: its replies may come first).
             self._mark_accepted(req.request_id, True)
-            await self.bus.send(self.bus.streams.requests, req, maxlen=MAXLEN["requests"])
+            await self.bus.send(self.bus.streams.requests, req)
         except Exception as exc:
             self._mark_accepted(req.request_id, False)  # answered with an error at once: not counted
             log.warning("could not submit %s: %r", req.request_id, exc)
@@ -334,7 +333,7 @@ class Gateway:
         self.tracker.calls[msg.request_id] = fut
         try:
             try:
-                await self.bus.send(self.bus.streams.requests, msg, maxlen=MAXLEN["requests"])
+                await self.bus.send(self.bus.streams.requests, msg)
             except Exception as exc:
                 raise APIError("The server could not queue the request; try again.", 503) from exc
             try:
@@ -378,13 +377,10 @@ class Gateway:
             self.tracker.unregister(rid)
         if self.bus is None or not request_ids:
             return
-        payload = encode(AbortRequest(request_ids=list(request_ids), reason=reason))
+        msg = AbortRequest(request_ids=list(request_ids), reason=reason)
         engines = await self.engine_ids()
-        pipe = self.bus.r.pipeline(transaction=False)
-        for e in engines:
-            pipe.xadd(self.bus.streams.engine_in(e), {FIELD: payload},
-                      maxlen=MAXLEN["engine_in"], approximate=True)
-        await pipe.execute()
+        # The bus writes sends waiting together in one pipelined round trip.
+        await asyncio.gather(*(self.bus.send(self.bus.streams.engine_in(e), msg) for e in engines))
 
     def abort_soon(self, request_ids: list[str]) -> None:
         """Abort from code that may itself be cancelled (disconnect paths): run it as its own task."""

@@ -45,7 +45,6 @@ from rill.services.scheduler.disagg_prefill import PrefillSide
 from rill.services.scheduler.request import Request
 from rill.services.scheduler.scheduler import Scheduler
 from rill.shared.schema import AbortRequest, KVHandoff, KVTransferAck, StepPlan, StepResult, WorkerReady
-from rill.shared.streams import MAXLEN
 
 if TYPE_CHECKING:
     from rill.services.scheduler.service import SchedulerService
@@ -121,8 +120,8 @@ class Disaggregation:
                 forward.setdefault(record.engine, []).append(rid)
             self.decode.drop_queued(rid)
         if forward:
-            self.bus.send_many([(self.bus.streams.engine_in(e), AbortRequest(request_ids=ids, reason=msg.reason),
-                                 MAXLEN["engine_in"]) for e, ids in forward.items()])
+            self.bus.send_many([(self.bus.streams.engine_in(e), AbortRequest(request_ids=ids, reason=msg.reason))
+                                for e, ids in forward.items()])
         self.reconcile()
 
     def prepare(self) -> None:

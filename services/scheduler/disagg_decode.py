@@ -18,7 +18,6 @@ from rill.services.scheduler.scheduler import Scheduler
 from rill.shared.bus import Bus
 from rill.shared.config import detok_context_len
 from rill.shared.schema import KVHandoff, KVImport, KVImportResult, KVTransferAck
-from rill.shared.streams import MAXLEN
 
 log = logging.getLogger("rill.scheduler.disagg")
 
@@ -171,5 +170,4 @@ class DecodeSide:
     def _send_ack(self, msg: KVHandoff, status: str, error: str = "", retryable: bool = False) -> None:
         self.bus.send(self.bus.streams.engine_in(msg.source_engine),
                       KVTransferAck(transfer_id=msg.manifest.transfer_id, request_id=msg.request_id,
-                                    decode_engine=self.e, status=status, error=error, retryable=retryable),
-                      MAXLEN["engine_in"])
+                                    decode_engine=self.e, status=status, error=error, retryable=retryable))

@@ -33,7 +33,6 @@ from rill.shared.schema import (
     KVTransferAck,
     stats_decoder,
 )
-from rill.shared.streams import MAXLEN
 
 log = logging.getLogger("rill.scheduler.disagg")
 
@@ -196,7 +195,7 @@ class PrefillSide:
                 self._forget_outgoing(out)
                 if out.state == "sent" and out.engine is not None:
                     self.bus.send(self.bus.streams.engine_in(out.engine),
-                                  AbortRequest(request_ids=[out.req.request_id]), MAXLEN["engine_in"])
+                                  AbortRequest(request_ids=[out.req.request_id]))
 
     def start(self, req: Request) -> None:
         """A request parked at its first token: export it at the next plan."""
@@ -249,7 +248,7 @@ class PrefillSide:
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids, params=req.params,
             eos_token_ids=sorted(req.eos_token_ids), max_tokens=req.max_tokens, arrival_time=req.arrival_time,
             num_computed_tokens=req.num_computed_tokens, source_engine=self.e, manifest=manifest,
-            priority=req.priority, attempt=out.attempt, first_token_at=out.parked_wall), MAXLEN["engine_in"])
+            priority=req.priority, attempt=out.attempt, first_token_at=out.parked_wall))
         out.state, out.engine = "sent", target
         out.deadline = time.monotonic() + TRANSFER_TIMEOUT_S
 
@@ -301,7 +300,7 @@ class PrefillSide:
         self._forget_outgoing(out)
         if out.state == "sent" and out.engine is not None:
             self.bus.send(self.bus.streams.engine_in(out.engine),
-                          AbortRequest(request_ids=[out.req.request_id], reason="error"), MAXLEN["engine_in"])
+                          AbortRequest(request_ids=[out.req.request_id], reason="error"))
         self._sched().abort(out.req.request_id)
         self._send_error(out.req, message, status)
         log.warning("request %s failed: %s", out.req.request_id, message)
@@ -342,8 +341,8 @@ class PrefillSide:
         if records:
             # Requests that finished there long ago are unknown to their gateway, which ignores these.
             self.bus.send_many([(h.reply_to, ErrorReply(request_id=h.group_id, status=503, type="server_error",
-                                                        message=decode_lost_message(engine, during_transfer=False)),
-                                 MAXLEN["reply"]) for _, h in records])
+                                                        message=decode_lost_message(engine, during_transfer=False)))
+                                for _, h in records])
             for rid, h in records:
                 del self.handed[rid]
                 self._drop_record(h)

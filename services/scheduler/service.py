@@ -57,7 +57,7 @@ from rill.shared.schema import (
     engine_input_decoder,
     worker_output_decoder,
 )
-from rill.shared.streams import MAXLEN, SCHEDULER_GROUP
+from rill.shared.streams import SCHEDULER_GROUP
 
 log = logging.getLogger("rill.scheduler")
 HELLO_AGAIN_S = 5.0  # the handshake repeats its hello this often until the worker answers
@@ -104,7 +104,7 @@ class SchedulerService:
         next_hello = 0.0
         while not self.stop:
             if time.monotonic() >= next_hello:
-                self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+                self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex))
                 next_hello = time.monotonic() + HELLO_AGAIN_S
             for entry_id, data in self.bus.read(self.result_stream, self.result_cursor, POLL_MS):
                 self.result_cursor = entry_id
@@ -169,7 +169,7 @@ class SchedulerService:
                         plan = sched.schedule(force=self.disagg.wants_step)
                     if plan is not None:
                         self.disagg.decorate(plan)
-                        self.outbox.append(Bus.xadd(self.plan_stream, plan, MAXLEN["plan"]))
+                        self.outbox.append(self.bus.xadd(self.plan_stream, plan))
                         self.timer.sent(plan.step_id, plan.num_scheduled_tokens)
                         if sched.may_plan_ahead(self.depth):
                             self.flush()  # the worker may be idle: this plan goes now
@@ -242,7 +242,7 @@ class SchedulerService:
         why = sched.check_admissible(msg)
         if why is not None:
             self.bus.send(msg.reply_to, ErrorReply(request_id=msg.request_id, message=why.message, status=400,
-                                                   param=why.param), MAXLEN["reply"])
+                                                   param=why.param))
             return
         sched.add(msg)
 
@@ -274,7 +274,7 @@ class SchedulerService:
                 if msg is None:
                     # Whichever step it carried is lost: make the worker start over (it answers
                     # with WorkerReady, below) and recompute, as after a worker restart.
-                    self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex), MAXLEN["plan"])
+                    self.bus.send(self.plan_stream, Hello(scheduler_id=uuid.uuid4().hex))
                     continue
                 if isinstance(msg, WorkerReady):
                     # The worker restarted mid-step and forgot everything: recompute.
@@ -315,15 +315,14 @@ class SchedulerService:
         for req, why in outcome.failed:
             self.send_error(req, why, 400)
         if outcome.detok is not None:
-            self.outbox.append(Bus.xadd(self.bus.streams.detok, outcome.detok, MAXLEN["detok"]))
+            self.outbox.append(self.bus.xadd(self.bus.streams.detok, outcome.detok))
         self.disagg.after_step(result, outcome.parked)
 
     def send_error(self, req: Request, message: str, status: int) -> None:
         # The gateway knows the client's id; a failing sample of an n > 1 request fails the request.
         self.bus.send(req.reply_to, ErrorReply(request_id=req.group_id or req.request_id, message=message,
                                                status=status,
-                                               type="server_error" if status >= 500 else "invalid_request_error"),
-                      MAXLEN["reply"])
+                                               type="server_error" if status >= 500 else "invalid_request_error"))
 
     def publish_stats(self) -> None:
         """The engine's stats changed; the next exchange publishes them."""

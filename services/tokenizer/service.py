@@ -39,7 +39,7 @@ from rill.shared.schema import (
     TokenizeRequest,
     tokenizer_input_decoder,
 )
-from rill.shared.streams import MAXLEN, TOKENIZER_GROUP
+from rill.shared.streams import TOKENIZER_GROUP
 from rill.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("rill.tokenizer")
@@ -182,8 +182,8 @@ def handle_entries(bus: Bus, tokenizer: Tokenizer, router: Router, entries: list
     bus.ack_and_send_many(bus.streams.requests, TOKENIZER_GROUP, items)
 
 
-def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[tuple[str, Struct, int]]:
-    """What one request entry turns into: (stream, message, maxlen) sends, none if it is malformed."""
+def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[tuple[str, Struct]]:
+    """What one request entry turns into: (stream, message) sends, none if it is malformed."""
     try:
         req = tokenizer_input_decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -191,19 +191,19 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
         return []
     try:
         if isinstance(req, TokenizeRequest):
-            return [(req.reply_to, tokenizer.tokenize(req), MAXLEN["reply"])]
+            return [(req.reply_to, tokenizer.tokenize(req))]
         if isinstance(req, DetokenizeRequest):
-            return [(req.reply_to, tokenizer.detokenize(req), MAXLEN["reply"])]
+            return [(req.reply_to, tokenizer.detokenize(req))]
         out = tokenizer(req)
     except RequestError as exc:
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=str(exc), status=exc.status,
-                                          param=exc.param), MAXLEN["reply"])]
+                                          param=exc.param))]
     except Exception as exc:  # never let one request take the replica down
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
-                                          status=500, type="server_error"), MAXLEN["reply"])]
+                                          status=500, type="server_error"))]
     engine = router.pick(out.prompt_token_ids)
-    sends: list[tuple[str, Struct, int]] = [(bus.streams.engine_in(engine), out, MAXLEN["engine_in"])]
+    sends: list[tuple[str, Struct]] = [(bus.streams.engine_in(engine), out)]
     if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
-        sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine), MAXLEN["reply"]))
+        sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine)))
     return sends

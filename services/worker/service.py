@@ -47,7 +47,6 @@ from rill.shared.heartbeat import Heartbeat
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.model_files import resolve_model
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
-from rill.shared.streams import MAXLEN
 
 log = logging.getLogger("rill.worker")
 
@@ -172,7 +171,6 @@ class _PlanLoop:
         self.bus = Bus(redis_url, prefix, name=me)
         self.plan_stream = self.bus.streams.plan(args.engine_id)
         self.result_stream = self.bus.streams.result(args.engine_id)
-        self.result_maxlen = MAXLEN["result"]
         self.ready = WorkerReady(worker_id=me, num_blocks=runner.num_blocks,
                                  block_size=runner.block_size, max_model_len=runner.max_model_len,
                                  dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
@@ -233,7 +231,7 @@ class _PlanLoop:
             # Beat before announcing, so the scheduler never sees us ready yet "dead".
             self.heartbeat = self.heartbeat or Heartbeat(
                 self.redis_url, bus.streams.heartbeat("worker", self.engine_id)).start()
-            bus.send(self.result_stream, self.ready, maxlen=self.result_maxlen)
+            bus.send(self.result_stream, self.ready)
         log.info("worker ready: engine=%d plan_stream=%s%s", self.engine_id, self.plan_stream,
                  f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp else "")
 
@@ -246,7 +244,7 @@ class _PlanLoop:
             log.warning("the broker restarted; waiting for the scheduler's hello")
             self.server, self.unconfirmed = bus.server_id(self.plan_stream), []
         if self.unconfirmed:
-            bus.exchange([Bus.xadd(self.result_stream, r, self.result_maxlen) for r in self.unconfirmed])
+            bus.exchange([bus.xadd(self.result_stream, r) for r in self.unconfirmed])
             self.unconfirmed = []
         self.reconnected = False
 
@@ -268,7 +266,7 @@ class _PlanLoop:
             self.runner.reset()
             self.unconfirmed = []
             if self.lead:
-                self.bus.send(self.result_stream, self.ready, maxlen=self.result_maxlen)
+                self.bus.send(self.result_stream, self.ready)
         elif isinstance(msg, Shutdown):
             log.info("shutdown requested: %s", msg.reason or "no reason given")
             return False
@@ -282,4 +280,4 @@ class _PlanLoop:
         if self.results.posted:
             self.results.take()  # the previous result's reply, long arrived
             self.unconfirmed = [result]
-        self.results.post([Bus.xadd(self.result_stream, result, self.result_maxlen)])
+        self.results.post([self.bus.xadd(self.result_stream, result)])
