@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rill.shared.kinds import EngineRole
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --quantization: none keeps every GEMM in the model dtype; int8 is W8A8 dynamic quantization of the
 # linear layers (CPU only, see kernels/torch_ops.Int8Linear); gguf keeps a .gguf model's own
@@ -199,7 +201,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    role: str = "both"  # "both" (colocated) | "prefill" | "decode": see services/scheduler/disagg.py
+    role: EngineRole = "both"  # colocated, or one side of a hand-off: see services/scheduler/disagg.py
     async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
     speculative_config: str = ""  # JSON (SpeculativeConfig); empty: no speculation
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from rill.shared.kinds import ChatRole
+
 
 class SamplingParams(Struct, omit_defaults=True, frozen=True):
     temperature: float = 1.0
@@ -53,7 +55,7 @@ class ChatToolCall(Struct, omit_defaults=True):
 
 
 class ChatMessage(Struct, omit_defaults=True):
-    role: str
+    role: ChatRole
     content: str
     name: str | None = None
     tool_calls: list[ChatToolCall] = []  # assistant turns

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from rill.shared.kinds import AbortReason, EngineRole, FinishReason, HandoffStatus, RequestKind
 from rill.shared.request_params import ChatMessage, SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -23,7 +24,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
 
     request_id: str
     reply_to: str  # the gateway's reply stream
-    kind: str  # "chat" | "completion"
+    kind: RequestKind
     params: SamplingParams
     arrival_time: float
     messages: list[ChatMessage] | None = None
@@ -51,7 +52,7 @@ class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
     An id may name a whole request (all its samples) or one sample (request_params.sample_request_id)."""
 
     request_ids: list[str]
-    reason: str = "abort"
+    reason: AbortReason = "abort"
 
 
 class TokenizeRequest(Struct, tag_field="_t", tag="tokenize", omit_defaults=True):
@@ -128,7 +129,7 @@ class KVTransferAck(Struct, tag_field="_t", tag="kv_ack", omit_defaults=True):
     transfer_id: str
     request_id: str
     decode_engine: int
-    status: str  # "ok" | "aborted" | "failed"
+    status: HandoffStatus
     error: str = ""
     retryable: bool = False
 
@@ -288,7 +289,7 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     offsets: list[int]  # index in the output of the first new token
     new_token_ids: list[list[int]]
     context_ids: list[list[int]]
-    finish_reasons: list[str | None]  # "stop" | "length" | "abort" | "error" | None
+    finish_reasons: list[FinishReason | None]
     prompt_tokens: list[int]
     stop: list[list[str]]
     skip_special_tokens: list[bool]
@@ -320,7 +321,7 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     offset: int  # token offset of this delta; the gateway applies offsets in order, once
     num_tokens: int
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TextLogprob] = []  # one per token of this delta, when the request asked
@@ -402,7 +403,7 @@ class EngineStats(Struct, omit_defaults=True):
     # acknowledged (transfer seconds: first token sampled -> ack, the time the prefill engine held
     # the blocks); received: imports done (hand-off seconds: first token sampled on the prefill
     # engine -> the request in this engine's batch, by wall clocks).
-    role: str = "both"  # "both" | "prefill" | "decode"
+    role: EngineRole = "both"
     num_transferring: int = 0
     kv_transfers_sent: int = 0
     kv_transfers_received: int = 0

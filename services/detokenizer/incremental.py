@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from rill.shared.kinds import FinishReason
 from rill.shared.schema import DetokBatch, TextDelta, TextLogprob, TokenLogprobs, TopLogprob
 
 _FFFD = "\ufffd"
@@ -36,7 +37,7 @@ _FFFD = "\ufffd"
 
 class RowOutput(NamedTuple):
     text: str  # the delta to append to what the client has
-    finish_reason: str | None  # "stop" on a stop-string hit, else the scheduler's reason
+    finish_reason: FinishReason | None  # "stop" on a stop-string hit, else the scheduler's reason
     stopped: bool  # a stop string matched in this row: the engine must drop the request
     # (a row after the one that matched gets text "" and finish_reason "stop", stopped False)
     stop_str: str | None = None  # the stop string that matched
@@ -237,7 +238,7 @@ class Detokenizer:
     def detokenize_row(self, context_ids: Sequence[int], new_ids: Sequence[int], offset: int,
                        stop: Sequence[str] = (), skip_special_tokens: bool = True,
                        include_stop_str: bool = False, final: bool = False,
-                       finish_reason: str | None = None) -> RowOutput:
+                       finish_reason: FinishReason | None = None) -> RowOutput:
         """Text of `new_ids`, whose first token is output token `offset`, given the output tokens
         just before it (`context_ids`). `final`: the request ends here, flush held-back text."""
         stops = [s for s in stop if s]

@@ -18,6 +18,7 @@ from rill.services.detokenizer.incremental import Detokenizer
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.group_consumer import serve_group
 from rill.shared.heartbeat import replica_heartbeat
+from rill.shared.kinds import AbortReason
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command
 from rill.shared.schema import AbortRequest, ReplyBatch, TextDelta, detok_decoder
@@ -33,7 +34,7 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[C
     """Decode every entry; the commands that send all replies and aborts, then ack, in one round
     trip (serve_group sends them ahead of its next read)."""
     replies: dict[str, list[TextDelta]] = {}
-    aborts: dict[tuple[int, str], list[str]] = {}  # (engine, reason) -> request ids
+    aborts: dict[tuple[int, AbortReason], list[str]] = {}  # (engine, reason) -> request ids
     for entry_id, payload in entries:
         try:
             batch = detok_decoder.decode(payload)

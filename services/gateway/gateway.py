@@ -39,6 +39,7 @@ from rill.services.gateway.requests import Admission
 from rill.services.gateway.websocket import DEFAULT_WS_IDLE_TIMEOUT_S
 from rill.shared.bus import AsyncBus, Backoff
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_keys, engine_ids, engines_alive
+from rill.shared.kinds import AbortReason
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
     AbortRequest,
@@ -371,7 +372,7 @@ class Gateway:
                 continue
         return out
 
-    async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+    async def abort(self, request_ids: list[str], reason: AbortReason = "abort") -> None:
         """Stop routing these requests and tell every engine to drop them (idempotent there)."""
         for rid in request_ids:
             self.tracker.unregister(rid)

@@ -38,6 +38,7 @@ from rill.services.gateway.responses import (
     full_response,
 )
 from rill.services.gateway.tool_calls import tool_mode
+from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def new_request_id(kind: str) -> str:
+def new_request_id(kind: RequestKind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 

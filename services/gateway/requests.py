@@ -35,6 +35,7 @@ from rill.services.gateway.errors import APIError
 from rill.services.gateway.fields import NotYet
 from rill.services.gateway.structured import check as check_structured
 from rill.services.gateway.structured import grammar_of
+from rill.shared.kinds import RequestKind
 from rill.shared.request_params import ChatMessage, SamplingParams
 from rill.shared.schema import GenerateRequest
 
@@ -331,7 +332,7 @@ def sampling_params(req: GenerateBody) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def kind_of(req: GenerateBody) -> str:
+def kind_of(req: GenerateBody) -> RequestKind:
     return "chat" if isinstance(req, ChatCompletionRequest) else "completion"
 
 

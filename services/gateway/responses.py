@@ -15,6 +15,7 @@ import msgspec
 
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.tool_calls import ToolMode, ToolStream
+from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
 
 GENERATION_FAILED = "The request failed during generation."
@@ -155,7 +156,7 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolMode | None) -
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
-def full_response(kind: str, request_id: str, model: str, out: Output, logprobs: bool,
+def full_response(kind: RequestKind, request_id: str, model: str, out: Output, logprobs: bool,
                   echo: str = "", tools: ToolMode | None = None) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for i, c in enumerate(out.choices):
@@ -191,7 +192,7 @@ Event = TextDelta | ErrorReply
 class ChunkFormatter:
     """Builds the SSE chunks of one streamed request (chat.completion.chunk or text_completion)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool, n: int = 1,
+    def __init__(self, kind: RequestKind, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
                  echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None) -> None:
         self.kind = kind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rill.services.scheduler.request import Request
+from rill.shared.kinds import FinishReason
 from rill.shared.schema import DetokBatch, TokenLogprobs
 
 
@@ -15,7 +16,7 @@ class DetokRows:
         self.offsets: list[int] = []
         self.new: list[list[int]] = []
         self.context: list[list[int]] = []
-        self.reasons: list[str | None] = []
+        self.reasons: list[FinishReason | None] = []
         self.prompt_tokens: list[int] = []
         self.stop: list[list[str]] = []
         self.skip_special: list[bool] = []
@@ -26,7 +27,7 @@ class DetokRows:
     def __bool__(self) -> bool:
         return bool(self.ids)
 
-    def add(self, req: Request, offset: int, new: list[int], reason: str | None,
+    def add(self, req: Request, offset: int, new: list[int], reason: FinishReason | None,
             logprobs: list[TokenLogprobs], prompt_logprobs: list[TokenLogprobs]) -> None:
         p = req.params
         ctx = req.detok_context

@@ -44,12 +44,11 @@ from rill.services.scheduler.disagg_decode import DecodeSide
 from rill.services.scheduler.disagg_prefill import PrefillSide
 from rill.services.scheduler.request import Request
 from rill.services.scheduler.scheduler import Scheduler
+from rill.shared.kinds import ENGINE_ROLES
 from rill.shared.schema import AbortRequest, KVHandoff, KVTransferAck, StepPlan, StepResult, WorkerReady
 
 if TYPE_CHECKING:
     from rill.services.scheduler.service import SchedulerService
-
-ROLES = ("both", "prefill", "decode")
 
 
 class Disaggregation:
@@ -57,8 +56,8 @@ class Disaggregation:
     configure, tick, on_message, on_abort, prepare, decorate, after_step, on_worker_reset)."""
 
     def __init__(self, service: SchedulerService) -> None:
-        if service.args.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {service.args.role!r}")
+        if service.args.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {service.args.role!r}")
         self.service = service
         self.bus = service.bus
         self.role = service.args.role

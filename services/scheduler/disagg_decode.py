@@ -17,6 +17,7 @@ from rill.services.scheduler.request import Request
 from rill.services.scheduler.scheduler import Scheduler
 from rill.shared.bus import Bus
 from rill.shared.config import detok_context_len
+from rill.shared.kinds import EngineRole, HandoffStatus
 from rill.shared.schema import KVHandoff, KVImport, KVImportResult, KVTransferAck
 
 log = logging.getLogger("rill.scheduler.disagg")
@@ -50,7 +51,7 @@ class ImportCounters:
 class DecodeSide:
     """The decode engine's hand-offs being taken in, in arrival order."""
 
-    def __init__(self, bus: Bus, engine_id: int, role: str, sched: Callable[[], Scheduler]) -> None:
+    def __init__(self, bus: Bus, engine_id: int, role: EngineRole, sched: Callable[[], Scheduler]) -> None:
         self.bus = bus
         self.e = engine_id
         self.role = role
@@ -164,10 +165,10 @@ class DecodeSide:
             c.handoff_seconds += max(0.0, time.time() - inc.msg.first_token_at)
         self._ack(inc, "ok")
 
-    def _ack(self, inc: Incoming, status: str, error: str = "", retryable: bool = False) -> None:
+    def _ack(self, inc: Incoming, status: HandoffStatus, error: str = "", retryable: bool = False) -> None:
         self._send_ack(inc.msg, status, error, retryable)
 
-    def _send_ack(self, msg: KVHandoff, status: str, error: str = "", retryable: bool = False) -> None:
+    def _send_ack(self, msg: KVHandoff, status: HandoffStatus, error: str = "", retryable: bool = False) -> None:
         self.bus.send(self.bus.streams.engine_in(msg.source_engine),
                       KVTransferAck(transfer_id=msg.manifest.transfer_id, request_id=msg.request_id,
                                     decode_engine=self.e, status=status, error=error, retryable=retryable))

@@ -24,6 +24,7 @@ from rill.services.scheduler.scheduler import Scheduler
 from rill.shared import envs
 from rill.shared.bus import Bus
 from rill.shared.heartbeat import Absence, engine_beat_keys, engine_ids, engines_alive
+from rill.shared.kinds import EngineRole
 from rill.shared.schema import (
     AbortRequest,
     ErrorReply,
@@ -53,7 +54,7 @@ def decode_lost_message(engine: int, during_transfer: bool) -> str:
 @dataclass
 class EngineView:
     engine_id: int
-    role: str
+    role: EngineRole
     load: int  # requests running, waiting or in transfer
     alive: bool  # scheduler and worker both beat
 

@@ -34,6 +34,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.request import Refusal, Request, Status
 from rill.services.scheduler.request_states import RequestStates
 from rill.services.scheduler.speculation import Speculator
+from rill.shared.kinds import EngineRole, FinishReason
 from rill.shared.schema import DetokBatch, StepPlan, StepResult, TokenizedRequest
 
 __all__ = ["Refusal", "Request", "Scheduler", "SchedulerConfig", "Status", "StepOutcome"]
@@ -47,7 +48,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
     policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
-    role: str = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
+    role: EngineRole = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
 
 
 @dataclass
@@ -295,7 +296,7 @@ class Scheduler(RequestStates):
             failed.append(req)
         return failed
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         num_out = len(req.output_token_ids)
         if token in req.eos_token_ids and num_out >= req.params.min_tokens:
             return "stop"

@@ -28,6 +28,7 @@ import msgspec
 from rill.shared.block_hash import SHORT_HASH_BYTES, SUMMARY_REFRESH_S, block_hashes, parse_summary
 from rill.shared.bus import Bus
 from rill.shared.heartbeat import engine_beat_keys, engine_ids, engines_alive
+from rill.shared.kinds import EngineRole
 from rill.shared.schema import stats_decoder
 
 POLICIES = ("least-loaded", "cache-aware", "round-robin")
@@ -43,7 +44,7 @@ BALANCE_REL = 1.5
 
 @dataclass
 class EngineView:
-    role: str | None = None  # None: no stats yet
+    role: EngineRole | None = None  # None: no stats yet
     load: int = 0
     block_size: int = 0
     cached: frozenset[bytes] = frozenset()  # short hashes from the engine's summary
@@ -101,7 +102,7 @@ class Router:
 
     # ------------------------------------------------------------------------ picking
 
-    def role(self, engine: int) -> str | None:
+    def role(self, engine: int) -> EngineRole | None:
         """The engine's role as of the last read (None: not known yet)."""
         view = self.engines.get(engine)
         return view.role if view is not None else None
