@@ -17,6 +17,7 @@ from rill.shared.config import (
     parse_size,
     resolve_quantization,
 )
+from rill.shared.kinds import ENGINE_ROLES
 from rill.shared.logs import setup_logging
 from rill.shared.model_files import converted_from
 
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flags(one)
     one.add_argument("--reuse-port", action="store_true",
                      help="gateway: bind with SO_REUSEPORT so several replicas share one port")
-    one.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+    one.add_argument("--role", default="both", choices=ENGINE_ROLES,
                      help="scheduler and worker: both (colocated), prefill (runs prompts, hands requests "
                           "and their KV to decode engines) or decode (continues them); give the scheduler "
                           "and the worker of one engine the same --role and --engine-id")

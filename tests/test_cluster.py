@@ -59,7 +59,7 @@ def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluste
         entry_id = bus.send(src, DetokenizeRequest(request_id="r", reply_to="", token_ids=[]))
         assert [e for e, _ in bus.read_group(src, "g", "one", block_ms=None)] == [entry_id]
         first = AbortRequest(request_ids=["r"])
-        other = AbortRequest(request_ids=["r"], reason="other")
+        other = AbortRequest(request_ids=["r"], reason="shutdown")
         # The first forward is pinned before it is delivered; a second replica redoing the entry
         # (its forward differs) before the first acked delivers the pinned one, to dest_a, once.
         assert bus.ack_and_send_many(src, "g", [(entry_id, [(dest_a, first)])]) == [True]
