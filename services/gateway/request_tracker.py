@@ -74,6 +74,7 @@ class RequestStream:
         self.n = n
         self.metrics = metrics  # timings and counts for /metrics; None when not measured
         self.sequencers = [DeltaSequencer() for _ in range(n)]
+        self._index = {sample_request_id(request_id, i, n): i for i in range(n)}  # sample id -> choice
         self._buf: list[Event] = []
         self._wake = asyncio.Event()
         self.terminal = False  # every sample finished, or an error was queued
@@ -85,11 +86,11 @@ class RequestStream:
 
     @property
     def sample_ids(self) -> list[str]:
-        return [sample_request_id(self.request_id, i, self.n) for i in range(self.n)]
+        return list(self._index)
 
     def index(self, delta: TextDelta) -> int:
-        """The choice index of a delta of this request."""
-        return 0 if self.n == 1 else int(delta.request_id.rsplit(":", 1)[1])
+        """The choice index of a delta of this request (looked up: a sample id is never parsed)."""
+        return self._index[delta.request_id]
 
     def _put(self, events: list[Event]) -> None:
         if events and not self.closed:
