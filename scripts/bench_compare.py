@@ -159,11 +159,11 @@ def _role(cmdline: str) -> str:
     return "broker" if argv and "valkey-server" in argv[0] else "other"
 
 
-def tree_cpu(root: int) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) of `rill serve` (`root`) and of each child, by
-    role; a child that ended meanwhile is left out."""
+def tree_cpu(root: int, root_role: str) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of a server process (`root`, named `root_role`)
+    and of each child, by role; a child that ended meanwhile is left out."""
     out: dict[str, float] = {}
-    for pid, role in [(root, "serve"), *((p, _role(c)) for p, c in children_of(root).items())]:
+    for pid, role in [(root, root_role), *((p, _role(c)) for p, c in children_of(root).items())]:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -172,14 +172,15 @@ def tree_cpu(root: int) -> dict[str, float]:
     return out
 
 
-def cpu_split(before: dict[str, float], after: dict[str, float], client: float, wall: float) -> str:
-    """The CPU each part of the pipeline took during a phase, and the share of the cores that
-    went to everything but the worker (which the in-process engine does not share its cores with)."""
+def cpu_split(before: dict[str, float], after: dict[str, float], client: float, wall: float,
+              compute: str) -> str:
+    """The CPU each part took during a phase, and the share of the cores that went to everything
+    but the process that runs the model (`compute`: Rill's worker, or llama-server itself)."""
     used = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
     used["client"] = client
-    others = sum(v for role, v in used.items() if role != "worker")
+    others = sum(v for role, v in used.items() if role != compute)
     parts = ", ".join(f"{role} {v:.2f}" for role, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.005)
-    return f"CPU-s {parts}; all but the worker {others / (wall * (os.cpu_count() or 1)):.1%} of the cores"
+    return f"CPU-s {parts}; all but the {compute} {others / (wall * (os.cpu_count() or 1)):.1%} of the cores"
 
 class _Server:
     """A server in a subprocess on `self.port`, measured by `rill bench serve`'s client in this
@@ -188,6 +189,8 @@ class _Server:
     port: int
     proc: subprocess.Popen
     label = "server"
+    root_role = "server"  # what the measured process tree's root is called in the CPU split
+    compute = "server"  # the process that runs the model
 
     def __init__(self, prompts: list[list[int]], out_len: int) -> None:
         self.prompts, self.out_len = prompts, out_len
@@ -206,9 +209,10 @@ class _Server:
                             timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
         # The shared workload, after two warm-up requests.
         dataset = [bs.Prompt(p, len(p), self.out_len) for p in prompts[:2] + prompts]
-        before, t0, c0 = tree_cpu(self.proc.pid), time.perf_counter(), time.process_time()
+        before, t0, c0 = tree_cpu(self.proc.pid, self.root_role), time.perf_counter(), time.process_time()
         r = asyncio.run(bs.run_benchmark(args, dataset))
-        split = cpu_split(before, tree_cpu(self.proc.pid), time.process_time() - c0, time.perf_counter() - t0)
+        split = cpu_split(before, tree_cpu(self.proc.pid, self.root_role), time.process_time() - c0,
+                          time.perf_counter() - t0, self.compute)
         if r["failed"]:
             raise RuntimeError(f"{self.label} requests failed: {r['errors']}")
         print(f"  {self.label}, concurrency {conc or 'all'}: {r['output_throughput']:.1f} tok/s; {split}", flush=True)
@@ -224,6 +228,7 @@ class Pipeline(_Server):
     two can be measured in turns."""
 
     label = "pipeline"
+    root_role, compute = "serve", "worker"
 
     def __init__(self, model_dir: str, dtype: str, prompts: list[list[int]], out_len: int, quantization: str,
                  budget: int, extra: list[str] | None = None) -> None:
@@ -248,6 +253,7 @@ class LlamaServer(_Server):
     batching over `slots` sequences sharing one KV buffer, this machine's threads."""
 
     label = "llama-server"
+    root_role = compute = "llama-server"
 
     def __init__(self, binary: str, gguf: Path, prompts: list[list[int]], out_len: int, slots: int) -> None:
         import urllib.request
