@@ -4,9 +4,10 @@ p50 against concurrency, one line per system.
 Each file is one run of one system at one concurrency. The system is the file's `label` (`rill
 bench serve --label NAME`; default there: the server's host:port), else the file's name; the
 concurrency is its `max_concurrency`, else `num_prompts` (a run with every request sent at once).
-Repeated runs of one system at one concurrency are averaged.
+Lines and legend follow the order systems first appear in the files given; repeated runs of one
+system at one concurrency are averaged.
 
-    .venv/bin/python scripts/plot_bench.py runs/*.json --out-dir scripts/plots \\
+    .venv/bin/python scripts/plot_bench.py runs/rill-*.json runs/llama-*.json --out-dir scripts/plots \\
         [--title "SmolLM2-135M, 2-core AMD EPYC"]
 
 Writes OUT_DIR/output_throughput.png and OUT_DIR/ttft_p50.png; a file without the fields it needs
@@ -73,12 +74,19 @@ def plot(runs: dict[str, dict[int, list[dict]]], out_dir: Path, title: str = "")
     written = []
     for name, chart_title, ylabel, figure in CHARTS:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-        for system, per in runs.items():
-            xs = sorted(per)
-            ys = [statistics.mean(figure(r) for r in per[c]) for c in xs]
-            ax.plot(xs, ys, marker="o", linewidth=2, label=system)
-            for x, y in zip(xs, ys, strict=True):
-                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        lines = {system: {c: statistics.mean(figure(r) for r in per[c]) for c in sorted(per)}
+                 for system, per in runs.items()}
+        top = max(y for line in lines.values() for y in line.values()) or 1
+        for system, line in lines.items():
+            ax.plot(list(line), list(line.values()), marker="o", linewidth=2, label=system)
+            for x, y in line.items():
+                # Each value above its point; where another line's point is close, the lower value
+                # goes to the right and the higher to the left, so the two stay readable.
+                near = [other[x] for s, other in lines.items()
+                        if s != system and x in other and abs(other[x] - y) < 0.08 * top]
+                side = 0 if not near else (1 if y <= min(near) else -1)
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(6 * side, 6),
+                            ha={0: "center", 1: "left", -1: "right"}[side], fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels)
         ax.xaxis.set_major_formatter(ScalarFormatter())
