@@ -43,9 +43,9 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from rill.shared import cluster
-from rill.shared.cluster import AsyncClusterReader, ClusterHot, is_cluster, masters_id
+from rill.shared.cluster import ClusterHot, is_cluster, masters_id
 from rill.shared.lifecycle import StopFlag
-from rill.shared.resp import AsyncRespConnection, Command, RespConnection
+from rill.shared.resp import Command, RespConnection
 from rill.shared.schema import encode
 from rill.shared.streams import Streams
 
@@ -356,15 +356,14 @@ class Bus:
 
 
 class AsyncBus:
-    """asyncio bus for the gateway. The blocking read of the reply stream, once a step, gets its
-    own bare RESP connection (resp.py); everything else goes through redis-py (`self.r`)."""
+    """asyncio bus for the gateway, on redis-py's asyncio client (`self.r`). Its blocking read of
+    the reply stream once a step went through a hand-written asyncio RESP connection until a
+    same-run A/B showed no measurable gain (scripts/benchmarks.md)."""
 
     def __init__(self, url: str, prefix: str = "rill", name: str | None = None) -> None:
         self.streams = Streams(prefix)
         self.r = aconnect(url, name=name)
         self.cluster = isinstance(self.r, aiocluster.RedisCluster)
-        self.reader: AsyncRespConnection | AsyncClusterReader = (
-            AsyncClusterReader(self.r) if self.cluster else AsyncRespConnection(url, name=_client_name(name)))
         self._outbox: list[tuple[str, bytes, int, asyncio.Future[bytes]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -402,7 +401,7 @@ class AsyncBus:
         return got[0][0] if got else b"0-0"
 
     async def read(self, stream: str, last_id: bytes, block_ms: int | None, count: int = 500) -> list[Entry]:
-        return Bus.entries(await self.reader.execute(*Bus.xread(stream, last_id, block_ms, count)))
+        return Bus.entries(await self.r.execute_command(*Bus.xread(stream, last_id, block_ms, count)))
 
     async def get(self, key: str) -> bytes | None:
         return await self.r.get(key)
@@ -419,5 +418,4 @@ class AsyncBus:
         return server_id_of(await self.r.info("server"))
 
     async def close(self) -> None:
-        self.reader.close()
         await self.r.aclose()

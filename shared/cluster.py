@@ -31,7 +31,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import redis
-import redis.asyncio.cluster as aiocluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -207,19 +206,6 @@ def _key(cmd: Command) -> str:
     else:
         key = cmd[1]
     return key.decode() if isinstance(key, bytes) else str(key)
-
-
-class AsyncClusterReader:
-    """resp.AsyncRespConnection's interface for the gateway's read of its reply stream."""
-
-    def __init__(self, client: aiocluster.RedisCluster) -> None:
-        self.r = client
-
-    async def execute(self, *args: bytes | str | int | float) -> Any:
-        return await self.r.execute_command(*args)
-
-    def close(self) -> None:
-        pass  # the client is the bus's own, closed with it
 
 
 # KEYS[1] source stream, KEYS[2] pin; ARGV[1] group, ARGV[2] entry id, ARGV[3] ttl, ARGV[4] the forward.

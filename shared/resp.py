@@ -18,15 +18,10 @@ their replies later. The worker posts its read of the next plan before it runs a
 the reply after it: the scheduler sends that plan while the step runs, so the reply is already
 in the socket's buffer and the broker round trip leaves the step-to-step gap. Posted commands
 are not retried (a blocking read's outcome is unknown after a failure; the loop reissues it).
-
-AsyncRespConnection is the asyncio twin for the gateway's read of its reply stream (one XREAD
-BLOCK a step): an asyncio.Protocol feeds hiredis in the read callback, where redis-py's asyncio
-client spends ~18 % of the gateway's busy time on that one read.
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import ssl
 from collections.abc import Sequence
@@ -204,112 +199,3 @@ class RespConnection(_Target):
             self.close()
             raise
         return replies
-
-
-class _RespProtocol(asyncio.Protocol):
-    """Parses replies as they arrive; wakes the one waiter when it has the replies it wants."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.reader = hiredis.Reader()
-        self.replies: list[Any] = []
-        self.want = 0
-        self.waiter: asyncio.Future[None] | None = None
-        self.lost: BaseException | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.reader.feed(data)
-            while (reply := self.reader.gets()) is not False:
-                self.replies.append(reply)
-        except hiredis.ProtocolError as exc:
-            self._fail(exc)
-            return
-        if self.waiter is not None and len(self.replies) >= self.want and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or EOFError("the broker closed the connection"))
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.lost is None:  # keep the first cause: the abort below reports a plain close later
-            self.lost = exc
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
-
-
-class AsyncRespConnection(_Target):
-    """RespConnection's asyncio twin: one round trip at a time (a caller awaits its replies
-    before the next), the same errors, and a failed round trip retried once on a fresh
-    connection. A round trip that is cancelled (the task stopped mid-XREAD BLOCK) closes the
-    connection, whose next reply would otherwise answer the wrong command."""
-
-    def __init__(self, url: str, name: str | None = None) -> None:
-        super().__init__(url, name)
-        self._proto: _RespProtocol | None = None
-
-    async def execute(self, *args: bytes | str | int | float) -> Any:
-        return (await self.pipeline([args]))[0]
-
-    async def pipeline(self, commands: Sequence[Command]) -> list[Any]:
-        for attempt in (0, 1):
-            try:
-                if self._proto is None:
-                    await self._connect()
-                return await self._roundtrip(commands)
-            except (OSError, EOFError, hiredis.ProtocolError) as exc:
-                self.close()
-                if attempt:
-                    raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.abort()
-        self._proto = None
-
-    async def _connect(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self.path:
-            coro = loop.create_unix_connection(_RespProtocol, self.path)
-        else:
-            coro = loop.create_connection(_RespProtocol, self.host, self.port,
-                                          ssl=self.tls_context() if self.tls else None,
-                                          server_hostname=self.host if self.tls else None)
-        transport, proto = await asyncio.wait_for(coro, CONNECT_TIMEOUT_S)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # asyncio sets TCP_NODELAY
-        self._proto = proto
-        hello = self.hello()
-        if hello:
-            try:
-                await self._roundtrip(hello)
-            except redis.ResponseError:
-                self.close()
-                raise
-
-    async def _roundtrip(self, commands: Sequence[Command]) -> list[Any]:
-        proto = self._proto
-        assert proto is not None and proto.transport is not None
-        if proto.lost is not None:
-            raise proto.lost
-        n = len(commands)
-        try:
-            proto.transport.write(_pack(commands))
-            if len(proto.replies) < n:
-                proto.want = n
-                proto.waiter = asyncio.get_running_loop().create_future()
-                await proto.waiter
-        except BaseException:
-            self.close()  # cancelled or failed mid-exchange: out of step
-            raise
-        finally:
-            proto.waiter = None
-        replies, proto.replies = proto.replies[:n], proto.replies[n:]
-        return _check(replies)

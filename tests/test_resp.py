@@ -10,7 +10,7 @@ import redis
 
 from rill.shared.broker import EmbeddedBroker, free_port
 from rill.shared.bus import Bus
-from rill.shared.resp import AsyncRespConnection, RespConnection
+from rill.shared.resp import RespConnection
 from rill.shared.schema import DetokBatch, detok_decoder, encode
 from rill.shared.streams import DETOKENIZER_GROUP
 
@@ -172,77 +172,77 @@ async def test_every_client_takes_a_unix_socket_url(tmp_path) -> None:
         conn = RespConnection(url)
         assert conn.execute("GET", "k") == b"sync"
         conn.close()
-        aconn = AsyncRespConnection(url)
-        assert await aconn.execute("GET", "k") == b"sync"
-        aconn.close()
         assert redis.Redis(unix_socket_path=str(sock), db=0).get("k") is None  # the URL's db, not 0
     finally:
         proc.terminate()
         proc.wait(5)
 
 
-# ------------------------------------------------------------------------- the asyncio twin
+# ------------------------------------------------------------------------- the gateway's reads
 
 
-async def test_async_blocking_read_waits_for_the_entry_and_errors_keep_it_in_step(redis_url: str,
-                                                                                   prefix: str) -> None:
-    """The gateway's reply read: a blocking XREAD answered when the entry is added from another
-    connection, a timed-out block reads as no entries, and an error reply raises only after the
-    whole batch was read, leaving nothing behind for the next round trip."""
+async def test_async_blocking_read_waits_for_the_entry(redis_url: str, prefix: str) -> None:
+    """The gateway's reply read (AsyncBus.read, redis-py's asyncio client): a blocking XREAD
+    answered when the entry is added from another connection; a timed-out block reads as none."""
     import asyncio
 
-    conn, writer = AsyncRespConnection(redis_url, name="aresp-test"), Bus(redis_url, prefix)
-    stream, key = writer.streams.detok, f"{prefix}:k"
+    from rill.shared.bus import AsyncBus
+
+    bus, writer = AsyncBus(redis_url, prefix, name="aresp-test"), Bus(redis_url, prefix)
+    stream = writer.streams.detok
     try:
-        read = asyncio.ensure_future(conn.execute(*Bus.xread(stream, b"0-0", 5000)))
+        read = asyncio.ensure_future(bus.read(stream, b"0-0", 5000))
         await asyncio.sleep(0.05)
         assert not read.done()
         eid = writer.send(stream, batch(4))
-        got = Bus.entries(await asyncio.wait_for(read, 2))
+        got = await asyncio.wait_for(read, 2)
         assert [(e, detok_decoder.decode(p).step_id) for e, p in got] == [(eid, 4)]
         t0 = time.monotonic()
-        assert Bus.entries(await conn.execute(*Bus.xread(stream, eid, 150))) == []
+        assert await bus.read(stream, eid, 150) == []
         assert time.monotonic() - t0 >= 0.1
-        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-            await conn.pipeline([("SET", key, "v"), ("XADD", key, "*", "m", "x"), ("SET", f"{key}2", "w")])
-        assert await conn.pipeline([("GET", key), ("GET", f"{key}2")]) == [b"v", b"w"]
         assert "aresp-test" in [c["name"] for c in writer.r.client_list()]
     finally:
-        conn.close()
+        await bus.close()
         writer.close()
 
 
 async def test_async_cancelled_read_does_not_answer_the_next_command(redis_url: str, prefix: str) -> None:
     """A task stopped mid-XREAD BLOCK: the blocked read's late reply must not be taken as the
-    next command's, so the connection is dropped and the next command gets a fresh one."""
+    next command's."""
     import asyncio
 
-    conn, writer = AsyncRespConnection(redis_url), Bus(redis_url, prefix)
+    from rill.shared.bus import AsyncBus
+
+    bus, writer = AsyncBus(redis_url, prefix), Bus(redis_url, prefix)
     stream = writer.streams.detok
     try:
-        read = asyncio.ensure_future(conn.execute(*Bus.xread(stream, b"$", 5000)))
+        read = asyncio.ensure_future(bus.read(stream, b"$", 5000))
         await asyncio.sleep(0.05)
         read.cancel()
         with pytest.raises(asyncio.CancelledError):
             await read
         writer.send(stream, batch(1))  # would have answered the cancelled read
-        assert await conn.execute("PING") == b"PONG"
+        assert await bus.r.ping() is True
+        assert await bus.get(f"{prefix}:absent") is None
     finally:
-        conn.close()
+        await bus.close()
         writer.close()
 
 
-async def test_async_reconnects_after_a_broker_restart_and_fails_clearly_while_it_is_down() -> None:
+async def test_async_reads_fail_clearly_while_the_broker_is_down_and_recover() -> None:
+    from rill.shared.bus import AsyncBus
+
     port = free_port()
     broker = EmbeddedBroker(port).start()
-    conn = AsyncRespConnection(broker.url)
+    bus = AsyncBus(broker.url, "rill")
+    stream = bus.streams.detok
     try:
-        assert await conn.execute("SET", "k", "1") == b"OK"
+        assert await bus.read(stream, b"0-0", None) == []
         broker.stop()
         with pytest.raises(redis.ConnectionError):
-            await conn.execute("GET", "k")
+            await bus.read(stream, b"0-0", None)
         broker = EmbeddedBroker(port).start()
-        assert await conn.execute("GET", "k") is None  # a fresh server: reconnected, key gone
+        assert await bus.read(stream, b"0-0", None) == []  # a fresh server: reconnected
     finally:
-        conn.close()
+        await bus.close()
         broker.stop()
