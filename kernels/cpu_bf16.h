@@ -29,9 +29,9 @@ static inline uint16_t f32_to_bf16(float f) {
 
 // 16 lanes at a time as GCC vector types, for the element-wise passes on CPUs with AVX512-BF16
 // (RILL_VEC16). There GCC's own vectorisation of the scalar conversions above spends most of a
-// bf16 RMSNorm on widening and rounding (2-core Sapphire Rapids, one thread, 32 x 576 with a
-// residual: 20-23 us; with these, 8-9 us). Elsewhere the kernels keep their scalar loops: these
-// helpers built for AVX-512 without BF16 or for AVX2 ran about half as fast as those loops.
+// bf16 RMSNorm on widening and rounding (these helpers take it to less than half the time).
+// Elsewhere the kernels keep their scalar loops: these helpers built for AVX-512 without BF16 or
+// for AVX2 ran slower than those loops.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define RILL_VEC16 1
 #else

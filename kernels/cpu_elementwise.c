@@ -1,8 +1,8 @@
 // Element-wise passes of a Llama layer, one pass each: the residual add + RMSNorm between the
 // GEMMs (torch_ops.rms_norm calls it when the library is there), and RoPE + KV-cache write (below).
 //
-// In torch it is six ops, each a pass over memory and a dispatch: 353 us for 512 fp32 rows of 576
-// on a 2-core CPU, 161 us in one pass (64 vs 31 us at 32 rows). Rounding follows the torch code: the
+// In torch it is six ops, each a pass over memory and a dispatch; here it is one pass (about
+// twice as fast, scripts/benchmarks.md). Rounding follows the torch code: the
 // residual sum and the normalised row are rounded to the model dtype before the weight multiply
 // (HF Llama's order). The sum of squares runs in a different order than torch's, so results
 // agree to float rounding, not bit for bit. SiLU(gate) * up is here too, for CPUs with
@@ -71,7 +71,7 @@ DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, f32)
 // NeoX RoPE on q and k plus the KV-cache write, one pass (torch_ops.rope_and_write_kv calls it).
 //
 // In torch this is ~10 ops per layer (upcast, roll, two multiplies, add, downcast, two
-// index_copy_), 0.4 ms for a 512-token prefill of SmolLM2's 12 q+k heads. Rounding follows the
+// index_copy_), each a pass over memory. Rounding follows the
 // torch code exactly: the pair (x_i, x_{i+D/2}) is rotated in fp32 as x*cos + partner*(+/-sin),
 // two separate multiplies and an add (contraction off), and rounded once to T; so results are
 // bit-identical (with AVX512-BF16, short of denormals, which it flushes to zero: cpu_bf16.h).
@@ -129,8 +129,7 @@ DEFINE_ROPE_KV(rope_write_kv_f32, float, F32_LOAD, F32_STORE, f32)
 // Rounding follows torch's two ops: SiLU in fp32 rounded to T, then the product rounded to T.
 // sigmoid(g) = 1 / (1 + e^-g) from e = exp(-|g|) <= 1 (no overflow): 1 / (1 + e) for g >= 0,
 // e / (1 + e) below. Its exp is exp_neg's polynomial, not libm's, so a value can differ from
-// torch's by one rounding step of T. In torch it is three ops and two passes: 35 + 13 us per
-// layer for a batch-32 SmolLM2 decode step (2-core AMD EPYC).
+// torch's by one rounding step of T. In torch it is three ops and two passes; here one.
 #if RILL_VEC16
 static inline f32x16 sigmoid16(f32x16 g) {
   const __m512 gv = (__m512)g, one = _mm512_set1_ps(1.f);

@@ -26,7 +26,7 @@ int gguf_gemm_simd(void) { return SIMD_LEVEL; }  // 2: AVX512-VNNI, 1: AVX2, 0: 
 
 // The 32-element formats, given how to unpack a block (q, d, min) and whether q is signed. Blocks
 // go in pairs into two sets of sums: one set made each block wait for the last one's FMA (4
-// cycles), which bound the loop (2-core AMD EPYC: 1.4x slower at m = 1).
+// cycles), which bound the loop at m = 1.
 #define SMALL_STEP(P, B, UNPACK)                                                                      \
   {                                                                                            \
     const uint8_t* w = wrow + (B) * BYTES;                                                     \

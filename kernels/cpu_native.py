@@ -3,7 +3,7 @@ cpu_elementwise.c, cpu_small_gemm.c), compiled on first use and called through c
 
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
 form. The torch path must gather every sequence's blocks into a padded copy and run small
-batched matmuls against it, which made attention ~45 % of a batch-32 decode step; reading the
+batched matmuls against it, which made attention a large share of a decode step; reading the
 blocks in place is several times faster. Prompt chunks read them in place too, at about twice
 the speed of torch's SDPA on contiguous copies. Likewise the quantise / dequantise steps around an int8 GEMM are
 one pass each instead of a dozen small torch ops (see cpu_quant.c), and so are the residual add +

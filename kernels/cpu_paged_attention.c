@@ -90,11 +90,10 @@ static inline float dot(const float* a, const float* b, int n) {
 #define MAX_GROUP 16
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the jump from one to
 // the next: the passes ask for rows ahead themselves. One prefetch per row into L1 one block
-// ahead leaves too few misses in flight to cover DRAM latency (the KV streamed at ~10 GB/s on a
-// 2-core VM that reads 50); so the K pass also asks three blocks ahead into L2 (locality 2), and
-// for the V row of the position it is at, which the V pass then finds in L2. At SmolLM2's shape
-// (scripts/bench_decode_attention.py, 30 layers' caches, 2-core AMD EPYC VM) a layer at batch 32
-// took 398 -> 294 us (bf16; fp32 704 -> 595), at 16 232 -> 174, at 64 789 -> 564.
+// ahead leaves too few misses in flight to cover DRAM latency (the KV streamed at a fraction of
+// what the memory gives); so the K pass also asks three blocks ahead into L2 (locality 2), and
+// for the V row of the position it is at, which the V pass then finds in L2 (the gain:
+// scripts/bench_decode_attention.py, figures in scripts/benchmarks.md).
 #define PREFETCH_ROW_TO(p, locality)                                                             \
   do {                                                                                           \
     for (int line = 0; line < (int)(head_dim * sizeof(*(p))); line += 64)                         \
@@ -120,7 +119,7 @@ static inline float dot(const float* a, const float* b, int n) {
 #ifdef __AVX512F__
 // head_dim 64 and GQA groups of up to 4 (SmolLM2, most small Llamas): the same two passes with
 // every vector in registers. The generic loop stages each K/V row and the accumulators through
-// memory and turns out instruction-bound at ~13 GB/s of KV; here q (G x 4 vectors), the row
+// memory and turns out instruction-bound, far below memory speed; here q (G x 4 vectors), the row
 // being read (4) and the accumulators (G x 4) all stay in zmm registers. fp32 caches keep the
 // generic path's operation order (q scaled first, one FMA chain per score); bf16 caches with
 // AVX512-BF16 take their dot products in bf16 pairs (kpass64_bf16), scaled after. Then the same

@@ -1,8 +1,8 @@
 // Causal attention for prompt chunks over paged KV in bfloat16 on AMX tiles (Sapphire Rapids and
 // later): the same contract as paged_prefill_bf16 in cpu_prefill_attention.c.
 //
-// That kernel multiplies in fp32 vector FMAs at 75-135 GFLOP/s on a 2-core Sapphire Rapids VM, a
-// quarter of a bf16 prefill step, while the step's GEMMs run on the AMX tiles at 1-2 TFLOP/s. Here
+// That kernel multiplies in fp32 vector FMAs, an order of magnitude below the AMX tiles the
+// step's GEMMs run on, so attention becomes a large share of a bf16 prefill step. Here
 // Q.K^T and P.V are tile products (TDPBF16PS: 16 x 16 fp32 += 16 x 32 bf16 . 32 x 16 bf16) and
 // the vector units only do the online softmax between them.
 //

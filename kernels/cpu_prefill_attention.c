@@ -1,16 +1,15 @@
 // Causal attention for multi-token query rows (prompt chunks) over paged KV, for the CPU.
 //
 // torch's SDPA needs each chunk's K/V as contiguous tensors (a gather per layer when the chunk
-// has context) and on a 2-core Xeon ran a 512-token SmolLM2 prompt at ~100 GFLOP/s, a fifth of a
-// prefill step. Here every (sequence, kv head, tile of query positions) is one work item: the
+// has context), and ran far below the cores' peak, a large share of a prefill step. Here every
+// (sequence, kv head, tile of query positions) is one work item: the
 // tile's query heads of that GQA group share each K/V row they load, keys come in chunks of 16
 // read in place from the block pool (the step's own K/V is already there), and an online softmax
 // keeps one pass over the keys. The tile is held transposed (query rows in vector lanes): scores,
 // the softmax statistics and the P.V product are then all vertical vector operations, register-
 // tiled 4 keys (or 4 dimensions) x up to 4 row vectors, with GCC vector types that become zmm
 // (AVX-512) or ymm pairs (AVX2) as the build allows; nothing is transposed per key chunk.
-// scripts/bench_prefill_attention.py, same VM: 1.5-2.4x the torch path in fp32, 2.0-2.6x in bf16
-// (a 512-token prompt 2.9 -> 1.7 ms a layer in fp32).
+// scripts/bench_prefill_attention.py measures it against the torch path (scripts/benchmarks.md).
 //
 // Layout as in cpu_paged_attention.c: q [T, Hq, D] with row stride q_row, out [T, Hq, D]
 // contiguous, caches [num_blocks, block_size, Hkv, D], block_tables [seqs, bt_stride] int32.

@@ -2,12 +2,11 @@
 // the prompt chunks of a CPU step).
 //
 // With 1-8 rows a step is a matrix-vector product: each weight is read once and used M times,
-// so the step is bound by how fast the weights stream from memory. oneDNN's blocked bf16 GEMM
-// read them at 16-31 GB/s at these sizes on a 2-core AMD EPYC VM that streams ~50 GB/s.
-// With 9-128 rows (decode batches) the step is compute bound, and oneDNN reached 190-340
-// GFLOP/s of the ~420 that its large GEMMs reach there; the register panel below, 0.05-0.4x
-// faster per layer at those sizes, keeps vdpbf16ps busier; at 160-512 rows (prompt steps) it
-// still ran ~5% ahead of oneDNN and at 1024 level with it (2-core EPYC, SmolLM2's layers).
+// so the step is bound by how fast the weights stream from memory, and oneDNN's blocked bf16
+// GEMM read them well below memory speed at these sizes. With 9-128 rows (decode batches) the
+// step is compute bound, and oneDNN stayed below what its large GEMMs reach; the register panel
+// below keeps vdpbf16ps busier. Which one serves each shape is measured on the machine
+// (kernels/chooser.py; figures in scripts/benchmarks.md).
 //
 // Here the weight is packed once (small_gemm_pack) as [N/16][K/2][16 rows][2]: one 64-byte
 // vector holds a pair of K positions for 16 output rows, so AVX512-BF16's vdpbf16ps against the

@@ -62,7 +62,7 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
     """x [m, k] fp32 @ W.T (+ bias) -> [m, n] fp32, W the raw blocks uint8 [n, row_bytes(qtype, k)].
     The activation is quantized to 8 bits per call (see cpu_gguf.c), so the result is within half
     a quantization step of each activation block from the float GEMM. The caller checks `supported`
-    (which loads the library: a decode step's calls then skip `cpu_native.library()`, ~2.5 µs each)."""
+    (which loads the library: a decode step's calls then skip `cpu_native.library()`)."""
     return gemm_with(_declared if _declared is not None else _lib(), x, raw, qtype, n, k, bias)
 
 

@@ -137,7 +137,7 @@ def gemm_incumbent(names: list[str], bucket: int, logits: bool) -> str:
 
 class Linear:
     """y = x @ W.T + b. On CPU the weight is pre-packed once into oneDNN's blocked layout, which
-    skips a per-call weight reorder (measured 10-60% faster GEMMs at decode batch sizes); when
+    skips a per-call weight reorder (faster GEMMs at decode batch sizes); when
     that private op is missing or disagrees with F.linear, plain F.linear is used. A bf16 weight
     can also run on the native small GEMM (AVX512-BF16 CPUs, cpu_small_gemm.c, up to
     `small_gemm_rows()` rows) or as an fp32 GEMM: which one serves a call of m rows is the
@@ -255,9 +255,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear:
     """y = x @ W.T + b with W8A8 dynamic quantization (CPU): W is quantized once, symmetric per
-    output channel; x per row at every call. On a CPU with VNNI but no AMX, oneDNN's int8 GEMM ran
-    3-7x faster than its bf16 one (the whole layer, quantization included, 2-4x), at ~1% relative
-    error per output for well-spread rows, more where one channel dominates a row.
+    output channel; x per row at every call. On a CPU with VNNI, oneDNN's int8 GEMM runs several
+    times faster than its bf16 one (scripts/benchmarks.md), at a small relative error per output
+    for well-spread rows, more where one channel dominates a row.
 
     y = (int32 accumulator) * row_scale * channel_scale (+ b), computed in fp32, returned in x's
     dtype. The weight is kept [N, K] and handed to `torch._int_mm` as its transposed view, the

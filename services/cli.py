@@ -280,7 +280,7 @@ def run_service(ns: argparse.Namespace) -> None:
     if ns.name == "worker":
         # torch's CPU allocator then backs tensors of 2 MiB and more with transparent huge pages
         # (madvise). Decode attention jumps between scattered KV blocks of a ~1 GiB cache, one TLB
-        # miss per block with 4 KiB pages: 7 % of a bf16 decode step at batch 32 (scripts/benchmarks.md). Read at
+        # miss per block with 4 KiB pages (cost: scripts/benchmarks.md). Read at
         # torch's first allocation, so set before anything imports it.
         envs.export("THP_MEM_ALLOC_ENABLE", "1", overwrite=False)
     ns.redis_url = ns.redis_url or envs.RILL_REDIS_URL

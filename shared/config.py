@@ -214,10 +214,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k
 
 
 def default_max_num_batched_tokens(device: str) -> int:
-    """A step's token budget when none is given. On a CPU a prompt token costs ~1.5-2 ms (SmolLM2,
-    2 cores), so a 2048-token step would stall every running stream for 3-4 s and make requests
-    that finish their prompt in it wait for the whole step; 512 keeps mixed steps under ~1 s at the
-    same throughput (scripts/benchmarks.md). A GPU runs 2048 tokens in milliseconds."""
+    """A step's token budget when none is given. On a CPU a prompt token costs milliseconds, so a
+    2048-token step would stall every running stream for seconds and make requests that finish
+    their prompt in it wait for the whole step; 512 keeps mixed steps short at the same
+    throughput (scripts/benchmarks.md). A GPU runs 2048 tokens in milliseconds."""
     return 2048 if device == "cuda" else 512
 
 

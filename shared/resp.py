@@ -1,10 +1,10 @@
 """A bare RESP connection for the step loop's hot path (plans, results, detok batches).
 
-redis-py spends ~50-60 µs of Python per command (8.x: pool checkout, the retry wrapper,
-observability hooks, response callbacks); packing with hiredis and parsing its replies on a
-plain socket takes ~25 µs, most of it the send and receive calls. On a 2-core CPU server the
-scheduler, worker and detokenizer share the cores with the worker's compute threads and each
-issue a few commands per step, so the difference is a measurable share of a decode step.
+redis-py spends about twice the CPU per command (pool checkout, the retry wrapper,
+observability hooks, response callbacks) of packing with hiredis and parsing its replies on a
+plain socket (scripts/benchmarks.md). On a small CPU server the scheduler, worker and
+detokenizer share the cores with the worker's compute threads and each issue a few commands
+per step, so the difference is a measurable share of a decode step.
 
 Only what the hot path needs: a batch of commands written at once and their replies read back
 (a pipeline, one round trip), replies as hiredis gives them (bytes, ints, nested lists, None).

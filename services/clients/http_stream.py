@@ -2,7 +2,8 @@
 it arrives: the load generator's streaming client (`rill bench serve`).
 
 Why not httpx, nor asyncio's StreamReader: on a 2-core machine the client shares the CPU with
-the server it measures. httpx's layers (httpcore, h11, anyio) cost ~170 µs per streamed chunk; a
+the server it measures, and httpx's layers (httpcore, h11, anyio) cost it throughput there
+(scripts/benchmarks.md: the same-run A/B that kept this module); a
 StreamReader with async generators for de-chunking and line splitting still resumes three
 coroutines per event. Here an asyncio.Protocol parses the head, the chunked framing and the lines
 inside the event loop's read callback, and calls `on_line` synchronously: one callback per

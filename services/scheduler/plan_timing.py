@@ -2,13 +2,12 @@
 
 Async scheduling hides the scheduler's share of each step (building the plan, the broker hop,
 applying the result) behind the step the worker is running. A plan built the moment that step
-starts is fixed for all of it, though: a request arriving 5 ms later misses it and waits one
+starts is fixed for all of it, though: a request arriving a moment later misses it and waits one
 more step. That is the common case, not a corner: a client's next request follows the reply to
 its last one by a few milliseconds, and the reply leaves when the step that finished it does.
-On a CPU, where a decode step runs ~50 ms, the follow-ups of one step then miss two plans and
-bunch up with the next step's into prompt steps over the budget, which spill further (measured
-with `rill serve`, concurrency 16: TTFT p50 1.2-1.3 s building plans at once, 0.8 s without
-async scheduling, at the same throughput).
+On a CPU, where a decode step is long, the follow-ups of one step then miss two plans and
+bunch up with the next step's into prompt steps over the budget, which spill further (TTFT
+figures in scripts/benchmarks.md).
 
 So the plan ahead waits until only LEAD of the running step is left, by an estimate of the
 step's length from the worker's timing of the decode-only steps before it (plans are built

@@ -29,8 +29,8 @@ def resolve_device(device: str) -> str:
 
 def cpu_has_int8_dot(flags: str | None = None) -> bool:
     """Whether the CPU has int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
-    oneDNN's int8 GEMM needs to beat float: on an AVX2-only VM it measured 5 GOP/s against
-    155 GFLOP/s for fp32. `flags`: /proc/cpuinfo's flags line (default: this machine's)."""
+    oneDNN's int8 GEMM needs to beat float (without them it is far slower than fp32).
+    `flags`: /proc/cpuinfo's flags line (default: this machine's)."""
     flags = native_build.cpu_flags() if flags is None else flags
     if not flags.startswith("flags"):  # not x86, or unreadable: no warning on a guess
         return True

@@ -2,13 +2,10 @@
 
 bfloat16 on CUDA. On a CPU the answer depends on the core, not just on its flags: with AMX the
 bf16 matrix units run serving-shape GEMMs several times faster than fp32; with AVX512-BF16 alone
-it varies by microarchitecture. On a 2-core AMD EPYC VM (AVX512-BF16, 256-bit FMA units)
-oneDNN's bf16 GEMMs reached ~420 GFLOP/s, about twice those cores' fp32 peak; on a 2-core Intel
-Xeon VM without AMX (two 512-bit FMA ports, one bf16 dot-product port) they ran at 0.55-0.75x
-fp32, and SmolLM2 served faster in fp32 there (prefill 1.7x, batch-32 decode 1.1x; only decode
-at batch 1-8, bound by weight bytes, was faster in bf16). So without AMX the choice is measured
-once per CPU, torch build and thread count, and kept in Rill's cache folder, so that every later
-start on the machine agrees without measuring again.
+it varies by microarchitecture (on some cores bf16 beats fp32, on others it loses; figures in
+scripts/benchmarks.md). So without AMX the choice is measured once per CPU, torch build and
+thread count, and kept in Rill's cache folder, so that every later start on the machine agrees
+without measuring again.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Python work only builds index tensors, and a batch whose rows use none of the ex
 for them.
 
 Each sampled row draws one uniform number and inverts its (filtered) CDF: one random draw per
-row, where an exponential race would need a whole vocabulary of them (~1 ms per row on CPU).
+row, where an exponential race would need a whole vocabulary of them.
 A seeded request draws from its own generator, re-seeded from (seed, output index) before every
 draw, so its tokens depend only on its own logits: not on the batch it shares, nor on whether
 it was preempted and resumed in between.
@@ -341,8 +341,7 @@ def _logprobs(raw: torch.Tensor, picks: torch.Tensor, rows: Sequence[SampleRow])
 
 
 # The candidates for top-k/top-p come from topk() in growing sizes, each stage only for the rows
-# whose nucleus did not fit the previous one, rather than from a full sort (~2 ms per row at a
-# 49k vocabulary on CPU).
+# whose nucleus did not fit the previous one, rather than from a full sort of the vocabulary.
 _CANDIDATE_STAGES = (128, 1024, 4096)
 
 

@@ -5,10 +5,9 @@ engine's result stream. Neither broker hop waits between two steps: the read of 
 is posted before a step runs (its own connection: the read may block until the plan comes, and
 nothing else must queue behind it) and taken after, when the plan, sent by the scheduler while
 the step ran, is already in the socket; the result is posted without waiting for its reply,
-which is taken before the next one is posted. (Taking the plan measured a median 0.02 ms on a
-2-core VM at concurrency 16, where the exchange had taken ~1 ms; the gap between two forwards
-stayed ~1 ms there all the same, since the posted result wakes the broker and the scheduler,
-which then take the worker's core. The round trip leaves the gap where cores are to spare.)
+which is taken before the next one is posted. (On a small CPU the gap between two forwards
+stays all the same, since the posted result wakes the broker and the scheduler, which then take
+the worker's core: the round trip leaves the gap where cores are to spare.)
 The worker announces itself with WorkerReady at start and again after
 every Hello, so the handshake works whichever of scheduler and worker starts first. Once ready
 it keeps a heartbeat key alive (shared/heartbeat.py), by which the scheduler and the gateways
