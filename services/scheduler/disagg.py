@@ -38,35 +38,34 @@ out, disagg_decode.py takes them in.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from rill.services.scheduler.disagg_decode import DecodeSide
 from rill.services.scheduler.disagg_prefill import PrefillSide
 from rill.services.scheduler.request import Request
 from rill.services.scheduler.scheduler import Scheduler
-from rill.shared.kinds import ENGINE_ROLES
+from rill.shared.bus import Bus
+from rill.shared.kinds import ENGINE_ROLES, EngineRole
 from rill.shared.schema import AbortRequest, KVHandoff, KVTransferAck, StepPlan, StepResult, WorkerReady
-
-if TYPE_CHECKING:
-    from rill.services.scheduler.service import SchedulerService
 
 
 class Disaggregation:
     """The hand-off state machine of one engine, driven by SchedulerService's loop (hooks:
     configure, tick, on_message, on_abort, prepare, decorate, after_step, on_worker_reset)."""
 
-    def __init__(self, service: SchedulerService) -> None:
-        if service.args.role not in ENGINE_ROLES:
-            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {service.args.role!r}")
-        self.service = service
-        self.bus = service.bus
-        self.role = service.args.role
-        self.prefill = PrefillSide(self.bus, service.e, lambda: self.sched, service.send_error, service.publish_stats)
-        self.decode = DecodeSide(self.bus, service.e, self.role, lambda: self.sched)
+    def __init__(self, bus: Bus, engine_id: int, role: EngineRole, sched: Callable[[], Scheduler | None],
+                 send_error: Callable[[Request, str, int], None], publish_stats: Callable[[], None]) -> None:
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {role!r}")
+        self.bus = bus
+        self.role = role
+        self._sched = sched  # None until the worker is configured
+        self.prefill = PrefillSide(bus, engine_id, lambda: self.sched, send_error, publish_stats)
+        self.decode = DecodeSide(bus, engine_id, role, lambda: self.sched)
 
     @property
     def sched(self) -> Scheduler:
-        sched = self.service.sched
+        sched = self._sched()
         assert sched is not None
         return sched
 
@@ -97,7 +96,7 @@ class Disaggregation:
 
     def tick(self) -> None:
         """Once per loop iteration: cancel what was aborted elsewhere, time out, watch engines."""
-        if self.service.sched is None:
+        if self._sched() is None:
             return
         now = time.monotonic()
         self.reconcile()
@@ -149,6 +148,7 @@ class Disaggregation:
     def reconcile(self) -> None:
         """Drop transfers whose request left the scheduler some other way (abort, dead gateway,
         lost worker): their chunks are discarded and the other engine is told."""
-        parked = self.service.sched.parked if self.service.sched is not None else {}
+        sched = self._sched()
+        parked = sched.parked if sched is not None else {}
         self.prefill.reconcile(parked)
         self.decode.reconcile(parked)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from rill.shared.bus import BrokerRestarted
+from rill.services.scheduler.request import Request
+from rill.services.scheduler.scheduler import Scheduler
+from rill.shared.bus import BrokerRestarted, Bus
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
-
-if TYPE_CHECKING:
-    from rill.services.scheduler.service import SchedulerService
 
 log = logging.getLogger("rill.scheduler.guard")
 
@@ -37,13 +36,20 @@ WORKER_LOST = ("the engine is not available: its worker stopped (no heartbeat); 
 
 
 class EngineGuard:
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
-        self.bus = service.bus
-        s = self.bus.streams
-        self.heartbeat = Heartbeat(self.bus.url, s.heartbeat("scheduler", service.e),
-                                   members=[(s.engines_key(), service.e)])
-        self.worker_key = s.heartbeat("worker", service.e)
+    """The faults of one engine (module doc). It reads the scheduler through `sched` (None until
+    the worker is configured) and reports through `send_error` and `publish_stats`."""
+
+    def __init__(self, bus: Bus, engine_id: int, sched: Callable[[], Scheduler | None],
+                 send_error: Callable[[Request, str, int], None], publish_stats: Callable[[], None]) -> None:
+        self.bus = bus
+        s = bus.streams
+        self.in_stream = s.engine_in(engine_id)
+        self.sched = sched
+        self.send_error = send_error
+        self.publish_stats = publish_stats
+        self.heartbeat = Heartbeat(bus.url, s.heartbeat("scheduler", engine_id),
+                                   members=[(s.engines_key(), engine_id)])
+        self.worker_key = s.heartbeat("worker", engine_id)
         self.worker = Absence()
         self._worker_checked = 0.0
         self.gateways: dict[str, Absence] = {}
@@ -68,12 +74,12 @@ class EngineGuard:
             self.reap_gateways(now)
         if now >= self._next_trim:
             self._next_trim = now + TRIM_EVERY_S
-            self.bus.trim_consumed(self.service.in_stream)
+            self.bus.trim_consumed(self.in_stream)
 
     # ------------------------------------------------------------------------------ broker
 
     def check_broker(self) -> None:
-        server = self.bus.server_id(self.service.in_stream)
+        server = self.bus.server_id(self.in_stream)
         if self.server is None:
             self.server = server
         elif server != self.server:
@@ -82,7 +88,7 @@ class EngineGuard:
 
     def resync_broker(self) -> None:
         """After a broker error: remember the server we are now talking to."""
-        self.server = self.bus.server_id(self.service.in_stream)
+        self.server = self.bus.server_id(self.in_stream)
 
     # ------------------------------------------------------------------------------ worker
 
@@ -96,24 +102,24 @@ class EngineGuard:
 
     def fail_all(self, message: str, status: int = 503) -> int:
         """End every request with an error (the worker or the broker lost them); returns how many."""
-        sched = self.service.sched
+        sched = self.sched()
         if sched is None:
             return 0
         reqs = list(sched.requests.values())
         for req in reqs:
             sched.abort(req.request_id)
         for req in reqs:
-            self.service.send_error(req, message, status)
+            self.send_error(req, message, status)
         sched.reset_worker()  # nothing in flight, nothing for a worker to forget
         if reqs:
             log.warning("failed %d requests: %s", len(reqs), message)
-        self.service.publish_stats()
+        self.publish_stats()
         return len(reqs)
 
     # ---------------------------------------------------------------------------- gateways
 
     def reap_gateways(self, now: float) -> None:
-        sched = self.service.sched
+        sched = self.sched()
         if sched is None:
             return
         targets = sorted({req.reply_to for req in sched.requests.values()})
@@ -155,4 +161,4 @@ class EngineGuard:
         pipe.execute()
         if ids:
             log.warning("aborted %d requests of dead gateways", len(ids))
-            self.service.publish_stats()
+            self.publish_stats()

@@ -91,8 +91,10 @@ class SchedulerService:
         self.inputs_fresh = False  # the inputs were read just now, with the result
         self.summary = PrefixSummary(s.prefix_summary_key(self.e))  # cached blocks, for cache-aware routers
         self.sched: Scheduler | None = None
-        self.guard = EngineGuard(self)  # heartbeat, lost worker, dead gateways, broker restarts
-        self.disagg = Disaggregation(self)  # prefill/decode roles: KV hand-offs between engines
+        # Heartbeat, lost worker, dead gateways, broker restarts; and the prefill/decode hand-offs.
+        self.guard = EngineGuard(bus, self.e, lambda: self.sched, self.send_error, self.publish_stats)
+        self.disagg = Disaggregation(bus, self.e, args.role, lambda: self.sched, self.send_error,
+                                     self.publish_stats)
 
     # ------------------------------------------------------------------------ start-up
 
