@@ -204,28 +204,36 @@ class _SnapshotCollector(Generic[S]):
         raise NotImplementedError
 
 
+# Per-engine series that are one EngineStats field each: (family, name, help, field).
+_ENGINE_SERIES: list[tuple[type[Metric], str, str, str]] = [
+    (GaugeMetricFamily, "num_requests_running", "Requests in the engine's running batch.", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.", "prefix_cache_hits"),
+    (CounterMetricFamily, "num_preemptions", "Requests preempted (recomputed later).", "preemptions"),
+    (GaugeMetricFamily, "num_requests_transferring",
+     "Requests whose KV is being handed to or taken from another engine.", "num_transferring"),
+    (CounterMetricFamily, "kv_transfer_failures", "KV transfers that failed.", "kv_transfer_failures"),
+    # Speculative decoding: vLLM's counters (the two ratios a dashboard wants come below).
+    (CounterMetricFamily, "spec_decode_num_drafts", "Decode rows that verified draft tokens.", "spec_num_drafts"),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+]
+
+
 class EngineCollector(_SnapshotCollector[EngineStats]):
     """Engine-side series, from the engines' EngineStats."""
 
     def _families(self, stats: list[EngineStats]) -> Iterator[Metric]:
         lab = ["model_name", "engine", "role"]  # role: both | prefill | decode (disaggregation)
-        running = GaugeMetricFamily("rill:num_requests_running", "Requests in the engine's running batch.",
-                                    labels=lab)
-        waiting = GaugeMetricFamily("rill:num_requests_waiting", "Requests waiting to be scheduled.", labels=lab)
-        kv = GaugeMetricFamily("rill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels=lab)
-        queries = CounterMetricFamily("rill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels=lab)
-        hits = CounterMetricFamily("rill:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.",
-                                   labels=lab)
-        preempt = CounterMetricFamily("rill:num_preemptions", "Requests preempted (recomputed later).", labels=lab)
+        plain = [(family(f"rill:{name}", doc, labels=lab), field)  # type: ignore[call-arg]
+                 for family, name, doc, field in _ENGINE_SERIES]
         queue = HistogramMetricFamily("rill:request_queue_time_seconds",
                                       "Arrival at the gateway to the first schedule.", labels=lab)
-        transferring = GaugeMetricFamily("rill:num_requests_transferring",
-                                         "Requests whose KV is being handed to or taken from another engine.",
-                                         labels=lab)
         kv_bytes = CounterMetricFamily("rill:kv_transfer_bytes", "KV bytes moved between engines.",
                                        labels=[*lab, "direction"])
-        failures = CounterMetricFamily("rill:kv_transfer_failures", "KV transfers that failed.", labels=lab)
         # Sum and count: hand-offs the decode engine acknowledged, first token -> ack on the
         # prefill engine; imports done, first token -> request in the decode batch.
         transfer_s = SummaryMetricFamily("rill:kv_transfer_seconds",
@@ -233,47 +241,25 @@ class EngineCollector(_SnapshotCollector[EngineStats]):
         handoff_s = SummaryMetricFamily("rill:kv_handoff_seconds",
                                         "Decode engine: first token (on the prefill engine) to joining the batch.",
                                         labels=lab)
+        rate = GaugeMetricFamily("rill:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", labels=lab)
+        length = GaugeMetricFamily("rill:spec_decode_mean_accepted_length",
+                                   "Tokens per verifying decode row: 1 + accepted drafts / rows.", labels=lab)
         for st in stats:
             values = [self.model_name, str(st.engine_id), st.role]
-            transferring.add_metric(values, st.num_transferring)
+            for family, field in plain:
+                family.add_metric(values, getattr(st, field))  # type: ignore[attr-defined]
             kv_bytes.add_metric([*values, "sent"], st.kv_bytes_sent)
             kv_bytes.add_metric([*values, "received"], st.kv_bytes_received)
-            failures.add_metric(values, st.kv_transfer_failures)
             transfer_s.add_metric(values, st.kv_transfers_sent, st.kv_transfer_seconds_sum)
             handoff_s.add_metric(values, st.kv_transfers_received, st.kv_handoff_seconds_sum)
-            running.add_metric(values, st.num_running)
-            waiting.add_metric(values, st.num_waiting)
-            kv.add_metric(values, st.kv_usage)
-            queries.add_metric(values, st.prefix_cache_queries)
-            hits.add_metric(values, st.prefix_cache_hits)
-            preempt.add_metric(values, st.preemptions)
             buckets = queue_buckets(st)
             if buckets is not None:
                 queue.add_metric(values, buckets, st.queue_time_sum)
-        yield from (running, waiting, kv, queries, hits, preempt, queue, transferring, kv_bytes, failures,
-                    transfer_s, handoff_s)
-        yield from _speculation_families(self.model_name, lab, stats)
-
-
-def _speculation_families(model_name: str, lab: list[str], stats: list[EngineStats]) -> Iterator[Metric]:
-    """Speculative decoding: vLLM's counters, and the two ratios a dashboard wants (from engines
-    that have verified drafts)."""
-    drafts = CounterMetricFamily("rill:spec_decode_num_drafts", "Decode rows that verified draft tokens.",
-                                 labels=lab)
-    proposed = CounterMetricFamily("rill:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=lab)
-    accepted = CounterMetricFamily("rill:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=lab)
-    rate = GaugeMetricFamily("rill:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", labels=lab)
-    length = GaugeMetricFamily("rill:spec_decode_mean_accepted_length",
-                               "Tokens per verifying decode row: 1 + accepted drafts / rows.", labels=lab)
-    for st in stats:
-        values = [model_name, str(st.engine_id), st.role]
-        drafts.add_metric(values, st.spec_num_drafts)
-        proposed.add_metric(values, st.spec_num_draft_tokens)
-        accepted.add_metric(values, st.spec_num_accepted_tokens)
-        if st.spec_num_drafts:
-            rate.add_metric(values, st.spec_num_accepted_tokens / st.spec_num_draft_tokens)
-            length.add_metric(values, 1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
-    yield from (drafts, proposed, accepted, rate, length)
+            if st.spec_num_drafts:  # engines that have verified drafts
+                rate.add_metric(values, st.spec_num_accepted_tokens / st.spec_num_draft_tokens)
+                length.add_metric(values, 1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
+        yield from (family for family, _ in plain)
+        yield from (queue, kv_bytes, transfer_s, handoff_s, rate, length)
 
 
 def queue_buckets(st: EngineStats) -> list[tuple[str, float]] | None:
