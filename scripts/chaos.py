@@ -145,6 +145,13 @@ class Killer(threading.Thread):
         self.stop = threading.Event()
         self.kills: dict[str, int] = {}
 
+    def __enter__(self) -> Killer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+
     def serving(self, pid: int, kind: str, cmd: str) -> bool:
         args = cmd.split()
         if kind in ("tokenizer", "detokenizer"):
@@ -254,18 +261,15 @@ def main() -> None:
                 "--tokenizer-replicas", str(ns.tokenizer_replicas),
                 "--detokenizer-replicas", str(ns.detokenizer_replicas),
                 "--gateway-replicas", str(ns.gateway_replicas)]
-        killer: Killer | None = None
         with rill_serve(model, broker.url, "chaos", port, args, log) as serve:
-            try:
-                t0 = time.monotonic()
-                reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
-                bad = [o for o in reference if o.finish is None]
-                if bad:
-                    raise SystemExit(f"the fault-free run failed: {bad[0]}")
-                print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
+            t0 = time.monotonic()
+            reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
+            bad = [o for o in reference if o.finish is None]
+            if bad:
+                raise SystemExit(f"the fault-free run failed: {bad[0]}")
+            print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
 
-                killer = Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port)
-                killer.start()
+            with Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port) as killer:
                 rows = {"requests": 0, "completed": 0, "failed": 0, "lost": 0, "dup deltas": 0, "missing": 0,
                         "mismatches": 0}
                 errors: dict[str, int] = {}
@@ -303,9 +307,6 @@ def main() -> None:
                 print(f"rill serve still running: {alive}")
                 if rows["lost"] or rows["dup deltas"] or rows["missing"] or not alive:
                     raise SystemExit(1)
-            finally:
-                if killer is not None:
-                    killer.stop.set()
 
 
 if __name__ == "__main__":

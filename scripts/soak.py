@@ -208,12 +208,9 @@ def main() -> None:
         args = ["--dtype", ns.dtype, "--max-model-len", "512", "--kv-cache-memory", "128MiB", "--max-num-seqs", "32",
                 "--tokenizer-replicas", "2", "--detokenizer-replicas", "2",
                 "--header-timeout", str(ns.header_timeout), "--progress-timeout", "60"]
-        killer: Killer | None = None
         with rill_serve(str(resolve_model(ns.model)), broker.url, "soak", port, args, log, stop_timeout=60) as serve:
-            try:
-                mem = [memory(serve.pid, broker)]
-                killer = Killer(serve.pid, ["tokenizer", "detokenizer"], ns.kill_every, rng, broker.url, "soak", port)
-                killer.start()
+            mem = [memory(serve.pid, broker)]
+            with Killer(serve.pid, ["tokenizer", "detokenizer"], ns.kill_every, rng, broker.url, "soak", port) as killer:
                 soak = Soak(base, port, ns.max_tokens, ns.request_timeout, ns.header_timeout, rng)
                 start = time.monotonic()
 
@@ -240,9 +237,6 @@ def main() -> None:
                       f"grew past x{GROWTH_BOUND[0]} + {GROWTH_BOUND[1]:g} MiB from middle to end: {over or 'none'}")
                 if soak.lost_deltas or soak.dup_deltas or not alive or over or any(k[1] == "hung" for k in odd):
                     raise SystemExit(1)
-            finally:
-                if killer is not None:
-                    killer.stop.set()
 
 
 if __name__ == "__main__":
