@@ -349,6 +349,11 @@ def silu_mul_supported(x: torch.Tensor) -> bool:
     return library() is not None and _silu_mul
 
 
+def silu_mul_available() -> bool:
+    """Whether the library is here with its native SiLU * up (CPUs with AVX512-BF16)."""
+    return library() is not None and _silu_mul
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] holding [gate | up] -> SiLU(gate) * up [T, F] in one pass. The caller checks
     `silu_mul_supported` first."""

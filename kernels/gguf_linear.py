@@ -43,6 +43,8 @@ BLOCKS_ROWS = 4
 # large weight would need hundreds of MB of scratch; this is 512 rows at k = 2048.
 TILE_ELEMS = 1 << 20
 _scratch: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, shared by every layer
+# Bumped by every `force`: whoever keeps a description of the routes (decode_layers.py) rebuilds it.
+route_changes = 0
 
 
 def mm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -151,7 +153,9 @@ class QuantLinear:
     def force(self, name: str) -> None:
         """Serve every row count by one route: for probes and tests. The float copy is made (built
         as the installed table says) or dropped to match, as if the table had chosen `name`."""
+        global route_changes
         assert name in ROUTES
+        route_changes += 1
         for p in self._parts:
             if p.raw is None:
                 continue

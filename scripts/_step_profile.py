@@ -77,7 +77,7 @@ def profile(runner: ModelRunner, prompts: list[list[int]], budget: int, steps: i
         plan: StepPlan | None = engine.sched.schedule()
         if plan is None:
             break
-        kind = "decode" if max(plan.num_scheduled_tokens) == 1 else "prompt"
+        kind = "decode" if max(plan.num_scheduled_tokens, default=0) == 1 else "prompt"
         wanted = counts[kind] < steps and (kind == "decode" or sum(plan.num_scheduled_tokens) == budget)
         acc: dict[str, float] = defaultdict(float)
         if wanted:

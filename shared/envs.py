@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     RILL_KERNELS: str
     RILL_NATIVE_KERNELS: bool
     RILL_AMX: bool
+    RILL_DECODE_LAYERS: bool
     RILL_PREFILL_KERNEL: str
     RILL_CUDA_GRAPHS: bool
     RILL_CUDA_GRAPH_MAX_BATCH: int
@@ -69,6 +70,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_NATIVE_KERNELS": _flag("RILL_NATIVE_KERNELS"),
     # AMX tiles where the CPU has them; 0 keeps the AVX-512 kernels.
     "RILL_AMX": _flag("RILL_AMX"),
+    # 0: steps of few rows run op by op from Python, not in the native layer driver (A/B, debugging).
+    "RILL_DECODE_LAYERS": _flag("RILL_DECODE_LAYERS"),
     # Force one CPU prefill attention kernel (auto: chosen by measurement; sdpa, native, dot, amx).
     "RILL_PREFILL_KERNEL": _choice("RILL_PREFILL_KERNEL", "auto"),
     # CUDA graphs for decode steps, and the largest batch captured.

@@ -23,6 +23,7 @@ from rill.kernels import ops
 from rill.kernels.gguf_linear import QuantLinear
 from rill.kernels.ops import AttentionMetadata
 from rill.services.worker import families, gguf_weights, tensor_parallel, tp_support
+from rill.services.worker.decode_layers import DecodeLayers
 from rill.services.worker.llama_weights import Checkpoint, LayerReader, LayerTensors, LayerWeights, Linear
 from rill.services.worker.rope import cos_sin_cache
 from rill.shared.config import ModelConfig
@@ -85,6 +86,10 @@ class LlamaModel:
         self.act = ops.gelu_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        # The native driver for steps of few rows (decode_layers.py), set up on the first step:
+        # loading may still swap layers (GGUF heads, tensor-parallel shards) after __init__.
+        self._driver: DecodeLayers | None = None
+        self._driver_checked = False
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -167,12 +172,23 @@ class LlamaModel:
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
         """Run T flattened tokens; return the final-normed hidden states of `rows` only (the LM head
         is applied by the caller, so that many rows, e.g. prompt logprobs, can go in slices)."""
-        c = self.cfg
-        eps = c.rms_norm_eps
-        t = input_ids.shape[0]
         h = self.embed_lookup(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if not self._driver_checked:
+            self._driver, self._driver_checked = DecodeLayers.of(self), True
+        ran = self._driver.run(h, positions, meta, kv_caches) if self._driver is not None else None
+        h, residual = ran if ran is not None else self._layers(h, positions, meta, kv_caches)
+        # Only the rows that get sampled go through the final norm and the LM head.
+        last = h.index_select(0, rows) + residual.index_select(0, rows)
+        return ops.rms_norm(last, self.norm, self.cfg.rms_norm_eps)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer, op by op: (the last layer's output, the residual stream)."""
+        c = self.cfg
+        eps = c.rms_norm_eps
+        t = h.shape[0]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -200,6 +216,5 @@ class LlamaModel:
             h = layer.moe(x) if layer.moe is not None else layer.down(self.act(layer.gate_up(x)))
             if layer.mlp_out_norm is not None:
                 h = ops.rms_norm(h, layer.mlp_out_norm, eps)
-        # Only the rows that get sampled go through the final norm and the LM head.
-        last = h.index_select(0, rows) + residual.index_select(0, rows)
-        return ops.rms_norm(last, self.norm, eps)
+        assert residual is not None
+        return h, residual

@@ -1,0 +1,207 @@
+// Every layer of a Llama-style model for a few token rows in one call: the decode step of a chat
+// and a speculative verify step. Through Python each layer is ~12 kernel calls, and at one row
+// their dispatch (argument checks, tensor allocation, ctypes) takes longer than the kernels.
+// Here the same kernels of this library run in the same order on the same buffers, so the rows
+// come out bit for bit as the per-op path computes them (decode_layers.py checks it in tests).
+//
+// Each row attends as a single-token decode over its own context length: a sequence's rows of one
+// step (a verify step, a short prompt) see positions up to their own, which is causal attention,
+// since every row's K/V is written before attention reads it.
+//
+// A linear layer is one or more parts stacked along its outputs, each served by the GGUF block
+// GEMM (fp32 in and out, rounded to the model dtype after, as gguf_linear.py does) or by the bf16
+// small GEMM (bf16 in and out); layers needing anything else are not run here.
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+void rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out, uint16_t* sum,
+                   int64_t m, int64_t k, float eps);
+void rms_norm_f32(const float* x, const float* res, const float* w, float* out, float* sum, int64_t m, int64_t k,
+                  float eps);
+void rope_write_kv_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row_stride,
+                        const int64_t* positions, const int64_t* slots, const float* cos_sin, uint16_t* q_out,
+                        uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int64_t t, int64_t hq, int64_t hkv,
+                        int64_t d);
+void rope_write_kv_f32(const float* q, const float* k, const float* v, int64_t row_stride, const int64_t* positions,
+                       const int64_t* slots, const float* cos_sin, float* q_out, float* k_out, float* k_cache,
+                       float* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d);
+int paged_decode_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, const int64_t* rows,
+                      uint16_t* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                      int64_t max_len, float scale, int generic_only, int64_t window, float softcap);
+int paged_decode_f32(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+                     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, const int64_t* rows,
+                     float* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                     int64_t max_len, float scale, int generic_only, int64_t window, float softcap);
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t m, int64_t f);
+void silu_mul_f32(const float* gu, float* out, int64_t m, int64_t f);
+int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint16_t* bias, void* out, int f32,
+                    int64_t n, int64_t k);
+int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
+                  float* y);
+
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+enum { PART_BLOCKS = 1, PART_SMALL = 2 };
+#define MAX_PARTS 4
+
+typedef struct {
+  int32_t kind, qtype;
+  int64_t n;
+  const void* w;  // the raw blocks, or the small GEMM's packed bf16 weight
+} Part;
+
+typedef struct {
+  int32_t num_parts, pad;
+  int64_t n, k;
+  Part parts[MAX_PARTS];
+} Lin;
+
+typedef struct {
+  const void* input_norm;
+  const void* post_norm;
+  void* k_cache;
+  void* v_cache;
+  Lin qkv, o, gate_up, down;
+} Layer;
+
+typedef struct {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+  float eps, scale;
+  int32_t bf16, generic_attention;
+  const float* cos_sin;
+  const Layer* layers;
+} Stack;
+
+// The buffers of one call, carved from the caller's scratch (decode_layers.py sizes it).
+typedef struct {
+  void *x, *qkv, *q, *k, *attn, *gu, *act;
+  float *x32, *y32;
+} Bufs;
+
+// y [m, l->n] in the model dtype = x [m, l->k] . W^T, part by part.
+static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b, int64_t m) {
+  int have_x32 = 0, at = 0;
+  const int64_t k = l->k, n = l->n, es = bf16 ? 2 : 4;
+  for (int p = 0; p < l->num_parts; ++p) {
+    const Part* pt = &l->parts[p];
+    const int whole = l->num_parts == 1;
+    if (pt->kind == PART_BLOCKS) {
+      const float* xin = (const float*)x;
+      if (bf16) {
+        if (!have_x32) {
+          const uint16_t* xs = (const uint16_t*)x;
+          for (int64_t i = 0; i < m * k; ++i) b->x32[i] = bf16_to_f32(xs[i]);
+          have_x32 = 1;
+        }
+        xin = b->x32;
+      }
+      float* out = whole && !bf16 ? (float*)y : b->y32;
+      const int rc = gguf_gemm_f32(xin, m, (const uint8_t*)pt->w, pt->qtype, pt->n, k, 0, out);
+      if (rc) return rc;
+      if (out != y)
+        for (int64_t i = 0; i < m; ++i) {
+          const float* src = out + i * pt->n;
+          if (bf16) {
+            uint16_t* dst = (uint16_t*)y + i * n + at;
+            for (int64_t j = 0; j < pt->n; ++j) dst[j] = f32_to_bf16(src[j]);
+          } else {
+            memcpy((float*)y + i * n + at, src, (size_t)pt->n * 4);
+          }
+        }
+    } else {
+      if (!bf16) return 3;
+      void* out = whole ? y : (void*)b->y32;
+      const int rc = small_gemm_bf16((const uint16_t*)x, m, (const uint16_t*)pt->w, 0, out, 0, pt->n, k);
+      if (rc) return rc;
+      if (!whole)
+        for (int64_t i = 0; i < m; ++i)
+          memcpy((char*)y + (i * n + at) * es, (const uint16_t*)out + i * pt->n, (size_t)pt->n * 2);
+    }
+    at += pt->n;
+  }
+  return 0;
+}
+
+// Carves one call's buffers from `scratch` (NULL: only counts); returns the bytes they take.
+static int64_t carve(const Stack* s, int64_t m, char* scratch, Bufs* b) {
+  const int64_t es = s->bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hidden = s->hidden;
+  const int64_t nqkv = (hq + 2 * s->kv_heads) * hd;
+  // The widest input a linear layer takes (x32) and the widest output it makes (y32).
+  const int64_t in_max = MAX(MAX(hidden, hq * hd), s->inter), out_max = MAX(MAX(nqkv, 2 * s->inter), hidden);
+  const int64_t bytes[9] = {m * hidden * es, m * nqkv * es, m * hq * hd * es, m * s->kv_heads * hd * es,
+                            m * hq * hd * es, m * 2 * s->inter * es, m * s->inter * es, m * in_max * 4,
+                            m * out_max * 4};
+  void** fields[9] = {&b->x, &b->qkv, &b->q, &b->k, &b->attn, &b->gu, &b->act, (void**)&b->x32, (void**)&b->y32};
+  int64_t total = 0;
+  for (int i = 0; i < 9; ++i) {
+    if (scratch) *fields[i] = scratch + total;
+    total += (bytes[i] + 63) / 64 * 64;
+  }
+  return total;
+}
+
+// Bytes of scratch decode_layers needs for m rows.
+int64_t decode_layers_scratch(const Stack* s, int64_t m) {
+  Bufs b;
+  return carve(s, m, 0, &b);
+}
+
+// Runs every layer on h [m, hidden] (the embedded rows, overwritten with the last layer's output);
+// residual [m, hidden] receives the residual stream, so the caller's final norm takes h + residual.
+// Row i writes its K/V at slots[i] and attends over seq_lens[i] positions of block_tables row i.
+// 0 on success, else the first failing kernel's code.
+int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int64_t* positions, const int64_t* slots,
+                  const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, const int64_t* rows,
+                  int64_t max_len, char* scratch) {
+  const int bf16 = s->bf16;
+  const int64_t es = bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hkv = s->kv_heads, hidden = s->hidden;
+  const int64_t nqkv = (hq + 2 * hkv) * hd;
+  Bufs b;
+  carve(s, m, scratch, &b);
+  int rc;
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const Layer* L = &s->layers[l];
+    if (bf16) {
+      if (l == 0) {
+        memcpy(residual, h, (size_t)(m * hidden * es));
+        rms_norm_bf16(h, 0, L->input_norm, b.x, 0, m, hidden, s->eps);
+      } else {
+        rms_norm_bf16(h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
+      }
+    } else if (l == 0) {
+      memcpy(residual, h, (size_t)(m * hidden * es));
+      rms_norm_f32(h, 0, L->input_norm, b.x, 0, m, hidden, s->eps);
+    } else {
+      rms_norm_f32(h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
+    }
+    if ((rc = linear(&L->qkv, bf16, b.x, b.qkv, &b, m))) return rc;
+    const char* qkv = (const char*)b.qkv;
+    if (bf16) {
+      rope_write_kv_bf16((const uint16_t*)qkv, (const uint16_t*)(qkv + hq * hd * es),
+                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, positions, slots, s->cos_sin, b.q, b.k,
+                         L->k_cache, L->v_cache, m, hq, hkv, hd);
+      rc = paged_decode_bf16(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
+                             (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
+                             s->generic_attention, 0, 0.f);
+    } else {
+      rope_write_kv_f32((const float*)qkv, (const float*)(qkv + hq * hd * es), (const float*)(qkv + (hq + hkv) * hd * es),
+                        nqkv, positions, slots, s->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
+      rc = paged_decode_f32(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
+                            (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
+                            s->generic_attention, 0, 0.f);
+    }
+    if (rc) return 100 + rc;
+    if ((rc = linear(&L->o, bf16, b.attn, h, &b, m))) return rc;
+    if (bf16) rms_norm_bf16(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
+    else rms_norm_f32(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
+    if ((rc = linear(&L->gate_up, bf16, b.x, b.gu, &b, m))) return rc;
+    if (bf16) silu_mul_bf16(b.gu, b.act, m, s->inter);
+    else silu_mul_f32(b.gu, b.act, m, s->inter);
+    if ((rc = linear(&L->down, bf16, b.act, h, &b, m))) return rc;
+  }
+  return 0;
+}

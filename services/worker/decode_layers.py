@@ -1,0 +1,212 @@
+"""Every layer of a step of few rows in one native call (kernels/cpu_decode_layers.c).
+
+At one decode row the per-op path spends more time dispatching ~12 kernel calls a layer from
+Python than the kernels take; the native driver runs the same kernels in the same order, so a
+step's logits are bit for bit those of the per-op path. It serves a step when the model is a plain
+Llama-style stack (no per-head or output norms, no experts, no sliding windows or soft-capping,
+no biases, not tensor-parallel), on the CPU in bf16 or fp32, and every linear layer's measured
+route for the step's row count is one the driver has: the GGUF block GEMM or the bf16 small GEMM
+(a layer on oneDNN is not). The native SiLU * up is needed too (CPUs with AVX512-BF16).
+RILL_DECODE_LAYERS=0 turns it off.
+
+A step's rows each attend as one decode token over their own context: the rows of a verify step
+or a short prompt take the decode kernel row by row (see the C file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rill.kernels import chooser, cpu_native, gguf_linear, ops, torch_ops
+from rill.kernels.gguf_linear import QuantLinear
+from rill.kernels.ops import AttentionMetadata
+from rill.kernels.torch_attention import attention_key
+from rill.shared import envs
+
+if TYPE_CHECKING:
+    from rill.services.worker.llama import LlamaModel
+
+log = logging.getLogger("rill.worker")
+
+MAX_ROWS = 16  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
+_BLOCKS, _SMALL = 1, 2
+_MAX_PARTS = 4
+_i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("qtype", _i32), ("n", _i64), ("w", _ptr)]
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("num_parts", _i32), ("pad", _i32), ("n", _i64), ("k", _i64), ("parts", _Part * _MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("bf16", _i32),
+                ("generic_attention", _i32), ("cos_sin", _ptr), ("layers", _ptr)]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.decode_layers.restype = _i32
+    lib.decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.decode_layers_scratch.restype = _i64
+    lib.decode_layers_scratch.argtypes = [_ptr, _i64]
+    return lib
+
+
+def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
+    """(kind, qtype, n, weight) of each part of `linear` as its measured route serves m rows;
+    None where a part takes a route the driver does not have."""
+    if isinstance(linear, QuantLinear):
+        if linear.bias is not None:
+            return None
+        out = []
+        for p in linear._parts:
+            name = p.route.pick(m) if p.raw is not None else "float"
+            if name == "blocks":
+                out.append((_BLOCKS, p.qtype, p.n, p.raw))
+            elif name == "float" and p.lin is not None and (small := _small(p.lin, m)) is not None:
+                out.append((_SMALL, 0, p.n, small))
+            else:
+                return None
+        return out
+    if type(linear) is torch_ops.Linear and linear.bias is None:
+        small = _small(linear, m)
+        return None if small is None else [(_SMALL, 0, linear.out_features, small)]
+    return None
+
+
+def _small(linear: torch_ops.Linear, m: int) -> torch.Tensor | None:
+    """The packed weight where the layer serves m rows on the bf16 small GEMM."""
+    ok = linear.small is not None and m <= linear.small_rows and linear.route.pick(m) == "small"
+    return linear.small if ok else None
+
+
+def why_not(model: LlamaModel) -> str | None:
+    """Why the native driver cannot run this model at all (None: it can, for some row counts)."""
+    c = model.cfg
+    if not envs.RILL_DECODE_LAYERS:
+        return "RILL_DECODE_LAYERS=0"
+    if model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
+        return "not a bf16/fp32 CPU model"
+    if ops.uses_triton(model.embed) or cpu_native.library() is None or not cpu_native.silu_mul_available():
+        return "no native kernels with SiLU * up on this CPU"
+    if c.hidden_act != "silu" or c.attn_logit_softcapping or model.cos_sin.dtype != torch.float32:
+        return "not a plain SwiGLU model"
+    if c.head_dim % 2 or c.head_dim > 256 or c.num_attention_heads % c.num_key_value_heads \
+            or c.num_attention_heads // c.num_key_value_heads > 16:
+        return "attention shape"
+    for layer in model.layers:
+        if any(x is not None for x in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm,
+                                       layer.moe, layer.window)) or layer.local_rope:
+            return "layers with norms, experts or windows the driver has not"
+    decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
+                                                                 c.num_key_value_heads, c.head_dim), 0)
+    if decode == "torch":
+        return "decode attention measured faster in torch here"
+    return None
+
+
+def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table and context length as a single-token decode: a sequence's rows see
+    its positions up to their own (row r of q rows ending at length L sees L - q + 1 + r)."""
+    if meta.max_query_len == 1:
+        return meta.block_tables, meta.seq_lens
+    qsl = np.asarray(meta.query_start_loc_host)
+    qlens = np.diff(qsl)
+    seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
+    lens = np.asarray(meta.seq_lens_host)[seq_of_row] - (qsl[seq_of_row + 1] - 1 - np.arange(int(qsl[-1])))
+    return (meta.block_tables.index_select(0, torch.from_numpy(seq_of_row)).contiguous(),
+            torch.from_numpy(lens.astype(np.int32)))
+
+
+class DecodeLayers:
+    """The native driver bound to one model; `run` serves a step or declines (None)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.lib = _declare(cpu_native.library())  # type: ignore[arg-type]
+        c = model.cfg
+        decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
+                                                                     c.num_key_value_heads, c.head_dim), 0)
+        self.generic = decode == "generic"
+        self._stacks: dict[int, tuple[_Stack, Any, torch.Tensor] | None] = {}
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._routes = gguf_linear.route_changes
+        self._rows = torch.arange(MAX_ROWS, dtype=torch.int64)
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> DecodeLayers | None:
+        reason = why_not(model)
+        if reason is not None:
+            log.debug("native layer driver off: %s", reason)
+            return None
+        return cls(model)
+
+    def _stack(self, m: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[_Stack, Any, torch.Tensor] | None:
+        """The driver's description of the model for m rows (its routes), and a scratch buffer."""
+        if kv_caches is not self._caches or gguf_linear.route_changes != self._routes:
+            self._stacks.clear()  # descriptions of the old KV cache or the old routes
+            self._caches, self._routes = kv_caches, gguf_linear.route_changes
+        if m in self._stacks:
+            return self._stacks[m]
+        model, c = self.model, self.model.cfg
+        layers = (_Layer * len(model.layers))()
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
+            lins = []
+            for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
+                parts = _parts(lin, m)
+                if parts is None or len(parts) > _MAX_PARTS or not k_cache.is_contiguous():
+                    self._stacks[m] = None
+                    return None
+                target = getattr(layers[i], name)
+                target.num_parts, target.n, target.k = len(parts), lin.out_features, lin.in_features
+                for j, (kind, qtype, n, w) in enumerate(parts):
+                    target.parts[j] = _Part(kind, qtype, n, w.data_ptr())
+                lins.append(lin)
+            layers[i].input_norm = layer.input_norm.data_ptr()
+            layers[i].post_norm = layer.post_norm.data_ptr()
+            layers[i].k_cache, layers[i].v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        stack = _Stack(len(model.layers), c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                       c.intermediate_size, kv_caches[0][0].shape[1], c.rms_norm_eps, model.scale,
+                       int(model.dtype == torch.bfloat16), int(self.generic), model.cos_sin.data_ptr(),
+                       ctypes.addressof(layers))
+        scratch = torch.empty(int(self.lib.decode_layers_scratch(ctypes.byref(stack), m)), dtype=torch.uint8)
+        self._stacks[m] = (stack, layers, scratch)
+        return self._stacks[m]
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h, residual) after every layer for the embedded rows h [m, hidden]; None when this
+        step is not one the driver serves (the caller runs the per-op path)."""
+        m = h.shape[0]
+        if m > MAX_ROWS or m < 1:
+            return None
+        found = self._stack(m, kv_caches)
+        if found is None:
+            return None
+        stack, _, scratch = found
+        tables, seq_lens = row_tables(meta)
+        if tables.dtype != torch.int32 or not tables.is_contiguous() or positions.dtype != torch.int64 \
+                or meta.slot_mapping.dtype != torch.int64:
+            return None
+        h = h.contiguous()  # a fresh tensor (the embedding's rows): overwritten in place
+        residual = torch.empty_like(h)
+        rc = self.lib.decode_layers(ctypes.byref(stack), m, h.data_ptr(), residual.data_ptr(), positions.data_ptr(),
+                                    meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                    seq_lens.data_ptr(), self._rows.data_ptr(), meta.max_seq_len, scratch.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native layer driver failed with code {rc}")
+        return h, residual
