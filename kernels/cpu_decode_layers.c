@@ -9,7 +9,7 @@
 // since every row's K/V is written before attention reads it.
 //
 // A linear layer is one or more parts stacked along its outputs, each served by the GGUF block
-// GEMM (fp32 in and out, rounded to the model dtype after, as gguf_linear.py does) or by the bf16
+// GEMM on the raw or the x16-repacked blocks (fp32 in and out, rounded to the model dtype after, as gguf_linear.py does) or by the bf16
 // small GEMM (bf16 in and out); layers needing anything else are not run here.
 
 #include <stdint.h>
@@ -42,10 +42,12 @@ int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint
                     int64_t n, int64_t k);
 int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
                   float* y);
+int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
+                      const float* bias, float* y);
 
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
-enum { PART_BLOCKS = 1, PART_SMALL = 2 };
+enum { PART_BLOCKS = 1, PART_SMALL = 2, PART_X16 = 3 };
 #define MAX_PARTS 4
 
 typedef struct {
@@ -89,7 +91,7 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
   for (int p = 0; p < l->num_parts; ++p) {
     const Part* pt = &l->parts[p];
     const int whole = l->num_parts == 1;
-    if (pt->kind == PART_BLOCKS) {
+    if (pt->kind == PART_BLOCKS || pt->kind == PART_X16) {
       const float* xin = (const float*)x;
       if (bf16) {
         if (!have_x32) {
@@ -100,7 +102,8 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
         xin = b->x32;
       }
       float* out = whole && !bf16 ? (float*)y : b->y32;
-      const int rc = gguf_gemm_f32(xin, m, (const uint8_t*)pt->w, pt->qtype, pt->n, k, 0, out);
+      const int rc = (pt->kind == PART_X16 ? gguf_gemm_x16_f32 : gguf_gemm_f32)(xin, m, (const uint8_t*)pt->w,
+                                                                                pt->qtype, pt->n, k, 0, out);
       if (rc) return rc;
       if (out != y)
         for (int64_t i = 0; i < m; ++i) {

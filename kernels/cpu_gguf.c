@@ -261,6 +261,11 @@ static void quantize_row(const float* x, int64_t k, int block, int8_t* q, float*
   }
 }
 
+// Rows of x [m, k] into Q8_0-style blocks in natural order (the x16 GEMM's activation, cpu_gguf_x16.c).
+void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t i = 0; i < m; ++i) quantize_row(x + i * k, k, 32, q + i * k, d + i * (k / 32), s + i * (k / 32), NULL);
+}
+
 // The activation's scratch, kept per calling thread and grown as needed: no allocation per call.
 static __thread char* scratch;
 static __thread size_t scratch_size;

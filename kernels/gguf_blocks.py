@@ -162,3 +162,35 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         raise ValueError(f"{fmt.name} weight of {k} columns: want uint8 [n, {rb}], got {raw.dtype} {list(raw.shape)}")
     blocks = raw.contiguous().reshape(-1, fmt.nbytes)
     return _DEQUANTIZE[qtype](blocks).reshape(raw.shape[0], k)
+
+
+X16_FORMATS = frozenset({3})  # Q4_1: the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+
+
+def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Q4_1 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group of 16 rows
+    (zero rows pad the last), per block, the 16 rows' fp16 scales, their mins, then their nibbles
+    as 4 loads of 64 bytes whose 4-byte lane r is row r's next 4 bytes. Flat uint8."""
+    assert qtype in X16_FORMATS and raw.dtype == torch.uint8
+    n, nb = raw.shape[0], k // 32
+    groups = -(-n // 16)
+    rows = torch.zeros((groups * 16, nb, 20), dtype=torch.uint8)
+    rows[:n] = raw.reshape(n, nb, 20)
+    blocks = rows.view(groups, 16, nb, 20).permute(0, 2, 1, 3)  # [group, block, row, 20 bytes]
+    scales, mins = blocks[..., 0:2], blocks[..., 2:4]
+    nibbles = blocks[..., 4:].reshape(groups, nb, 16, 4, 4).transpose(2, 3)  # [group, block, load, row, 4]
+    return torch.cat([scales.reshape(groups, nb, 32), mins.reshape(groups, nb, 32),
+                      nibbles.reshape(groups, nb, 256)], dim=2).reshape(-1).contiguous()
+
+
+def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """pack_x16 undone: the rows uint8 [n, row_bytes] again."""
+    assert qtype in X16_FORMATS
+    nb = k // 32
+    blocks = packed.view(-1, nb, 320)
+    groups = blocks.shape[0]
+    scales = blocks[..., 0:32].reshape(groups, nb, 16, 2)
+    mins = blocks[..., 32:64].reshape(groups, nb, 16, 2)
+    nibbles = blocks[..., 64:].reshape(groups, nb, 4, 16, 4).transpose(2, 3).reshape(groups, nb, 16, 16)
+    rows = torch.cat([scales, mins, nibbles], dim=3).permute(0, 2, 1, 3)  # [group, row, block, 20]
+    return rows.reshape(groups * 16, nb * 20)[:n].contiguous()

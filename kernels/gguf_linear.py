@@ -85,6 +85,14 @@ class _Part:
     raw: torch.Tensor | None  # the blocks (routes "blocks" and "dequant"); None: a part served by "float" only
     route: chooser.Route  # which route serves m rows
     lin: torch_ops.Linear | None = None  # the float copy, kept while the route uses "float"
+    packed: torch.Tensor | None = None  # the blocks repacked 16 rows at a time, where the build has that GEMM
+
+    def blocks_mm(self, x32: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The "blocks" route: x32 [m, k] fp32 @ W.T -> fp32, on the repacked copy where there is one."""
+        assert self.raw is not None
+        if self.packed is not None:
+            return gguf_native.gemm_x16(x32, self.packed, self.qtype, self.n, k, bias)
+        return gguf_native.gemm(x32, self.raw, self.qtype, self.n, k, bias)
 
 
 def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, logits: bool) -> torch_ops.Linear:
@@ -107,7 +115,9 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         route = installed_route(n, k, qtype, dtype, logits)
         # The blocks stay even where every bucket chose "float" (a CPU where oneDNN wins from one
         # row): force() and the probes switch routes on a built layer, which needs them.
-        return _Part(qtype, n, raw, route, _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None)
+        packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None
+        return _Part(qtype, n, raw, route, _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None,
+                     packed)
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
@@ -143,7 +153,8 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of the weight as kept: the blocks plus the float copies."""
-        return sum(p.raw.nbytes for p in self._parts if p.raw is not None) + self.float_copy_bytes
+        return (sum(p.raw.nbytes for p in self._parts if p.raw is not None) + self.float_copy_bytes
+                + sum(p.packed.nbytes for p in self._parts if p.packed is not None))
 
     @property
     def routes(self) -> list[chooser.Route | None]:
@@ -193,8 +204,7 @@ class QuantLinear:
         x32 = x2.to(torch.float32).contiguous() if "blocks" in names else None  # the native kernel reads fp32
         xf = x2.to(self.dtype).contiguous() if "float" in names else None  # the float copy's dtype
         if names == ["blocks"]:
-            return gguf_native.gemm(x32, self._parts[0].raw, self._parts[0].qtype, self._parts[0].n,
-                                    self.in_features, self.bias)
+            return self._parts[0].blocks_mm(x32, self.in_features, self.bias)
         if names == ["float"]:
             y = self._float_mm(self._parts[0], xf, fp32)
             if self.bias is not None:
@@ -209,7 +219,7 @@ class QuantLinear:
             if name == "dequant":
                 self._dequant_mm(xd, part, cols)
             elif name == "blocks":
-                cols.copy_(gguf_native.gemm(x32, part.raw, part.qtype, part.n, self.in_features))
+                cols.copy_(part.blocks_mm(x32, self.in_features))
             else:
                 cols.copy_(self._float_mm(part, xf, fp32))
             at += part.n

@@ -27,6 +27,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.gguf_gemm_f32.restype = i32
     lib.gguf_gemm_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
+    lib.gguf_gemm_x16_f32.restype = i32
+    lib.gguf_gemm_x16_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
+    lib.gguf_gemm_x16_supported.restype = i32
+    lib.gguf_gemm_x16_supported.argtypes = [i32]
     lib.gguf_gemm_supported.restype = i32
     lib.gguf_gemm_supported.argtypes = [i32]
     lib.gguf_gemm_simd.restype = i32
@@ -48,6 +52,27 @@ def format_supported(qtype: int) -> bool:
     """Whether the native library is here and multiplies this format."""
     lib = _lib()
     return lib is not None and qtype in gguf_blocks.SUPPORTED and bool(lib.gguf_gemm_supported(qtype))
+
+
+def x16_supported(qtype: int) -> bool:
+    """Whether this build multiplies the format repacked 16 rows at a time (gguf_blocks.pack_x16;
+    cpu_gguf_x16.c: Q4_1 on AVX512-VNNI CPUs)."""
+    lib = _lib()
+    return lib is not None and qtype in gguf_blocks.X16_FORMATS and bool(lib.gguf_gemm_x16_supported(qtype))
+
+
+def gemm_x16(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemm` on the weight as gguf_blocks.pack_x16 repacked it. The caller checks `x16_supported`."""
+    lib = _declared if _declared is not None else _lib()
+    assert lib is not None and x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and bias is None or bias.dtype == torch.float32
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gguf_gemm_x16_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), qtype, n, k,
+                               None if bias is None else bias.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native x16 GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
+    return out
 
 
 def supported(qtype: int, x: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ log = logging.getLogger("rill.kernels")
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_prefill_attention.c",
                                                  "cpu_prefill_amx.c", "cpu_prefill_bf16dot.c", "cpu_quant.c", "cpu_elementwise.c",
                                                  "cpu_small_gemm.c", "cpu_sampling.c", "cpu_gguf.c",
-                                                 "cpu_gguf_dequant.c", "cpu_decode_layers.c")]
+                                                 "cpu_gguf_dequant.c", "cpu_gguf_x16.c", "cpu_decode_layers.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h", "cpu_gguf_formats.h", "cpu_gguf_simd.h",
                                                  "cpu_gguf_kquants.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]

@@ -115,6 +115,23 @@ def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: in
         check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
+@pytest.mark.parametrize("m", [1, 4, 6, 17])
+def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, m: int) -> None:
+    """Q4_1 repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row kernel,
+    with output rows that fill no last group (37) and enough work to run threaded (300 x 1024);
+    the repacking undone gives the rows back."""
+    if not gguf_native.x16_supported(gguf_blocks.Q4_1):
+        pytest.skip("the x16 GEMM needs AVX512-VNNI")
+
+    def gemm(x, raw, qtype, n, k, bias):  # noqa: ANN001, ANN202
+        packed = gguf_blocks.pack_x16(raw, qtype, k)
+        assert torch.equal(gguf_blocks.unpack_x16(packed, qtype, n, k), raw)
+        return gguf_native.gemm_x16(x, packed, qtype, n, k, bias)
+
+    for n, k in ((37, 192), (300, 1024)):
+        check_gemm(gemm, gguf_blocks.random_blocks(gguf_blocks.Q4_1, n, k, seed=n), gguf_blocks.Q4_1, m, bias=n == 37)
+
+
 def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
     """Big enough that the rows are split over threads and the activation quantized in parallel."""
     check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(gguf_blocks.Q4_K, 300, 1024), gguf_blocks.Q4_K, 70, bias=True)
@@ -124,7 +141,7 @@ def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
 def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -> None:
     """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone (with the
     dequantizer: its portable fp16 conversion where the CPU has no F16C)."""
-    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c")]
+    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
     so = tmp_path / f"gguf_{march}.so"
     flags = [f for f in native_build.FLAGS if f != "-march=native"]
     proc = subprocess.run(["gcc", *flags, f"-march={march}", "-o", str(so), *srcs], capture_output=True, text=True)

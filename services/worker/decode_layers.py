@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rill.worker")
 
 MAX_ROWS = 16  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
-_BLOCKS, _SMALL = 1, 2
+_BLOCKS, _SMALL, _X16 = 1, 2, 3
 _MAX_PARTS = 4
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -76,7 +76,7 @@ def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | No
         for p in linear._parts:
             name = p.route.pick(m) if p.raw is not None else "float"
             if name == "blocks":
-                out.append((_BLOCKS, p.qtype, p.n, p.raw))
+                out.append((_BLOCKS, p.qtype, p.n, p.raw) if p.packed is None else (_X16, p.qtype, p.n, p.packed))
             elif name == "float" and p.lin is not None and (small := _small(p.lin, m)) is not None:
                 out.append((_SMALL, 0, p.n, small))
             else:
