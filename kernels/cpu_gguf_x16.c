@@ -1,4 +1,4 @@
-// Q4_1 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
+// Q4_1 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
 // first gather their scales one by one: at one activation row that bookkeeping, not the memory,
@@ -9,7 +9,8 @@
 // (8-bit activation blocks, integer dots, fp32 scales), summed in another order.
 //
 // Layout (gguf_blocks.pack_x16 builds it): for each group of 16 rows (zero rows pad the last), for
-// each block of 32 values: d[16] fp16, m[16] fp16, then 4 x 64 bytes of nibbles. AVX512-VNNI only.
+// each block of 32 values: d[16] fp16, (Q4_1) m[16] fp16, then 4 x 64 bytes of nibbles, or (Q8_0)
+// 8 x 64 bytes of values + 128. AVX512-VNNI only.
 
 #include <omp.h>
 #include <stdint.h>
@@ -18,7 +19,8 @@
 
 #include "cpu_gguf_formats.h"
 
-#define X16_BLOCK 320  // bytes of one block of 16 rows: 32 + 32 + 256
+#define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
+#define X16_BLOCK_Q8_0 544  // 32 + 512
 
 void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s);
 
@@ -27,38 +29,46 @@ void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float
 
 #define X16_MAX_ROWS 4  // activation rows per pass over a weight block (their sums stay in registers)
 
-int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_1; }
+int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_1 || qtype == Q8_0; }
 
-// Output rows of groups g0..g1-1 for activation rows r0..r0+R-1.
-static void x16_groups(const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s, int64_t k,
-                       int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
+// Output rows of groups g0..g1-1 for activation rows r0..r0+R-1. Q4_1: w = d q + m, q unsigned
+// nibbles; Q8_0: w = d q, q stored + 128 (vpdpbusd wants one unsigned operand), which takes back
+// 128 d sum(x) through the activation sums s = d_x sum(q_x).
+static inline __attribute__((always_inline)) void x16_groups(
+    const int Q8, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s, int64_t k,
+    int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
+  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : X16_BLOCK_Q4_1;
   const __m512i m15 = _mm512_set1_epi8(15);
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[X16_MAX_ROWS], accm[X16_MAX_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
-    const uint8_t* p = w + g * nb * X16_BLOCK;
-    for (int64_t b = 0; b < nb; ++b, p += X16_BLOCK) {
-      __m512i lo[4], hi[4];
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(p + 64 + 64 * t);
-        lo[t] = _mm512_and_si512(v, m15);
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-      }
+    const uint8_t* p = w + g * nb * bytes;
+    for (int64_t b = 0; b < nb; ++b, p += bytes) {
+      __m512i v[8];  // v[t]: values 4t..4t+3 of the 16 rows
+      if (Q8)
+        for (int t = 0; t < 8; ++t) v[t] = _mm512_loadu_si512(p + 32 + 64 * t);
+      else
+        for (int t = 0; t < 4; ++t) {
+          const __m512i raw = _mm512_loadu_si512(p + 64 + 64 * t);
+          v[t] = _mm512_and_si512(raw, m15);
+          v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
+        }
       const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+      const __m512 cw = Q8 ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.f))
+                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         int32_t xq[8];
         memcpy(xq, q + row * k + b * 32, 32);
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(xq[0]));
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(xq[4]));
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xq[0]));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(xq[4]));
         for (int t = 1; t < 4; ++t) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[t], _mm512_set1_epi32(xq[t]));
-          s1 = _mm512_dpbusd_epi32(s1, hi[t], _mm512_set1_epi32(xq[4 + t]));
+          s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(xq[t]));
+          s1 = _mm512_dpbusd_epi32(s1, v[4 + t], _mm512_set1_epi32(xq[4 + t]));
         }
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(d[row * nb + b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sc, acc[r]);
-        accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s[row * nb + b]), accm[r]);
+        accm[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(s[row * nb + b]), accm[r]);
       }
     }
     const int64_t cols = n - g * 16 < 16 ? n - g * 16 : 16;
@@ -76,7 +86,7 @@ static __thread size_t scratch_size;
 // format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                       const float* bias, float* y) {
-  if (qtype != Q4_1 || m < 1 || n < 1 || k < 32 || k % 32) return 1;
+  if ((qtype != Q4_1 && qtype != Q8_0) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
   const int64_t nb = k / 32, groups = (n + 15) / 16;
   const size_t want = (size_t)(m * k + 8 * m * nb);
   if (want > scratch_size) {
@@ -94,8 +104,11 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
 #pragma omp parallel for schedule(dynamic, 1) if (team > 1 && chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
-    for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS)
-      x16_groups(w, nb, q, d, s, k, r0, (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS), c * per, g1, n, bias, y);
+    for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
+      const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
+      if (qtype == Q8_0) x16_groups(1, w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
+      else x16_groups(0, w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
+    }
   }
   return 0;
 }

@@ -164,33 +164,44 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _DEQUANTIZE[qtype](blocks).reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({3})  # Q4_1: the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_FORMATS = frozenset({Q4_1, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+
+
+def _x16_fields(qtype: int) -> tuple[int, int, int]:
+    """(bytes of a raw block, bytes of its fp16 fields before the values, bytes of its values)."""
+    return (20, 4, 16) if qtype == Q4_1 else (34, 2, 32)
 
 
 def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_1 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group of 16 rows
-    (zero rows pad the last), per block, the 16 rows' fp16 scales, their mins, then their nibbles
-    as 4 loads of 64 bytes whose 4-byte lane r is row r's next 4 bytes. Flat uint8."""
+    """Q4_1 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group of 16
+    rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins), then
+    their values as 64-byte loads whose 4-byte lane r is row r's next 4 bytes (Q8_0's + 128).
+    Flat uint8."""
     assert qtype in X16_FORMATS and raw.dtype == torch.uint8
+    size, head, vals = _x16_fields(qtype)
     n, nb = raw.shape[0], k // 32
     groups = -(-n // 16)
-    rows = torch.zeros((groups * 16, nb, 20), dtype=torch.uint8)
-    rows[:n] = raw.reshape(n, nb, 20)
-    blocks = rows.view(groups, 16, nb, 20).permute(0, 2, 1, 3)  # [group, block, row, 20 bytes]
-    scales, mins = blocks[..., 0:2], blocks[..., 2:4]
-    nibbles = blocks[..., 4:].reshape(groups, nb, 16, 4, 4).transpose(2, 3)  # [group, block, load, row, 4]
-    return torch.cat([scales.reshape(groups, nb, 32), mins.reshape(groups, nb, 32),
-                      nibbles.reshape(groups, nb, 256)], dim=2).reshape(-1).contiguous()
+    rows = torch.zeros((groups * 16, nb, size), dtype=torch.uint8)
+    rows[:n] = raw.reshape(n, nb, size)
+    blocks = rows.view(groups, 16, nb, size).permute(0, 2, 1, 3)  # [group, block, row, bytes]
+    fields = [blocks[..., at:at + 2].reshape(groups, nb, 32) for at in range(0, head, 2)]
+    values = blocks[..., head:].reshape(groups, nb, 16, vals // 4, 4).transpose(2, 3).reshape(groups, nb, 16 * vals)
+    if qtype == Q8_0:
+        values = values ^ 0x80  # signed bytes moved to unsigned ones
+    return torch.cat([*fields, values], dim=2).reshape(-1).contiguous()
 
 
 def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """pack_x16 undone: the rows uint8 [n, row_bytes] again."""
     assert qtype in X16_FORMATS
+    size, head, vals = _x16_fields(qtype)
     nb = k // 32
-    blocks = packed.view(-1, nb, 320)
+    blocks = packed.view(-1, nb, 16 * size)
     groups = blocks.shape[0]
-    scales = blocks[..., 0:32].reshape(groups, nb, 16, 2)
-    mins = blocks[..., 32:64].reshape(groups, nb, 16, 2)
-    nibbles = blocks[..., 64:].reshape(groups, nb, 4, 16, 4).transpose(2, 3).reshape(groups, nb, 16, 16)
-    rows = torch.cat([scales, mins, nibbles], dim=3).permute(0, 2, 1, 3)  # [group, row, block, 20]
-    return rows.reshape(groups * 16, nb * 20)[:n].contiguous()
+    fields = [blocks[..., 16 * at:16 * (at + 2)].reshape(groups, nb, 16, 2) for at in range(0, head, 2)]
+    values = blocks[..., 16 * head:]
+    if qtype == Q8_0:
+        values = values ^ 0x80
+    values = values.reshape(groups, nb, vals // 4, 16, 4).transpose(2, 3).reshape(groups, nb, 16, vals)
+    rows = torch.cat([*fields, values], dim=3).permute(0, 2, 1, 3)  # [group, row, block, bytes]
+    return rows.reshape(groups * 16, nb * size)[:n].contiguous()

@@ -115,12 +115,13 @@ def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: in
         check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
+@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 4, 6, 17])
-def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, m: int) -> None:
-    """Q4_1 repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row kernel,
-    with output rows that fill no last group (37) and enough work to run threaded (300 x 1024);
-    the repacking undone gives the rows back."""
-    if not gguf_native.x16_supported(gguf_blocks.Q4_1):
+def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
+    """Blocks repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row
+    kernel, with output rows that fill no last group (37) and enough work to run threaded
+    (300 x 1024); the repacking undone gives the rows back."""
+    if not gguf_native.x16_supported(qtype):
         pytest.skip("the x16 GEMM needs AVX512-VNNI")
 
     def gemm(x, raw, qtype, n, k, bias):  # noqa: ANN001, ANN202
@@ -129,7 +130,7 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, m: int) -> None:
         return gguf_native.gemm_x16(x, packed, qtype, n, k, bias)
 
     for n, k in ((37, 192), (300, 1024)):
-        check_gemm(gemm, gguf_blocks.random_blocks(gguf_blocks.Q4_1, n, k, seed=n), gguf_blocks.Q4_1, m, bias=n == 37)
+        check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
 
 
 def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
