@@ -82,16 +82,28 @@ def _tile(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 class _Part:
     qtype: int
     n: int
-    raw: torch.Tensor | None  # the blocks (routes "blocks" and "dequant"); None: a part served by "float" only
+    raw: torch.Tensor | None  # the blocks row by row; None when packed holds them, or a part served by "float" only
     route: chooser.Route  # which route serves m rows
     lin: torch_ops.Linear | None = None  # the float copy, kept while the route uses "float"
     packed: torch.Tensor | None = None  # the blocks repacked 16 rows at a time, where the build has that GEMM
 
+    @property
+    def blocks_held(self) -> bool:
+        """Whether the part keeps its blocks (routes "blocks" and "dequant" can serve it)."""
+        return self.raw is not None or self.packed is not None
+
+    def rows(self, k: int) -> torch.Tensor:
+        """The blocks row by row (unpacked from the x16 copy where that is what is kept)."""
+        if self.raw is not None:
+            return self.raw
+        assert self.packed is not None
+        return gguf_blocks.unpack_x16(self.packed, self.qtype, self.n, k)
+
     def blocks_mm(self, x32: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The "blocks" route: x32 [m, k] fp32 @ W.T -> fp32, on the repacked copy where there is one."""
-        assert self.raw is not None
         if self.packed is not None:
             return gguf_native.gemm_x16(x32, self.packed, self.qtype, self.n, k, bias)
+        assert self.raw is not None
         return gguf_native.gemm(x32, self.raw, self.qtype, self.n, k, bias)
 
 
@@ -115,9 +127,10 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         route = installed_route(n, k, qtype, dtype, logits)
         # The blocks stay even where every bucket chose "float" (a CPU where oneDNN wins from one
         # row): force() and the probes switch routes on a built layer, which needs them.
+        # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them).
         packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None
-        return _Part(qtype, n, raw, route, _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None,
-                     packed)
+        lin = _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None
+        return _Part(qtype, n, raw if packed is None else None, route, lin, packed)
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
@@ -153,13 +166,12 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of the weight as kept: the blocks plus the float copies."""
-        return (sum(p.raw.nbytes for p in self._parts if p.raw is not None) + self.float_copy_bytes
-                + sum(p.packed.nbytes for p in self._parts if p.packed is not None))
+        return sum(t.nbytes for p in self._parts for t in (p.raw, p.packed) if t is not None) + self.float_copy_bytes
 
     @property
     def routes(self) -> list[chooser.Route | None]:
         """Each part's route (None: a part served by "float" alone, its format having no native kernel)."""
-        return [p.route if p.raw is not None else None for p in self._parts]
+        return [p.route if p.blocks_held else None for p in self._parts]
 
     def force(self, name: str) -> None:
         """Serve every row count by one route: for probes and tests. The float copy is made (built
@@ -168,13 +180,13 @@ class QuantLinear:
         assert name in ROUTES
         route_changes += 1
         for p in self._parts:
-            if p.raw is None:
+            if not p.blocks_held:
                 continue
             p.route = chooser.Route((1,), (name,))
             if name != "float":
                 p.lin = None
             elif p.lin is None:
-                p.lin = _float_linear(p.raw, p.qtype, self.in_features, self.dtype, self.logits)
+                p.lin = _float_linear(p.rows(self.in_features), p.qtype, self.in_features, self.dtype, self.logits)
 
     def _names(self, m: int) -> list[str]:
         return [p.route.pick(m) for p in self._parts]
@@ -184,9 +196,10 @@ class QuantLinear:
         k = self.in_features
         rows = min(part.n, max(16, TILE_ELEMS // k))
         direct = y.dtype == x.dtype
+        raw = part.rows(k)
         for r0 in range(0, part.n, rows):
             r1 = min(r0 + rows, part.n)
-            w = gguf_native.dequantize(part.raw[r0:r1], part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
+            w = gguf_native.dequantize(raw[r0:r1], part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
             if direct:
                 torch.mm(x, w.t(), out=y[:, r0:r1])  # a strided slice: BLAS writes it in place
             else:

@@ -181,6 +181,12 @@ def parts_of_mixed_layer(k: int) -> list[tuple[int, torch.Tensor]]:
             (gguf_blocks.Q8_0, gguf_blocks.random_blocks(gguf_blocks.Q8_0, 8, k, 3))]
 
 
+def held_bytes(qtype: int, raw: torch.Tensor) -> int:
+    """Bytes of the blocks as a layer keeps them: repacked 16 rows at a time where the build has
+    that GEMM (the last group padded with zero rows), else as they are."""
+    return -(-raw.shape[0] // 16) * 16 * raw.shape[1] if gguf_native.x16_supported(qtype) else raw.nbytes
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
 def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
                                   ) -> None:
@@ -197,7 +203,7 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
         layer = gguf_linear.QuantLinear(parts, k, bias, torch.float32)
     assert (layer.in_features, layer.out_features) == (k, 40)
     assert layer.float_copy_bytes == 40 * k * 4  # fp32: one (oneDNN-packed) copy
-    assert layer.nbytes == (sum(r.nbytes for _, r in parts) if native else 0) + 40 * k * 4
+    assert layer.nbytes == (sum(held_bytes(q, r) for q, r in parts) if native else 0) + 40 * k * 4
     assert layer.routes == ([gguf_linear.installed_route(24, k, gguf_blocks.Q5_0, torch.float32)] * 2
                             + [gguf_linear.installed_route(8, k, gguf_blocks.Q8_0, torch.float32)]
                             if native else [None] * 3)
@@ -217,7 +223,8 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
 def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Calls of the three routes' functions, counted (dequantizing a float copy counts as "dequant")."""
     calls = {"blocks": 0, "dequant": 0, "float": 0}
-    for name, owner, fn in (("blocks", gguf_native, "gemm"), ("dequant", gguf_native, "dequantize"),
+    for name, owner, fn in (("blocks", gguf_native, "gemm"), ("blocks", gguf_native, "gemm_x16"),
+                            ("dequant", gguf_native, "dequantize"),
                             ("float", gguf_linear.QuantLinear, "_float_mm")):
         real = getattr(owner, fn)
 
@@ -275,7 +282,7 @@ def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monke
     chooser.install(KernelTable({KernelTable.key(gguf_linear.OP, key, b): {"choice": "blocks" if b == 16 else "dequant"}
                                  for b in chooser.ROW_BUCKETS}))
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
-    assert layer.float_copy_bytes == 0 and layer.nbytes == raw.nbytes
+    assert layer.float_copy_bytes == 0 and layer.nbytes == held_bytes(gguf_blocks.Q8_0, raw)
     for rows in (1, 16, 17):
         layer(torch.randn(rows, 64))
     assert calls == {"blocks": 1, "dequant": 2, "float": 0}  # 16 rows: blocks; 1 and 17: dequant
@@ -311,7 +318,7 @@ def test_quant_linear_forced_routes_agree(native_lib: ctypes.CDLL, dtype: torch.
     rounding), blocks within its int8 activation's error; the float copy's bytes follow."""
     k, parts, bias = 256, parts_of_mixed_layer(256), torch.randn(40)
     layer = gguf_linear.QuantLinear(parts, k, bias, dtype)
-    raw_bytes = sum(r.nbytes for _, r in parts)
+    raw_bytes = sum(held_bytes(q, r) for q, r in parts)
     x = torch.randn(20, k).to(dtype)
     want = x.double() @ torch.cat([gguf_blocks.dequantize(r, q, k) for q, r in parts]).to(dtype).double().T \
         + bias.double()

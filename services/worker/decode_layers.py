@@ -74,7 +74,7 @@ def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | No
             return None
         out = []
         for p in linear._parts:
-            name = p.route.pick(m) if p.raw is not None else "float"
+            name = p.route.pick(m) if p.blocks_held else "float"
             if name == "blocks":
                 out.append((_BLOCKS, p.qtype, p.n, p.raw) if p.packed is None else (_X16, p.qtype, p.n, p.packed))
             elif name == "float" and p.lin is not None and (small := _small(p.lin, m)) is not None:
