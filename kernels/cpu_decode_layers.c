@@ -1,4 +1,4 @@
-// Every layer of a Llama-style model for a few token rows in one call: the decode step of a chat
+// Every layer of a Llama-style model for a few token rows in one call: the decode steps of a chat
 // and a speculative verify step. Through Python each layer is ~12 kernel calls, and at one row
 // their dispatch (argument checks, tensor allocation, ctypes) takes longer than the kernels.
 // Here the same kernels of this library run in the same order on the same buffers, so the rows

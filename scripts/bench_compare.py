@@ -202,11 +202,12 @@ class _Server:
         import rill.services.clients.bench_serve as bs
 
         prompts = prompts or self.prompts
-        args = ap.Namespace(base_url=f"http://127.0.0.1:{self.port}", backend="openai-completions", model=None,
-                            dataset="random", num_prompts=len(prompts), input_len=0, output_len=self.out_len,
-                            input_len_range="", output_len_range="", request_rate=float("inf"),
-                            max_concurrency=conc, ignore_eos=True, temperature=0.0, warmup=2, seed=0,
-                            timeout=1200.0, save_result=None, save_detailed=False, quiet=True)
+        parser = ap.ArgumentParser()
+        bs.add_arguments(parser)  # its defaults for whatever this run does not set
+        args = parser.parse_args(["--base-url", f"http://127.0.0.1:{self.port}", "--num-prompts", str(len(prompts)),
+                                  "--output-len", str(self.out_len), "--ignore-eos", "--temperature", "0",
+                                  "--timeout", "1200", "--quiet"]
+                                 + ([] if conc is None else ["--max-concurrency", str(conc)]))
         # The shared workload, after two warm-up requests.
         dataset = [bs.Prompt(p, len(p), self.out_len) for p in prompts[:2] + prompts]
         before, t0, c0 = tree_cpu(self.proc.pid, self.root_role), time.perf_counter(), time.process_time()

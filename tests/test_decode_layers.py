@@ -9,7 +9,7 @@ import torch
 
 from rill.kernels import cpu_native, ops
 from rill.kernels.gguf_linear import QuantLinear
-from rill.services.worker.decode_layers import DecodeLayers, row_tables, why_not
+from rill.services.worker.decode_layers import MAX_ROWS, DecodeLayers, row_tables, why_not
 from rill.services.worker.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(not cpu_native.silu_mul_available(),
@@ -125,8 +125,9 @@ def test_the_driver_declines_what_it_cannot_run(smollm2_dir: str, tiny_llama, mo
     assert DecodeLayers(fp32).run(h, positions, meta, caches) is None  # its linears are not the driver's
     gguf = blocks_model(smollm2_dir, torch.float32)
     caches = gguf.allocate_kv_cache(8, BLOCK)
-    positions, meta = ops.make_attention_metadata([[0, 1]], [0], [17], BLOCK)
-    h = gguf.embed_lookup(torch.arange(17))
+    rows = MAX_ROWS + 1
+    positions, meta = ops.make_attention_metadata([list(range(-(-rows // BLOCK)))], [0], [rows], BLOCK)
+    h = gguf.embed_lookup(torch.arange(rows))
     assert DecodeLayers(gguf).run(h, positions, meta, caches) is None  # past MAX_ROWS
     monkeypatch.setenv("RILL_DECODE_LAYERS", "0")
     assert why_not(gguf) == "RILL_DECODE_LAYERS=0" and DecodeLayers.of(gguf) is None

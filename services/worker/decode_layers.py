@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rill.worker")
 
-MAX_ROWS = 16  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
+MAX_ROWS = 64  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
 _BLOCKS, _SMALL, _X16 = 1, 2, 3
 _MAX_PARTS = 4
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -142,7 +142,8 @@ class DecodeLayers:
         decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
                                                                      c.num_key_value_heads, c.head_dim), 0)
         self.generic = decode == "generic"
-        self._stacks: dict[int, tuple[_Stack, Any, torch.Tensor] | None] = {}
+        self._stacks: dict[int, tuple[_Stack, Any] | None] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # one buffer for every row count, grown as needed
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._routes = gguf_linear.route_changes
         self._rows = torch.arange(MAX_ROWS, dtype=torch.int64)
@@ -155,8 +156,8 @@ class DecodeLayers:
             return None
         return cls(model)
 
-    def _stack(self, m: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[_Stack, Any, torch.Tensor] | None:
-        """The driver's description of the model for m rows (its routes), and a scratch buffer."""
+    def _stack(self, m: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[_Stack, Any] | None:
+        """The driver's description of the model for m rows (its routes; the layer array it points at)."""
         if kv_caches is not self._caches or gguf_linear.route_changes != self._routes:
             self._stacks.clear()  # descriptions of the old KV cache or the old routes
             self._caches, self._routes = kv_caches, gguf_linear.route_changes
@@ -183,8 +184,7 @@ class DecodeLayers:
                        c.intermediate_size, kv_caches[0][0].shape[1], c.rms_norm_eps, model.scale,
                        int(model.dtype == torch.bfloat16), int(self.generic), model.cos_sin.data_ptr(),
                        ctypes.addressof(layers))
-        scratch = torch.empty(int(self.lib.decode_layers_scratch(ctypes.byref(stack), m)), dtype=torch.uint8)
-        self._stacks[m] = (stack, layers, scratch)
+        self._stacks[m] = (stack, layers)
         return self._stacks[m]
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -197,7 +197,10 @@ class DecodeLayers:
         found = self._stack(m, kv_caches)
         if found is None:
             return None
-        stack, _, scratch = found
+        stack, _ = found
+        need = int(self.lib.decode_layers_scratch(ctypes.byref(stack), m))
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
         tables, seq_lens = row_tables(meta)
         if tables.dtype != torch.int32 or not tables.is_contiguous() or positions.dtype != torch.int64 \
                 or meta.slot_mapping.dtype != torch.int64:
@@ -206,7 +209,8 @@ class DecodeLayers:
         residual = torch.empty_like(h)
         rc = self.lib.decode_layers(ctypes.byref(stack), m, h.data_ptr(), residual.data_ptr(), positions.data_ptr(),
                                     meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                    seq_lens.data_ptr(), self._rows.data_ptr(), meta.max_seq_len, scratch.data_ptr())
+                                    seq_lens.data_ptr(), self._rows.data_ptr(), meta.max_seq_len,
+                                    self._scratch.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native layer driver failed with code {rc}")
         return h, residual
