@@ -159,6 +159,11 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     @property
+    def parts(self) -> list[_Part]:
+        """The stacked parts, in output order (read them; `force` changes their routes)."""
+        return self._parts
+
+    @property
     def float_copy_bytes(self) -> int:
         """Bytes of the float copies kept for the "float" route (every copy its Linear holds)."""
         return sum(p.lin.nbytes for p in self._parts if p.lin is not None)

@@ -56,7 +56,7 @@ def format_supported(qtype: int) -> bool:
 
 def x16_supported(qtype: int) -> bool:
     """Whether this build multiplies the format repacked 16 rows at a time (gguf_blocks.pack_x16;
-    cpu_gguf_x16.c: Q4_1 on AVX512-VNNI CPUs)."""
+    cpu_gguf_x16.c: Q4_1 and Q8_0 on AVX512-VNNI CPUs)."""
     lib = _lib()
     return lib is not None and qtype in gguf_blocks.X16_FORMATS and bool(lib.gguf_gemm_x16_supported(qtype))
 
@@ -66,7 +66,8 @@ def gemm_x16(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
     """`gemm` on the weight as gguf_blocks.pack_x16 repacked it. The caller checks `x16_supported`."""
     lib = _declared if _declared is not None else _lib()
     assert lib is not None and x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
-    assert packed.dtype == torch.uint8 and packed.is_contiguous() and bias is None or bias.dtype == torch.float32
+    assert packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,))
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     rc = lib.gguf_gemm_x16_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), qtype, n, k,
                                None if bias is None else bias.data_ptr(), out.data_ptr())

@@ -73,7 +73,7 @@ def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | No
         if linear.bias is not None:
             return None
         out = []
-        for p in linear._parts:
+        for p in linear.parts:
             name = p.route.pick(m) if p.blocks_held else "float"
             if name == "blocks":
                 out.append((_BLOCKS, p.qtype, p.n, p.raw) if p.packed is None else (_X16, p.qtype, p.n, p.packed))
