@@ -5,6 +5,7 @@ library that cpu_native.py builds and loads (its `library()`; None when it canno
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -68,11 +69,17 @@ def gemm_x16(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
     assert lib is not None and x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
     assert packed.dtype == torch.uint8 and packed.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,))
+    return _run_gemm(lib.gguf_gemm_x16_f32, x, packed, qtype, n, k, bias, "x16 GGUF GEMM")
+
+
+def _run_gemm(fn: Any, x: torch.Tensor, weight: torch.Tensor, qtype: int, n: int, k: int,
+              bias: torch.Tensor | None, what: str) -> torch.Tensor:
+    """out [m, n] fp32 from one of the library's GEMM entry points (checked arguments)."""
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.gguf_gemm_x16_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), qtype, n, k,
-                               None if bias is None else bias.data_ptr(), out.data_ptr())
+    rc = fn(x.data_ptr(), x.shape[0], weight.data_ptr(), qtype, n, k, None if bias is None else bias.data_ptr(),
+            out.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"native x16 GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
+        raise RuntimeError(f"native {what} ({gguf_blocks.name(qtype)}) failed with code {rc}")
     return out
 
 
@@ -103,12 +110,7 @@ def gemm_with(lib: ctypes.CDLL | None, x: torch.Tensor, raw: torch.Tensor, qtype
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     assert bias is None or bias.shape == (n,)
-    out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.gguf_gemm_f32(x.data_ptr(), x.shape[0], raw.data_ptr(), qtype, n, k,
-                           None if bias is None else bias.data_ptr(), out.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"native GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
-    return out
+    return _run_gemm(lib.gguf_gemm_f32, x, raw, qtype, n, k, bias, "GGUF GEMM")
 
 
 DEQUANT_DTYPES = (torch.float32, torch.bfloat16)
