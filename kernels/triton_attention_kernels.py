@@ -49,6 +49,28 @@ def soft_cap(s, cap):
 
 
 @triton.jit
+def paged_kv_tile(table_row, pos, valid, k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                  stride_vh, kvh, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V rows [TILE_N, BLOCK_D] of positions `pos` (zeros where not `valid`), read from the
+    paged cache through one table entry per key (neighbouring keys share entries, which stay in L1)."""
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    in_block = (pos % BLOCK_SIZE).to(tl.int64)
+    if HEAD_DIM == BLOCK_D:  # a mask constant along D keeps the loads vectorised
+        kv_mask = valid[:, None]
+    else:
+        kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kt + kvh * stride_kh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vt + kvh * stride_vh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, num_splits, window, softcap_log2,
@@ -90,20 +112,8 @@ def decode_kernel(
     for tile in range(start, end, TILE_N):
         pos = tile + tl.arange(0, TILE_N)
         valid = pos < end
-        # One table entry per key; neighbouring keys share entries, which stay in L1.
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        if HEAD_DIM == BLOCK_D:  # a mask constant along D keeps the loads vectorised
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = paged_kv_tile(table_row, pos, valid, k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb,
+                             stride_vt, stride_vh, kvh, offs_d, d_mask, BLOCK_SIZE, HEAD_DIM, BLOCK_D, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, TILE_N], log2 units
         if SOFTCAP:
             s = soft_cap(s, softcap_log2)
@@ -213,19 +223,8 @@ def extend_kernel(
     for tile in range(kv_start, kv_end, TILE_N):
         pos = tile + tl.arange(0, TILE_N)
         valid = pos < kv_end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        if HEAD_DIM == BLOCK_D:  # a mask constant along D keeps the loads vectorised
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = paged_kv_tile(table_row, pos, valid, k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb,
+                             stride_vt, stride_vh, kvh, offs_d, d_mask, BLOCK_SIZE, HEAD_DIM, BLOCK_D, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if SOFTCAP:
             s = soft_cap(s, softcap_log2)
