@@ -12,6 +12,7 @@
 // GEMM on the raw or the x16-repacked blocks (fp32 in and out, rounded to the model dtype after, as gguf_linear.py does) or by the bf16
 // small GEMM (bf16 in and out); layers needing anything else are not run here.
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -68,19 +69,24 @@ typedef struct {
   void* k_cache;
   void* v_cache;
   Lin qkv, o, gate_up, down;
+  // Optional (NULL: none): per-head q/k norms before RoPE (Qwen3, Gemma 3), norms of the attention
+  // and MLP outputs before their residual adds (Gemma); the layer's RoPE table and sliding window.
+  const void *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+  const float* cos_sin;
+  int64_t window;
 } Layer;
 
 typedef struct {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps, scale;
   int32_t bf16, generic_attention;
-  const float* cos_sin;
+  int32_t gelu, pad;  // the MLP's gate: SiLU (SwiGLU) or tanh-GELU (GeGLU)
   const Layer* layers;
 } Stack;
 
 // The buffers of one call, carved from the caller's scratch (decode_layers.py sizes it).
 typedef struct {
-  void *x, *qkv, *q, *k, *attn, *gu, *act;
+  void *x, *qkv, *q, *k, *attn, *gu, *act, *t;
   float *x32, *y32;
 } Bufs;
 
@@ -129,18 +135,56 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
   return 0;
 }
 
+// RMSNorm of m rows of k values in the model dtype: out = w * norm(x) (out may be x).
+static void norm_rows(int bf16, const void* x, const void* w, void* out, int64_t m, int64_t k, float eps) {
+  if (bf16) rms_norm_bf16(x, 0, w, out, 0, m, k, eps);
+  else rms_norm_f32(x, 0, w, out, 0, m, k, eps);
+}
+
+// tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
+// the GELU in fp32 rounded to the model dtype, then the product.
+static void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const int64_t g = i * 2 * f + j, u = g + f;
+      const float x = bf16 ? bf16_to_f32(((const uint16_t*)gu)[g]) : ((const float*)gu)[g];
+      const float y = 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
+      if (bf16) {
+        const float up = bf16_to_f32(((const uint16_t*)gu)[u]);
+        ((uint16_t*)out)[i * f + j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * up);
+      } else {
+        ((float*)out)[i * f + j] = y * ((const float*)gu)[u];
+      }
+    }
+}
+
+// The step's q, k and v with the per-head norms applied to q and k, into one buffer of uniform
+// row stride (what RoPE + the cache write take).
+static void qk_norms(const Stack* s, const Layer* L, const void* qkv, void* out, int64_t m) {
+  const int64_t es = s->bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hkv = s->kv_heads;
+  const int64_t row = (hq + 2 * hkv) * hd * es;
+  memcpy(out, qkv, (size_t)(m * row));
+  for (int64_t i = 0; i < m; ++i) {
+    char* r = (char*)out + i * row;
+    norm_rows(s->bf16, r, L->q_norm, r, hq, hd, s->eps);
+    norm_rows(s->bf16, r + hq * hd * es, L->k_norm, r + hq * hd * es, hkv, hd, s->eps);
+  }
+}
+
 // Carves one call's buffers from `scratch` (NULL: only counts); returns the bytes they take.
 static int64_t carve(const Stack* s, int64_t m, char* scratch, Bufs* b) {
   const int64_t es = s->bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hidden = s->hidden;
   const int64_t nqkv = (hq + 2 * s->kv_heads) * hd;
   // The widest input a linear layer takes (x32) and the widest output it makes (y32).
   const int64_t in_max = MAX(MAX(hidden, hq * hd), s->inter), out_max = MAX(MAX(nqkv, 2 * s->inter), hidden);
-  const int64_t bytes[9] = {m * hidden * es, m * nqkv * es, m * hq * hd * es, m * s->kv_heads * hd * es,
-                            m * hq * hd * es, m * 2 * s->inter * es, m * s->inter * es, m * in_max * 4,
-                            m * out_max * 4};
-  void** fields[9] = {&b->x, &b->qkv, &b->q, &b->k, &b->attn, &b->gu, &b->act, (void**)&b->x32, (void**)&b->y32};
+  const int64_t bytes[10] = {m * hidden * es, m * nqkv * es, m * hq * hd * es, m * s->kv_heads * hd * es,
+                             m * hq * hd * es, m * 2 * s->inter * es, m * s->inter * es, m * nqkv * es,
+                             m * in_max * 4, m * out_max * 4};
+  void** fields[10] = {&b->x, &b->qkv, &b->q, &b->k, &b->attn, &b->gu, &b->act, &b->t, (void**)&b->x32,
+                       (void**)&b->y32};
   int64_t total = 0;
-  for (int i = 0; i < 9; ++i) {
+  for (int i = 0; i < 10; ++i) {
     if (scratch) *fields[i] = scratch + total;
     total += (bytes[i] + 63) / 64 * 64;
   }
@@ -183,28 +227,35 @@ int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int6
     }
     if ((rc = linear(&L->qkv, bf16, b.x, b.qkv, &b, m))) return rc;
     const char* qkv = (const char*)b.qkv;
+    if (L->q_norm) {
+      qk_norms(s, L, b.qkv, b.t, m);
+      qkv = (const char*)b.t;
+    }
     if (bf16) {
       rope_write_kv_bf16((const uint16_t*)qkv, (const uint16_t*)(qkv + hq * hd * es),
-                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, positions, slots, s->cos_sin, b.q, b.k,
+                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, positions, slots, L->cos_sin, b.q, b.k,
                          L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_bf16(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                              (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
-                             s->generic_attention, 0, 0.f);
+                             s->generic_attention, L->window, 0.f);
     } else {
       rope_write_kv_f32((const float*)qkv, (const float*)(qkv + hq * hd * es), (const float*)(qkv + (hq + hkv) * hd * es),
-                        nqkv, positions, slots, s->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
+                        nqkv, positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_f32(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                             (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
-                            s->generic_attention, 0, 0.f);
+                            s->generic_attention, L->window, 0.f);
     }
     if (rc) return 100 + rc;
     if ((rc = linear(&L->o, bf16, b.attn, h, &b, m))) return rc;
+    if (L->attn_out_norm) norm_rows(bf16, h, L->attn_out_norm, h, m, hidden, s->eps);
     if (bf16) rms_norm_bf16(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
     else rms_norm_f32(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
     if ((rc = linear(&L->gate_up, bf16, b.x, b.gu, &b, m))) return rc;
-    if (bf16) silu_mul_bf16(b.gu, b.act, m, s->inter);
+    if (s->gelu) gelu_mul(bf16, b.gu, b.act, m, s->inter);
+    else if (bf16) silu_mul_bf16(b.gu, b.act, m, s->inter);
     else silu_mul_f32(b.gu, b.act, m, s->inter);
     if ((rc = linear(&L->down, bf16, b.act, h, &b, m))) return rc;
+    if (L->mlp_out_norm) norm_rows(bf16, h, L->mlp_out_norm, h, m, hidden, s->eps);
   }
   return 0;
 }

@@ -9,7 +9,7 @@ import torch
 
 from rill.kernels import cpu_native, ops
 from rill.kernels.gguf_linear import QuantLinear
-from rill.services.worker.decode_layers import MAX_ROWS, DecodeLayers, row_tables, why_not
+from rill.services.worker.decode_layers import MAX_ROWS, MAX_SEQ_ROWS, DecodeLayers, row_tables, why_not
 from rill.services.worker.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(not cpu_native.silu_mul_available(),
@@ -116,7 +116,8 @@ def test_steps_of_several_rows_a_sequence_agree_with_the_per_op_path(smollm2_dir
 
 
 def test_the_driver_declines_what_it_cannot_run(smollm2_dir: str, tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A float model on oneDNN's GEMMs, more rows than it takes, or the switch off: the per-op path."""
+    """A float model on oneDNN's GEMMs, more rows than it takes, a prompt chunk, or the switch off:
+    the per-op path."""
     model_dir, _ = tiny_llama
     fp32 = LlamaModel.load(model_dir, torch.float32)
     caches = fp32.allocate_kv_cache(8, BLOCK)
@@ -129,5 +130,34 @@ def test_the_driver_declines_what_it_cannot_run(smollm2_dir: str, tiny_llama, mo
     positions, meta = ops.make_attention_metadata([list(range(-(-rows // BLOCK)))], [0], [rows], BLOCK)
     h = gguf.embed_lookup(torch.arange(rows))
     assert DecodeLayers(gguf).run(h, positions, meta, caches) is None  # past MAX_ROWS
+    positions, meta = ops.make_attention_metadata([[0, 1]], [0], [MAX_SEQ_ROWS + 1], BLOCK)
+    h = gguf.embed_lookup(torch.arange(MAX_SEQ_ROWS + 1))
+    assert DecodeLayers(gguf).run(h, positions, meta, caches) is None  # a prompt chunk: prompt attention
     monkeypatch.setenv("RILL_DECODE_LAYERS", "0")
     assert why_not(gguf) == "RILL_DECODE_LAYERS=0" and DecodeLayers.of(gguf) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma3_layers_run_in_the_driver(gemma3_dir: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 (per-head q/k norms, norms of the attention and MLP outputs, sliding-window layers
+    with their own RoPE table, GeGLU): decode steps as the per-op path computes them, bit for bit
+    in bf16; in fp32 the driver's tanh differs from torch's in the last bit, which the next layers'
+    8-bit activation rounding amplifies, so only the greedy tokens (near-ties aside) agree."""
+    model = blocks_model(gemma3_dir, dtype)
+    assert why_not(model) is None and any(layer.window for layer in model.layers)
+    caches = model.allocate_kv_cache(16, BLOCK)
+    tables, prompts = [[0, 1, 2, 3], [4, 5, 6, 7]], [list(range(1000, 1040)), list(range(2000, 2042))]
+    model._driver, model._driver_checked = None, True
+    step(model, caches, tables, [0, 0], prompts)
+    snapshot = [(k.clone(), v.clone()) for k, v in caches]
+    want = step(model, caches, tables, [40, 42], [[7], [8]])
+    restore(caches, snapshot)
+    model._driver = DecodeLayers(model)
+    monkeypatch.setattr(model, "_layers", lambda *a: pytest.fail("the driver declined a Gemma 3 decode step"))
+    got = step(model, caches, tables, [40, 42], [[7], [8]])
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want), f"logits differ by {(got - want).abs().max().item()}"
+    else:
+        picked = want.gather(1, got.argmax(-1, keepdim=True)).squeeze(1)
+        assert (want.max(-1).values - picked).max() < 0.5
+        assert (got - want).abs().max() < 0.1 * want.abs().max()

@@ -2,15 +2,17 @@
 
 At one decode row the per-op path spends more time dispatching ~12 kernel calls a layer from
 Python than the kernels take; the native driver runs the same kernels in the same order, so a
-step's logits are bit for bit those of the per-op path. It serves a step when the model is a plain
-Llama-style stack (no per-head or output norms, no experts, no sliding windows or soft-capping,
-no biases, not tensor-parallel), on the CPU in bf16 or fp32, and every linear layer's measured
-route for the step's row count is one the driver has: the GGUF block GEMM or the bf16 small GEMM
-(a layer on oneDNN is not). The native SiLU * up is needed too (CPUs with AVX512-BF16).
-RILL_DECODE_LAYERS=0 turns it off.
+SwiGLU model's decode logits are bit for bit those of the per-op path (a GeGLU model's GELU is
+the driver's own, equal to torch's up to the last bit of tanh). It serves a step when the model
+is a Llama-style stack (per-head q/k norms, Gemma's output norms, sliding windows and local RoPE
+included; no experts, attention soft-capping or biases, not tensor-parallel), on the CPU in bf16
+or fp32, and every linear layer's measured route for the step's row count is one the driver has:
+the GGUF block GEMM or the bf16 small GEMM (a layer on oneDNN is not). The native SiLU * up is
+needed too (CPUs with AVX512-BF16). RILL_DECODE_LAYERS=0 turns it off.
 
 A step's rows each attend as one decode token over their own context: the rows of a verify step
-or a short prompt take the decode kernel row by row (see the C file).
+take the decode kernel row by row (see the C file); a step with a prompt chunk of more rows than
+a verify step has runs op by op.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rill.worker")
 
 MAX_ROWS = 64  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
+# Most rows of one sequence in a step: a speculative verify step's, not a prompt chunk's, which the
+# prompt attention kernel serves (so a prompt's logits do not depend on what shares its step).
+MAX_SEQ_ROWS = 16
 _BLOCKS, _SMALL, _X16 = 1, 2, 3
 _MAX_PARTS = 4
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -49,13 +54,15 @@ class _Lin(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
+                ("cos_sin", _ptr), ("window", _i64)]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("bf16", _i32),
-                ("generic_attention", _i32), ("cos_sin", _ptr), ("layers", _ptr)]
+                ("generic_attention", _i32), ("gelu", _i32), ("pad", _i32), ("layers", _ptr)]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -103,15 +110,15 @@ def why_not(model: LlamaModel) -> str | None:
         return "not a bf16/fp32 CPU model"
     if ops.uses_triton(model.embed) or cpu_native.library() is None or not cpu_native.silu_mul_available():
         return "no native kernels with SiLU * up on this CPU"
-    if c.hidden_act != "silu" or c.attn_logit_softcapping or model.cos_sin.dtype != torch.float32:
-        return "not a plain SwiGLU model"
+    if c.hidden_act not in ("silu", "gelu_pytorch_tanh") or c.attn_logit_softcapping \
+            or model.cos_sin.dtype != torch.float32:
+        return "an MLP gate or attention soft-capping the driver has not"
     if c.head_dim % 2 or c.head_dim > 256 or c.num_attention_heads % c.num_key_value_heads \
             or c.num_attention_heads // c.num_key_value_heads > 16:
         return "attention shape"
     for layer in model.layers:
-        if any(x is not None for x in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm,
-                                       layer.moe, layer.window)) or layer.local_rope:
-            return "layers with norms, experts or windows the driver has not"
+        if layer.moe is not None or (layer.q_norm is None) != (layer.k_norm is None):
+            return "layers with experts"
     decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
                                                                  c.num_key_value_heads, c.head_dim), 0)
     if decode == "torch":
@@ -177,13 +184,19 @@ class DecodeLayers:
                 for j, (kind, qtype, n, w) in enumerate(parts):
                     target.parts[j] = _Part(kind, qtype, n, w.data_ptr())
                 lins.append(lin)
-            layers[i].input_norm = layer.input_norm.data_ptr()
-            layers[i].post_norm = layer.post_norm.data_ptr()
-            layers[i].k_cache, layers[i].v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            target = layers[i]
+            target.input_norm, target.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+                norm = getattr(layer, name)
+                setattr(target, name, None if norm is None else norm.data_ptr())
+            rope = model.cos_sin_local if layer.local_rope else model.cos_sin
+            assert rope is not None
+            target.cos_sin, target.window = rope.data_ptr(), layer.window or 0
+            target.k_cache, target.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         stack = _Stack(len(model.layers), c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                        c.intermediate_size, kv_caches[0][0].shape[1], c.rms_norm_eps, model.scale,
-                       int(model.dtype == torch.bfloat16), int(self.generic), model.cos_sin.data_ptr(),
-                       ctypes.addressof(layers))
+                       int(model.dtype == torch.bfloat16), int(self.generic),
+                       int(c.hidden_act == "gelu_pytorch_tanh"), 0, ctypes.addressof(layers))
         self._stacks[m] = (stack, layers)
         return self._stacks[m]
 
@@ -192,7 +205,7 @@ class DecodeLayers:
         """(h, residual) after every layer for the embedded rows h [m, hidden]; None when this
         step is not one the driver serves (the caller runs the per-op path)."""
         m = h.shape[0]
-        if m > MAX_ROWS or m < 1:
+        if m > MAX_ROWS or m < 1 or meta.max_query_len > MAX_SEQ_ROWS:
             return None
         found = self._stack(m, kv_caches)
         if found is None:
