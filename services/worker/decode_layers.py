@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rill.worker")
 
 MAX_ROWS = 64  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
-# Most rows of one sequence in a step: a speculative verify step's, not a prompt chunk's, which the
-# prompt attention kernel serves (so a prompt's logits do not depend on what shares its step).
+# Most rows of one sequence in a step: a speculative verify step's. Longer prompt chunks keep the
+# prompt attention kernel, whatever shares their step (a prompt of at most this many tokens may
+# take either kernel, by the step's size: its logits then differ in the last bits).
 MAX_SEQ_ROWS = 16
 _BLOCKS, _SMALL, _X16 = 1, 2, 3
 _MAX_PARTS = 4
