@@ -9,8 +9,9 @@
 // since every row's K/V is written before attention reads it.
 //
 // A linear layer is one or more parts stacked along its outputs, each served by the GGUF block
-// GEMM on the raw or the x16-repacked blocks (fp32 in and out, rounded to the model dtype after, as gguf_linear.py does) or by the bf16
-// small GEMM (bf16 in and out); layers needing anything else are not run here.
+// GEMM on the raw or the x16-repacked blocks (fp32 in and out, rounded to the model dtype after,
+// as gguf_linear.py does) or by the bf16 small GEMM (bf16 in and out); layers needing anything
+// else are not run here.
 
 #include <math.h>
 #include <stdint.h>
@@ -135,10 +136,12 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
   return 0;
 }
 
-// RMSNorm of m rows of k values in the model dtype: out = w * norm(x) (out may be x).
-static void norm_rows(int bf16, const void* x, const void* w, void* out, int64_t m, int64_t k, float eps) {
-  if (bf16) rms_norm_bf16(x, 0, w, out, 0, m, k, eps);
-  else rms_norm_f32(x, 0, w, out, 0, m, k, eps);
+// RMSNorm of m rows of k values in the model dtype: out = w * norm(x) (out may be x); with `res`,
+// of x + res, that sum stored to `sum` (which may be res).
+static void norm_rows(int bf16, const void* x, const void* res, const void* w, void* out, void* sum, int64_t m,
+                      int64_t k, float eps) {
+  if (bf16) rms_norm_bf16(x, res, w, out, sum, m, k, eps);
+  else rms_norm_f32(x, res, w, out, sum, m, k, eps);
 }
 
 // tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
@@ -167,8 +170,8 @@ static void qk_norms(const Stack* s, const Layer* L, const void* qkv, void* out,
   memcpy(out, qkv, (size_t)(m * row));
   for (int64_t i = 0; i < m; ++i) {
     char* r = (char*)out + i * row;
-    norm_rows(s->bf16, r, L->q_norm, r, hq, hd, s->eps);
-    norm_rows(s->bf16, r + hq * hd * es, L->k_norm, r + hq * hd * es, hkv, hd, s->eps);
+    norm_rows(s->bf16, r, 0, L->q_norm, r, 0, hq, hd, s->eps);
+    norm_rows(s->bf16, r + hq * hd * es, 0, L->k_norm, r + hq * hd * es, 0, hkv, hd, s->eps);
   }
 }
 
@@ -212,18 +215,11 @@ int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int6
   int rc;
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const Layer* L = &s->layers[l];
-    if (bf16) {
-      if (l == 0) {
-        memcpy(residual, h, (size_t)(m * hidden * es));
-        rms_norm_bf16(h, 0, L->input_norm, b.x, 0, m, hidden, s->eps);
-      } else {
-        rms_norm_bf16(h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
-      }
-    } else if (l == 0) {
+    if (l == 0) {  // the residual stream starts as the embedded rows
       memcpy(residual, h, (size_t)(m * hidden * es));
-      rms_norm_f32(h, 0, L->input_norm, b.x, 0, m, hidden, s->eps);
+      norm_rows(bf16, h, 0, L->input_norm, b.x, 0, m, hidden, s->eps);
     } else {
-      rms_norm_f32(h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
+      norm_rows(bf16, h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
     }
     if ((rc = linear(&L->qkv, bf16, b.x, b.qkv, &b, m))) return rc;
     const char* qkv = (const char*)b.qkv;
@@ -247,15 +243,14 @@ int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int6
     }
     if (rc) return 100 + rc;
     if ((rc = linear(&L->o, bf16, b.attn, h, &b, m))) return rc;
-    if (L->attn_out_norm) norm_rows(bf16, h, L->attn_out_norm, h, m, hidden, s->eps);
-    if (bf16) rms_norm_bf16(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
-    else rms_norm_f32(h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
+    if (L->attn_out_norm) norm_rows(bf16, h, 0, L->attn_out_norm, h, 0, m, hidden, s->eps);
+    norm_rows(bf16, h, residual, L->post_norm, b.x, residual, m, hidden, s->eps);
     if ((rc = linear(&L->gate_up, bf16, b.x, b.gu, &b, m))) return rc;
     if (s->gelu) gelu_mul(bf16, b.gu, b.act, m, s->inter);
     else if (bf16) silu_mul_bf16(b.gu, b.act, m, s->inter);
     else silu_mul_f32(b.gu, b.act, m, s->inter);
     if ((rc = linear(&L->down, bf16, b.act, h, &b, m))) return rc;
-    if (L->mlp_out_norm) norm_rows(bf16, h, L->mlp_out_norm, h, m, hidden, s->eps);
+    if (L->mlp_out_norm) norm_rows(bf16, h, 0, L->mlp_out_norm, h, 0, m, hidden, s->eps);
   }
   return 0;
 }

@@ -18,9 +18,6 @@
 
 #include "cpu_gguf_simd.h"
 
-#ifndef CHUNKS_PER_THREAD
-#define CHUNKS_PER_THREAD 8
-#endif
 
 int gguf_gemm_simd(void) { return SIMD_LEVEL; }  // 2: AVX512-VNNI, 1: AVX2, 0: plain C
 
@@ -270,6 +267,14 @@ void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float
 static __thread char* scratch;
 static __thread size_t scratch_size;
 
+char* gguf_act_scratch(size_t want) {
+  if (want > scratch_size) {
+    free(scratch);
+    scratch = malloc(want), scratch_size = scratch ? want : 0;
+  }
+  return scratch;
+}
+
 // y [m, n] fp32 = x [m, k] fp32 . W^T (+ bias [n] fp32), W [n] rows of k / block blocks of
 // `qtype`. 0 on success; 1 for a format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
@@ -281,12 +286,8 @@ int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
   a.k = k, a.nb = k / block;
   a.nbp = small && WIDE ? (a.nb + 15) / 16 * 16 : a.nb;
   const size_t want = (size_t)(m * a.nbp * block + 4 * m * a.nbp + (small ? 4 * m * a.nbp : 2 * m * (k / 16)));
-  if (want > scratch_size) {
-    free(scratch);
-    scratch = malloc(want), scratch_size = scratch ? want : 0;
-    if (!scratch) return 2;
-  }
-  char* mem = scratch;
+  char* mem = gguf_act_scratch(want);
+  if (!mem) return 2;
   a.q = (int8_t*)mem;
   a.d = (float*)(mem + m * a.nbp * block);  // a multiple of 32: aligned
   if (small) a.s = a.d + m * a.nbp;

@@ -12,6 +12,14 @@
 #define MR 4            // activation rows dotted per pass over a weight row (unpacked once)
 #define CHUNK_ROWS 16   // a thread's claims of output rows are multiples of this
 #define SERIAL_WORK (1 << 18)  // m * n * k below this stays on the calling thread (measured)
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 8  // claims of output rows a thread makes in one GEMM (see cpu_gguf.c)
+#endif
+
+// The activation's scratch of the calling thread, grown to `want` bytes (NULL: out of memory),
+// and Q8_0-style quantization of activation rows in natural order (both in cpu_gguf.c).
+char* gguf_act_scratch(size_t want);
+void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s);
 
 // The 8-bit activation: q [m][k]; d the scale of each block (32 or 256 values); s = d * sum(q)
 // per 32 (32-element formats); bs the sums of q per 16 (K formats).

@@ -13,16 +13,11 @@
 // 8 x 64 bytes of values + 128. AVX512-VNNI only.
 
 #include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "cpu_gguf_formats.h"
+#include "cpu_gguf_simd.h"
 
 #define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
 #define X16_BLOCK_Q8_0 544  // 32 + 512
-
-void gguf_quantize_rows32(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -79,28 +74,22 @@ static inline __attribute__((always_inline)) void x16_groups(
   }
 }
 
-static __thread char* scratch;
-static __thread size_t scratch_size;
-
 // y [m, n] fp32 = x [m, k] fp32 . W^T (+ bias [n] fp32), W packed x16. 0 on success; 1 for a
 // format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                       const float* bias, float* y) {
   if ((qtype != Q4_1 && qtype != Q8_0) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
   const int64_t nb = k / 32, groups = (n + 15) / 16;
-  const size_t want = (size_t)(m * k + 8 * m * nb);
-  if (want > scratch_size) {
-    free(scratch);
-    scratch = malloc(want), scratch_size = scratch ? want : 0;
-    if (!scratch) return 2;
-  }
+  char* scratch = gguf_act_scratch((size_t)(m * k + 8 * m * nb));
+  if (!scratch) return 2;
   int8_t* q = (int8_t*)scratch;
   float* d = (float*)(scratch + (m * k + 3) / 4 * 4);
   float* s = d + m * nb;
   gguf_quantize_rows32(x, m, k, q, d, s);
-  // About 8 claims a thread: a thread preempted on a shared machine leaves its groups to the others.
-  const int team = m * n * k < (1 << 18) ? 1 : omp_get_max_threads();
-  const int64_t per = (groups + team * 8 - 1) / (team * 8), chunks = (groups + per - 1) / per;
+  // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
+  const int team = m * n * k < SERIAL_WORK ? 1 : omp_get_max_threads();
+  const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
+  const int64_t per = (groups + claims - 1) / claims, chunks = (groups + per - 1) / per;
 #pragma omp parallel for schedule(dynamic, 1) if (team > 1 && chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
