@@ -346,7 +346,7 @@ def silu_mul_supported(x: torch.Tensor) -> bool:
     if not (x.device.type == "cpu" and x.dtype in _SILU_MUL and x.dim() == 2 and x.shape[1] % 2 == 0
             and x.is_contiguous()):
         return False
-    return library() is not None and _silu_mul
+    return silu_mul_available()
 
 
 def silu_mul_available() -> bool:

@@ -102,6 +102,13 @@ def _small(linear: torch_ops.Linear, m: int) -> torch.Tensor | None:
     return linear.small if ok else None
 
 
+def _decode_kernel(model: LlamaModel) -> str | None:
+    """The decode attention kernel measured fastest here for this model's shape (None: unmeasured)."""
+    c = model.cfg
+    return chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
+                                                               c.num_key_value_heads, c.head_dim), 0)
+
+
 def why_not(model: LlamaModel) -> str | None:
     """Why the native driver cannot run this model at all (None: it can, for some row counts)."""
     c = model.cfg
@@ -119,10 +126,8 @@ def why_not(model: LlamaModel) -> str | None:
         return "attention shape"
     for layer in model.layers:
         if layer.moe is not None or (layer.q_norm is None) != (layer.k_norm is None):
-            return "layers with experts"
-    decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
-                                                                 c.num_key_value_heads, c.head_dim), 0)
-    if decode == "torch":
+            return "layers with experts, or a q norm without a k norm"
+    if _decode_kernel(model) == "torch":
         return "decode attention measured faster in torch here"
     return None
 
@@ -146,11 +151,10 @@ class DecodeLayers:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
         self.lib = _declare(cpu_native.library())  # type: ignore[arg-type]
-        c = model.cfg
-        decode = chooser.installed().choice("decode", attention_key(model.dtype, c.num_attention_heads,
-                                                                     c.num_key_value_heads, c.head_dim), 0)
-        self.generic = decode == "generic"
-        self._stacks: dict[int, tuple[_Stack, Any] | None] = {}
+        self.generic = _decode_kernel(model) == "generic"
+        # Per row count: the model's description for the driver, the layer array it points at, and
+        # the scratch bytes a call takes (None: some layer's route at that count is not the driver's).
+        self._stacks: dict[int, tuple[_Stack, Any, int] | None] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)  # one buffer for every row count, grown as needed
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._routes = gguf_linear.route_changes
@@ -164,8 +168,8 @@ class DecodeLayers:
             return None
         return cls(model)
 
-    def _stack(self, m: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[_Stack, Any] | None:
-        """The driver's description of the model for m rows (its routes; the layer array it points at)."""
+    def _stack(self, m: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[_Stack, Any, int] | None:
+        """The driver's description of the model for m rows (see _stacks)."""
         if kv_caches is not self._caches or gguf_linear.route_changes != self._routes:
             self._stacks.clear()  # descriptions of the old KV cache or the old routes
             self._caches, self._routes = kv_caches, gguf_linear.route_changes
@@ -174,17 +178,18 @@ class DecodeLayers:
         model, c = self.model, self.model.cfg
         layers = (_Layer * len(model.layers))()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
-            lins = []
+            if not k_cache.is_contiguous():
+                self._stacks[m] = None
+                return None
             for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
                 parts = _parts(lin, m)
-                if parts is None or len(parts) > _MAX_PARTS or not k_cache.is_contiguous():
+                if parts is None or len(parts) > _MAX_PARTS:
                     self._stacks[m] = None
                     return None
                 target = getattr(layers[i], name)
                 target.num_parts, target.n, target.k = len(parts), lin.out_features, lin.in_features
                 for j, (kind, qtype, n, w) in enumerate(parts):
                     target.parts[j] = _Part(kind, qtype, n, w.data_ptr())
-                lins.append(lin)
             target = layers[i]
             target.input_norm, target.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
@@ -198,7 +203,7 @@ class DecodeLayers:
                        c.intermediate_size, kv_caches[0][0].shape[1], c.rms_norm_eps, model.scale,
                        int(model.dtype == torch.bfloat16), int(self.generic),
                        int(c.hidden_act == "gelu_pytorch_tanh"), 0, ctypes.addressof(layers))
-        self._stacks[m] = (stack, layers)
+        self._stacks[m] = (stack, layers, int(self.lib.decode_layers_scratch(ctypes.byref(stack), m)))
         return self._stacks[m]
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -211,8 +216,7 @@ class DecodeLayers:
         found = self._stack(m, kv_caches)
         if found is None:
             return None
-        stack, _ = found
-        need = int(self.lib.decode_layers_scratch(ctypes.byref(stack), m))
+        stack, _, need = found
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         tables, seq_lens = row_tables(meta)
