@@ -42,6 +42,7 @@ import redis
 
 from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
+from rill.shared.heartbeat import engine_ids
 from rill.shared.model_files import resolve_model
 from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 
@@ -156,10 +157,13 @@ class Killer(threading.Thread):
         args = cmd.split()
         if kind in ("tokenizer", "detokenizer"):
             name = args[args.index("--replica-name") + 1]
-            stream, group = ((self.streams.requests, TOKENIZER_GROUP) if kind == "tokenizer"
-                             else (self.streams.detok, DETOKENIZER_GROUP))
+            s = self.streams
             try:
-                consumers = self.r.xinfo_consumers(stream, group)
+                if kind == "tokenizer":
+                    group, streams = TOKENIZER_GROUP, [s.requests_for(m.decode()) for m in self.r.smembers(s.gateways_key())]
+                else:
+                    group, streams = DETOKENIZER_GROUP, [s.detok(e) for e in engine_ids(self.r.smembers(s.engines_key()))]
+                consumers = [c for stream in streams for c in self.r.xinfo_consumers(stream, group)]
             except redis.RedisError:
                 return False
             return any(c["name"].decode() == name and c["idle"] < 2000 for c in consumers)

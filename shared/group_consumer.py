@@ -1,9 +1,11 @@
 """The consumer loop of a replicated stateless stage (tokenizer, detokenizer): read through the
-group, handle, ack with the replies, take over a dead replica's entries, trim, survive outages."""
+group, handle, ack with the replies, take over a dead replica's entries, trim, survive outages;
+and the same over a changing set of streams (one per gateway, one per engine)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -16,6 +18,9 @@ from rill.shared.resp import Command
 CLAIM_EVERY_S = 1.0  # how often a replica looks for a dead replica's entries
 TRIM_EVERY_S = 2.0  # trimming entries every replica has read and acked
 REAP_EVERY_S = 30.0  # forgetting the consumer names of dead replicas
+DISCOVER_EVERY_S = 0.5  # how soon a new gateway's or engine's stream is read
+
+Handler = Callable[[Bus, str, list[Entry]], list[Command] | None]
 
 
 def serve_group(bus: Bus, stream: str, group: str, consumer: str,
@@ -78,3 +83,58 @@ def serve_group(bus: Bus, stream: str, group: str, consumer: str,
             bus.exchange(outbox)
         except redis.RedisError as exc:
             log.warning("could not send the last replies while stopping (they are redone): %r", exc)
+
+
+def serve_streams(url: str, prefix: str, group: str, consumer: str, streams_now: Callable[[Bus], list[str]],
+                  handle: Handler, stop: StopFlag, claim_idle_ms: int | None = CLAIM_IDLE_MS, count: int = 64,
+                  log: logging.Logger | None = None) -> None:
+    """serve_group over every stream `streams_now` lists, until `stop`: the list is read again
+    every DISCOVER_EVERY_S; each stream gets a thread with its own connection (a cluster puts the
+    streams on different masters, and one blocking read cannot wait on two), and a stream that
+    leaves the list is let go once its thread's last read is handled. `handle(bus, stream,
+    entries)` runs in one thread at a time, so it may share state unguarded."""
+    log = log or logging.getLogger("rill.bus")
+    directory = Bus(url, prefix, name=consumer)
+    one_at_a_time = threading.Lock()
+    readers: dict[str, tuple[threading.Thread, StopFlag]] = {}
+    backoff = Backoff()
+
+    def serve(stream: str, own_stop: StopFlag) -> None:
+        bus = Bus(url, prefix, name=consumer)
+
+        def handle_one(entries: list[Entry]) -> list[Command] | None:
+            with one_at_a_time:
+                return handle(bus, stream, entries)
+        try:
+            serve_group(bus, stream, group, consumer, handle_one, own_stop, claim_idle_ms, count, log)
+        finally:
+            bus.close()
+
+    try:
+        while not stop:
+            try:
+                wanted = set(streams_now(directory))
+                backoff.reset()
+            except redis.RedisError as exc:  # the readers ride out the outage themselves
+                if not backoff.failures:
+                    log.warning("broker error listing streams, retrying: %r", exc)
+                stop.wait(backoff.next())
+                continue
+            for stream, (thread, own_stop) in list(readers.items()):
+                if stream not in wanted:
+                    own_stop.set()
+                if not thread.is_alive():
+                    del readers[stream]
+            for stream in sorted(wanted - set(readers)):
+                own_stop = StopFlag(install=False)
+                thread = threading.Thread(target=serve, args=(stream, own_stop), name=f"read:{stream}", daemon=True)
+                readers[stream] = (thread, own_stop)
+                thread.start()
+                log.info("reading %s", stream)
+            stop.wait(DISCOVER_EVERY_S)
+    finally:
+        for _, own_stop in readers.values():
+            own_stop.set()
+        for thread, _ in readers.values():
+            thread.join()
+        directory.close()

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-from rill.shared.bus import connect
+from rill.shared.bus import Bus, connect
 from rill.shared.streams import Streams
 
 log = logging.getLogger("rill.heartbeat")
@@ -110,6 +110,21 @@ def engine_ids(members: Iterable[str]) -> list[int]:
     """The engine ids in the members of the engines set (Streams.engines_key), sorted: the one
     reading of the engine directory every service shares."""
     return sorted({int(m) for m in members if m.isdigit()})
+
+
+def engine_detok_streams(bus: Bus) -> list[str]:
+    """The detok stream of every listed engine (a dead one's last steps are still delivered)."""
+    return [bus.streams.detok(e) for e in engine_ids(bus.r.smembers(bus.streams.engines_key()))]
+
+
+def gateway_request_streams(bus: Bus) -> list[str]:
+    """The requests streams of the gateways that are listed and beating (a killed gateway's
+    requests have nobody to answer; a gateway that beats again is read again, from where its
+    consumer group stopped)."""
+    s = bus.streams
+    replies = sorted(m.decode() if isinstance(m, bytes) else m for m in bus.r.smembers(s.gateways_key()))
+    beats = bus.mget([s.heartbeat("gateway", reply) for reply in replies])
+    return [s.requests_for(reply) for reply, beat in zip(replies, beats, strict=True) if beat is not None]
 
 
 def engine_beat_keys(streams: Streams, engines: Sequence[int]) -> list[str]:

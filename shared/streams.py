@@ -2,9 +2,12 @@
 stream carries: its cap and the message types that may be sent on it (KINDS). The bus derives
 both from the stream's name on every send.
 
-An engine's streams and keys carry the hash tag `{engine:e}`, and a KV hand-off's chunks the
-tag of their transfer: on a Redis Cluster each lives in one slot, so one engine's step talks to
-one master and different engines spread over the masters.
+An engine's streams and keys carry the hash tag `{engine:e}`, its detok stream included, and a
+KV hand-off's chunks the tag of their transfer: on a Redis Cluster each lives in one slot, so one
+engine's step talks to one master and different engines spread over the masters. No stream is
+shared by every request: each gateway has its own requests stream (beside its reply stream), each
+engine its own detok stream, and the replicas of a stage read them all through one consumer group
+name (group_consumer.serve_streams), so gateways and engines spread over a cluster's masters too.
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ class Streams:
 
     prefix: str = "rill"
 
-    @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
+    def requests(self, gateway_id: str) -> str:
+        """What one gateway sends the tokenizers (requests, tokenize calls)."""
+        return f"{self.prefix}:requests:{gateway_id}"
 
-    @property
-    def detok(self) -> str:
-        return f"{self.prefix}:detok"
+    def requests_for(self, reply_stream: str) -> str:
+        """The requests stream of the gateway whose reply stream this is (gateways_key lists
+        reply streams)."""
+        return self.requests(reply_stream.removeprefix(f"{self.prefix}:reply:"))
+
+    def detok(self, engine: int) -> str:
+        """One engine's new tokens, for the detokenizers."""
+        return f"{self.prefix}:{{engine:{engine}}}:detok"
 
     def engine_in(self, engine: int) -> str:
         return f"{self.prefix}:{{engine:{engine}}}:in"
@@ -91,8 +99,8 @@ class Streams:
         if not stream.startswith(f"{self.prefix}:"):
             return None
         rest = stream[len(self.prefix) + 1:]
-        if rest in ("requests", "detok"):
-            return KINDS[rest]
+        if rest.startswith("requests:"):
+            return KINDS["requests"]
         if rest.startswith("reply:"):
             return KINDS["reply"]
         if rest.startswith("{engine:"):
@@ -142,7 +150,7 @@ KINDS: dict[str, StreamKind] = {
     "detok": StreamKind(20_000, _members(DetokBatch)),
     "reply": StreamKind(20_000, _members(GatewayInput)),
 }
-_ENGINE_KINDS = {"in": "engine_in", "plan": "plan", "result": "result"}
+_ENGINE_KINDS = {"in": "engine_in", "plan": "plan", "result": "result", "detok": "detok"}
 
 
 @lru_cache(maxsize=4096)

@@ -57,6 +57,30 @@ async def count_chats(base_url: str, api_key: str = "none", counts: tuple[int, .
         await client.close()
 
 
+class SentRequests:
+    """Reads what the gateways of a prefix queue for the tokenizers (each gateway has its own
+    requests stream), in order per gateway; for tests that play the tokenizer themselves."""
+
+    def __init__(self, r: Any, streams: Streams) -> None:
+        self.r, self.streams = r, streams  # an asyncio redis client
+        self.last: dict[str, bytes] = {}
+
+    async def names(self) -> list[str]:
+        return sorted(self.streams.requests_for(m.decode()) for m in await self.r.smembers(self.streams.gateways_key()))
+
+    async def next(self, timeout: float = 5.0) -> bytes:
+        """The payload of the next entry any gateway queued (the gateways started already)."""
+        resp = await self.r.xread({name: self.last.get(name, b"0-0") for name in await self.names()}, count=1,
+                                  block=int(timeout * 1000))
+        assert resp, "the gateway sent no request"
+        stream, [(entry_id, fields)] = resp[0]
+        self.last[stream.decode()] = entry_id
+        return fields[b"m"]
+
+    async def count(self) -> int:
+        return sum([await self.r.xlen(name) for name in await self.names()])
+
+
 @dataclass
 class ServiceStack:
     redis_url: str
@@ -128,6 +152,15 @@ class ServiceStack:
             proc.wait()
         self.procs[name] = subprocess.Popen(self.commands[name], env=self.env)
         self.wait_ready(timeout)
+
+    def requests_streams(self) -> list[str]:
+        """Every listed gateway's requests stream (one gateway: one stream)."""
+        return sorted(self.streams.requests_for(m.decode()) for m in self.redis.smembers(self.streams.gateways_key()))
+
+    def sent_requests(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries the gateways queued for the tokenizers, oldest first."""
+        entries = [e for stream in self.requests_streams() for e in self.redis.xrange(stream)]
+        return sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split(b"-")))
 
     def stats(self) -> EngineStats:
         raw = self.redis.get(self.streams.stats_key(0))

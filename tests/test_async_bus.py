@@ -67,16 +67,16 @@ def test_a_send_takes_its_cap_from_the_stream_and_refuses_what_the_stream_does_n
         with pytest.raises(WrongStream, match="not one of the streams"):
             bus.send(f"{prefix}:elsewhere", abort)
         with pytest.raises(WrongStream):
-            bus.send_many([(s.engine_in(0), abort), (s.detok, abort)])
+            bus.send_many([(s.engine_in(0), abort), (s.detok(0), abort)])
         with pytest.raises(WrongStream):
-            bus.ack_and_send_many(s.requests, "g", [(b"1-0", [(s.reply("g"), abort)])])
-        assert not bus.r.exists(s.engine_in(0), s.detok, s.reply("g"))  # a refused batch sends nothing
+            bus.ack_and_send_many(s.requests("g"), "g", [(b"1-0", [(s.reply("g"), abort)])])
+        assert not bus.r.exists(s.engine_in(0), s.detok(0), s.reply("g"))  # a refused batch sends nothing
 
         async def refused() -> None:
             abus = AsyncBus(redis_url, prefix)
             try:
                 with pytest.raises(WrongStream):
-                    await abus.send(s.requests, abort)
+                    await abus.send(s.requests("g"), abort)
             finally:
                 await abus.close()
 

@@ -144,7 +144,7 @@ def test_rill_chat_in_a_terminal(stack: ServiceStack) -> None:
         term.expect(PROMPT, term.expect(r"\(max_tokens = 4\)", mark).end())
         mark = term.type("Thanks!\r")
         term.expect(PROMPT, term.expect(STATS, mark, timeout=120).end())
-        last = generate_decoder.decode(stack.redis.xrange(stack.streams.requests)[-1][1][FIELD])
+        last = generate_decoder.decode(stack.sent_requests()[-1][1][FIELD])
         turns = [(m.role, m.content) for m in last.messages or []]
         assert turns[:3] == [("user", question), ("assistant", reply), ("user", story)]
         assert turns[3][0] == "assistant" and len(shown.strip()) >= 30 and turns[3][1].startswith(shown)

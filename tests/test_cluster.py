@@ -53,8 +53,12 @@ def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluste
     bus = Bus(cluster.url, "rill")
     try:
         assert bus.cluster
-        src, dest_a, dest_b = bus.streams.requests, bus.streams.engine_in(0), bus.streams.engine_in(1)
-        assert len({master_of(cluster, k) for k in (src, dest_a, dest_b)}) == 3
+        dest_a, dest_b = bus.streams.engine_in(0), bus.streams.engine_in(1)
+        engines = {master_of(cluster, dest_a), master_of(cluster, dest_b)}
+        assert len(engines) == 2
+        # A gateway whose requests stream sits on the third master.
+        src = next(bus.streams.requests(g) for g in map(str, range(100))
+                   if master_of(cluster, bus.streams.requests(g)) not in engines)
         bus.ensure_group(src, "g")
         entry_id = bus.send(src, DetokenizeRequest(request_id="r", reply_to="", token_ids=[]))
         assert [e for e, _ in bus.read_group(src, "g", "one", block_ms=None)] == [entry_id]
@@ -88,18 +92,18 @@ def test_hot_path_pipelines_span_masters(cluster: LocalCluster) -> None:
     bus = Bus(cluster.url, "rill")
     try:
         s = bus.streams
-        assert master_of(cluster, s.plan(0)) != master_of(cluster, s.detok)
-        bus.ensure_group(s.detok, "g")
+        assert master_of(cluster, s.plan(0)) != master_of(cluster, s.detok(1))  # two engines' streams
+        bus.ensure_group(s.detok(1), "g")
         batch = DetokBatch(0, 0, ["d"], [""], [0], [[]], [[]], [None], [0], [[]], [True], [False])
         replies = bus.exchange([bus.xadd(s.plan(0), Hello(scheduler_id="p")),
-                                bus.xadd(s.detok, batch),
+                                bus.xadd(s.detok(1), batch),
                                 Bus.xread(s.plan(0), b"0-0", None),
-                                Bus.xreadgroup(s.detok, "g", "c", None)])
+                                Bus.xreadgroup(s.detok(1), "g", "c", None)])
         assert [len(Bus.entries(r)) for r in replies[2:]] == [1, 1]
         assert Bus.entries(replies[3])[0][1] == encode(batch)
-        bus.r.delete(s.detok)
-        bus.send(s.detok, batch)
-        assert [e for e, _ in bus.read_group(s.detok, "g", "c", None)]  # NOGROUP → group re-created
+        bus.r.delete(s.detok(1))
+        bus.send(s.detok(1), batch)
+        assert [e for e, _ in bus.read_group(s.detok(1), "g", "c", None)]  # NOGROUP → group re-created
         assert len(bus.mget([s.stats_key(e) for e in range(4)])) == 4
     finally:
         bus.close()
@@ -166,12 +170,16 @@ def test_pipeline_on_a_cluster_survives_a_master_failover(cluster: LocalCluster,
         engine_masters = {e: master_of(cluster, s.engine_in(e)) for e in (0, 1)}
         assert engine_masters[0] != engine_masters[1], engine_masters
         for e in (0, 1):  # each engine's streams and keys share its master
-            assert {master_of(cluster, k) for k in (s.plan(e), s.result(e), s.stats_key(e))} == {engine_masters[e]}
+            assert {master_of(cluster, k) for k in (s.plan(e), s.result(e), s.detok(e), s.stats_key(e))} \
+                == {engine_masters[e]}
 
         bases = [f"http://127.0.0.1:{p}" for p in ports]
         on_cluster = _texts(asyncio.run(_ask(bases, list(range(N_REQUESTS)))))
         used = {e: connect(cluster.url).xinfo_stream(s.engine_in(e))["entries-added"] for e in (0, 1)}
         assert all(used.values()), used  # both engines served
+        # Each gateway sent its requests on its own stream (no stream carries every request).
+        sent = [connect(cluster.url).xinfo_stream(stream)["entries-added"] for stream in stack.requests_streams()]
+        assert len(sent) == 2 and sum(sent) >= N_REQUESTS and all(sent), sent
 
         # Kill engine 0's master under load: what was in flight ends with a clear error; new
         # requests succeed within 15 s of the kill, and from then on all do; no service restarted.

@@ -118,7 +118,9 @@ def test_compose_commands_serve_a_chat(redis_url: str, smollm2_dir: str) -> None
             assert resp.choices[0].message.content.strip()
             assert resp.usage.completion_tokens <= 6 and resp.choices[0].finish_reason in ("stop", "length")
         # Both replicas of each stateless stage joined their consumer group.
-        for stream, group in ((stack.streams.requests, TOKENIZER_GROUP), (stack.streams.detok, DETOKENIZER_GROUP)):
+        groups = [*((stream, TOKENIZER_GROUP) for stream in stack.requests_streams()),
+                  (stack.streams.detok(0), DETOKENIZER_GROUP)]
+        for stream, group in groups:
             consumers = stack.redis.xinfo_consumers(stream, group)
             assert len(consumers) >= 2, consumers
         assert stack.alive()

@@ -364,6 +364,7 @@ def bus() -> Iterator[Bus]:
         b.r.ping()
     except redis.ConnectionError:
         pytest.skip(f"no Redis at {REDIS_URL}")
+    b.r.sadd(b.streams.engines_key(), "0")  # listed: the replicas read engine 0's detok stream
     yield b
     keys = list(b.r.scan_iter(match=f"{b.streams.prefix}:*"))
     if keys:
@@ -422,7 +423,7 @@ def send_steps(bus: Bus, reqs: list[Request], first_step: int = 0) -> int:
     steps = max(len(r.rows) for r in reqs)
     for s in range(steps):
         rows = [(r, s) for r in reqs if s < len(r.rows)]
-        bus.r.xadd(bus.streams.detok, {FIELD: encode(make_batch(first_step + s, rows))})
+        bus.r.xadd(bus.streams.detok(0), {FIELD: encode(make_batch(first_step + s, rows))})
     return steps
 
 
@@ -462,7 +463,7 @@ def aborts(bus: Bus) -> list[tuple[list[str], str]]:
 
 
 def pending(bus: Bus) -> int:
-    return bus.r.xpending(bus.streams.detok, DETOKENIZER_GROUP)["pending"]
+    return bus.r.xpending(bus.streams.detok(0), DETOKENIZER_GROUP)["pending"]
 
 
 def test_service_end_to_end(bus: Bus, model_dir: str, tok) -> None:
@@ -473,8 +474,8 @@ def test_service_end_to_end(bus: Bus, model_dir: str, tok) -> None:
     bad = Request("bad", g2, [5000, 10**9, 6000], [1, 1, 1])
     replica = Replica(bus, model_dir, "c1")
     try:
-        bus.r.xadd(bus.streams.detok, {FIELD: b"not msgpack at all"})  # logged and acked, loop lives on
-        bus.r.xadd(bus.streams.detok, {FIELD: msgspec.msgpack.encode({"x": 1})})
+        bus.r.xadd(bus.streams.detok(0), {FIELD: b"not msgpack at all"})  # logged and acked, loop lives on
+        bus.r.xadd(bus.streams.detok(0), {FIELD: msgspec.msgpack.encode({"x": 1})})
         steps = send_steps(bus, [plain, stopped, other, bad])
         got1, batches1 = collect(bus, g1, {"plain": len(plain.rows), "stopped": len(stopped.rows)})
         got2, batches2 = collect(bus, g2, {"other": len(other.rows), "bad": len(bad.rows)})
@@ -512,11 +513,11 @@ def test_two_replicas_share_steps(bus: Bus, model_dir: str, tok) -> None:
     Entries are first handed alternately to consumers a and b as if they had crashed mid-work,
     so each replica must also finish its own pending entries on start."""
     g = bus.streams.reply("gw")
-    bus.ensure_group(bus.streams.detok, DETOKENIZER_GROUP)
+    bus.ensure_group(bus.streams.detok(0), DETOKENIZER_GROUP)
     first = Request("first", g, tok.encode(TEXTS[2]), [1, 2] * 40, stop=["never"])
     n = send_steps(bus, [first])
     for s in range(n):  # deliver step s to consumer a or b, unacked
-        got = bus.r.xreadgroup(DETOKENIZER_GROUP, "ab"[s % 2], {bus.streams.detok: ">"}, count=1)
+        got = bus.r.xreadgroup(DETOKENIZER_GROUP, "ab"[s % 2], {bus.streams.detok(0): ">"}, count=1)
         assert len(got[0][1]) == 1
     replicas = [Replica(bus, model_dir, "b"), Replica(bus, model_dir, "a")]
     try:
@@ -529,7 +530,7 @@ def test_two_replicas_share_steps(bus: Bus, model_dir: str, tok) -> None:
         got, _ = collect(bus, g, {"live": len(live.rows)})
         text, last = assemble(got["live"])
         assert text == TEXTS[1] + " 世界 " and last.finish_reason == "stop"
-        consumers = {c["name"].decode(): c for c in bus.r.xinfo_consumers(bus.streams.detok, DETOKENIZER_GROUP)}
+        consumers = {c["name"].decode(): c for c in bus.r.xinfo_consumers(bus.streams.detok(0), DETOKENIZER_GROUP)}
         assert set(consumers) == {"a", "b"}
         deadline = time.monotonic() + 5
         while pending(bus) and time.monotonic() < deadline:
@@ -544,10 +545,10 @@ def test_two_replicas_share_steps(bus: Bus, model_dir: str, tok) -> None:
 def test_abandoned_entries_are_claimed(bus: Bus, model_dir: str, tok) -> None:
     """A replica that read entries and died: a live replica takes them over once idle."""
     g = bus.streams.reply("gw")
-    bus.ensure_group(bus.streams.detok, DETOKENIZER_GROUP)
+    bus.ensure_group(bus.streams.detok(0), DETOKENIZER_GROUP)
     req = Request("orphan", g, tok.encode(TEXTS[3]), [4] * 20)
     n = send_steps(bus, [req])
-    assert len(bus.r.xreadgroup(DETOKENIZER_GROUP, "dead", {bus.streams.detok: ">"})[0][1]) == n
+    assert len(bus.r.xreadgroup(DETOKENIZER_GROUP, "dead", {bus.streams.detok(0): ">"})[0][1]) == n
     time.sleep(0.2)
     stop = StopFlag(install=False)
     thread = threading.Thread(target=service.run, daemon=True,

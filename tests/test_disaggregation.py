@@ -387,7 +387,8 @@ class ThreadEngines:
         self.threads: dict[int, tuple[StopFlag, list[threading.Thread]]] = {}
         self.outputs: dict[str, Output] = {}
         self.errors: dict[str, str] = {}
-        self._detok_cursor = b"0-0"
+        self._detok_cursor = {0: b"0-0", 1: b"0-0"}  # per engine: each writes its own detok stream
+        self._parked: dict[str, dict[int, tuple[list[int], str | None]]] = {}  # arrived ahead of an earlier offset
         self._reply_cursor = b"0-0"
         self.reply = f"{prefix}:reply:test"
 
@@ -427,14 +428,23 @@ class ThreadEngines:
             arrival_time=time.time()))
 
     def poll(self) -> None:
-        for entry_id, payload in self.bus.read(self.s.detok, self._detok_cursor, block_ms=50, count=500):
-            self._detok_cursor = entry_id
-            b = detok_decoder.decode(payload)
-            for i, rid in enumerate(b.request_ids):
-                out = self.outputs.setdefault(rid, Output())
-                assert b.offsets[i] == len(out.tokens), f"{rid}: offset {b.offsets[i]} after {len(out.tokens)}"
-                out.tokens += b.new_token_ids[i]
-                out.finish = b.finish_reasons[i] or out.finish
+        # Each engine writes its own detok stream, so a handed-off request's tokens from the decode
+        # engine may be read before its first one from the prefill engine: applied by offset, as
+        # the gateway does, each offset once.
+        for e, cursor in self._detok_cursor.items():
+            for entry_id, payload in self.bus.read(self.s.detok(e), cursor, block_ms=25, count=500):
+                self._detok_cursor[e] = entry_id
+                b = detok_decoder.decode(payload)
+                for i, rid in enumerate(b.request_ids):
+                    out, parked = self.outputs.setdefault(rid, Output()), self._parked.setdefault(rid, {})
+                    assert b.offsets[i] >= len(out.tokens) and b.offsets[i] not in parked, f"{rid}: {b.offsets[i]} again"
+                    parked[b.offsets[i]] = (b.new_token_ids[i], b.finish_reasons[i])
+                    while len(out.tokens) in parked:
+                        tokens, finish = parked.pop(len(out.tokens))
+                        out.tokens += tokens
+                        out.finish = finish or out.finish
+                        if not tokens:
+                            break
         for entry_id, payload in self.bus.read(self.reply, self._reply_cursor, block_ms=None, count=500):
             self._reply_cursor = entry_id
             msg = gateway_input_decoder.decode(payload)

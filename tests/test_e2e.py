@@ -205,6 +205,6 @@ def test_each_service_is_its_own_process(stack: ServiceStack) -> None:
     assert all(p.poll() is None for p in stack.procs.values()), "a service died during the tests"
     # The services found each other only through the broker: their streams exist under our prefix.
     keys = {k.decode() for k in stack.redis.scan_iter(match=f"{stack.streams.prefix}:*")}
-    for stream in (stack.streams.requests, stack.streams.engine_in(0), stack.streams.plan(0),
-                   stack.streams.result(0), stack.streams.detok):
+    for stream in (*stack.requests_streams(), stack.streams.engine_in(0), stack.streams.plan(0),
+                   stack.streams.result(0), stack.streams.detok(0)):
         assert stream in keys

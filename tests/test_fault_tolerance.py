@@ -40,7 +40,7 @@ from rill.shared.streams import DETOKENIZER_GROUP, SCHEDULER_GROUP, TOKENIZER_GR
 def test_ack_and_send_forwards_each_entry_once(redis_url: str, prefix: str) -> None:
     """Two replicas holding the same entry (a claim raced a slow replica): only one forwards."""
     bus = Bus(redis_url, prefix)
-    src, dest = bus.streams.requests, bus.streams.reply("g")
+    src, dest = bus.streams.requests("g"), bus.streams.reply("g")
     try:
         bus.ensure_group(src, TOKENIZER_GROUP)
         bus.r.xadd(src, {FIELD: b"x"})
@@ -59,7 +59,7 @@ def test_ack_and_send_forwards_each_entry_once(redis_url: str, prefix: str) -> N
 
 def test_trim_consumed_keeps_pending_and_unread(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix)
-    s = bus.streams.detok
+    s = bus.streams.detok(0)
     try:
         bus.ensure_group(s, DETOKENIZER_GROUP)
         ids = [bus.r.xadd(s, {FIELD: str(i).encode()}) for i in range(1000)]
@@ -79,7 +79,7 @@ def test_trim_consumed_keeps_pending_and_unread(redis_url: str, prefix: str) -> 
 
 def test_read_group_recreates_a_lost_group(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix)
-    s = bus.streams.requests
+    s = bus.streams.requests("g")
     try:
         bus.r.delete(s)  # what a restarted broker without persistence looks like
         assert bus.read_group(s, TOKENIZER_GROUP, "c", block_ms=None) == []
@@ -132,6 +132,12 @@ class Stack:
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.broker.url)  # the same port across broker restarts
 
+    @property
+    def requests_streams(self) -> list[str]:
+        """The requests streams of the stack's gateways (killed ones stay listed, their streams
+        stay readable)."""
+        return sorted(self.streams.requests_for(m.decode()) for m in self.redis.smembers(self.streams.gateways_key()))
+
     def start(self, name: str) -> None:
         kind = name.split("-")[0]
         argv = [sys.executable, "-m", "rill.services.cli", "service", kind, self.model_dir,
@@ -161,7 +167,7 @@ class Stack:
             assert time.monotonic() < deadline, f"{name} never blocked in XREADGROUP"
             time.sleep(0.02)
 
-    def stop_holding(self, name: str, stream: str, group: str, timeout: float = 30.0) -> None:
+    def stop_holding(self, name: str, stream: str | list[str], group: str, timeout: float = 30.0) -> None:
         """Stop a replica so that it sits on unacked work: stopped while blocked, it gets the next
         entry unless its BLOCK (POLL_MS) runs out first; then it is resumed and tried again."""
         deadline = time.monotonic() + timeout
@@ -208,9 +214,13 @@ class Stack:
             assert time.monotonic() < deadline, f"{what} (stats: {st})"
             time.sleep(0.1)
 
-    def pending(self, stream: str, group: str) -> dict[str, int]:
-        summary = self.redis.xpending(stream, group)
-        return {c["name"].decode(): c["pending"] for c in summary["consumers"]}
+    def pending(self, streams: str | list[str], group: str) -> dict[str, int]:
+        """Entries each consumer holds unacked, over the streams."""
+        held: dict[str, int] = {}
+        for stream in [streams] if isinstance(streams, str) else streams:
+            for c in self.redis.xpending(stream, group)["consumers"]:
+                held[c["name"].decode()] = held.get(c["name"].decode(), 0) + c["pending"]
+        return held
 
     def restart_broker(self, downtime: float) -> None:
         """A new, empty server on the same port (no persistence: every stream and group is gone)."""
@@ -367,7 +377,7 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
     async def watch_pending() -> None:
         while True:
             held.clear()
-            held.update(stack.pending(s.detok, DETOKENIZER_GROUP) | stack.pending(s.requests, TOKENIZER_GROUP))
+            held.update(stack.pending(s.detok(0), DETOKENIZER_GROUP) | stack.pending(stack.requests_streams, TOKENIZER_GROUP))
             for name in stalled:
                 seen[name] = max(seen[name], held.get(name, 0))
             await asyncio.sleep(0.05)
@@ -377,10 +387,10 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
         try:
             # While requests arrive, two tokenizers stall each holding one; later, mid-stream, two
             # detokenizers stall each holding a step.
-            await asyncio.gather(*[asyncio.to_thread(stack.stop_holding, name, s.requests, TOKENIZER_GROUP)
+            await asyncio.gather(*[asyncio.to_thread(stack.stop_holding, name, stack.requests_streams, TOKENIZER_GROUP)
                                    for name in ("tokenizer-1", "tokenizer-2")])
             await started(outcomes, 8)
-            await asyncio.gather(*[asyncio.to_thread(stack.stop_holding, name, s.detok, DETOKENIZER_GROUP)
+            await asyncio.gather(*[asyncio.to_thread(stack.stop_holding, name, s.detok(0), DETOKENIZER_GROUP)
                                    for name in ("detokenizer-1", "detokenizer-2")])
             deadline = time.monotonic() + 60
             # Each stalled replica held work, and the live ones claimed it after CLAIM_IDLE_MS.
@@ -521,7 +531,7 @@ def test_garbage_on_every_stream_loses_nothing(stack: Stack) -> None:
             await started(outcomes, len(outcomes))
             st = stack.streams
             replies = [k.decode() for k in stack.redis.scan_iter(match=f"{stack.prefix}:reply:*")]
-            streams = [st.requests, st.engine_in(0), st.plan(0), st.result(0), st.detok, *replies]
+            streams = [*stack.requests_streams, st.engine_in(0), st.plan(0), st.result(0), st.detok(0), *replies]
             for junk in ({b"m": b"\xc1 not msgpack"}, {b"m": b""}, {b"m": b"\x92\x01"},
                          {b"m": b"\x81\xa2_t\xa5nope!"}, {b"other": b"1"}):
                 for name in streams:
@@ -592,10 +602,13 @@ def test_thousand_requests_leave_streams_bounded(stack: Stack) -> None:
     assert codes.count(200) == n, {c: codes.count(c) for c in set(codes)}
     r = stack.redis
     s = stack.streams
-    groups = {s.requests: TOKENIZER_GROUP, s.detok: DETOKENIZER_GROUP, s.engine_in(0): SCHEDULER_GROUP}
+    # Every gateway's requests stream that still exists (a killed gateway's expires).
+    groups = {**dict.fromkeys(stack.requests_streams, TOKENIZER_GROUP), s.detok(0): DETOKENIZER_GROUP,
+              s.engine_in(0): SCHEDULER_GROUP}
     deadline = time.monotonic() + 15
     while True:  # trimming runs every few seconds
         lengths = {k.decode(): r.xlen(k) for k in r.scan_iter(match=f"{s.prefix}:*", _type="stream")}
+        groups = {g: group for g, group in groups.items() if g in lengths}
         if all(lengths[g] < 250 for g in groups) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -608,5 +621,5 @@ def test_thousand_requests_leave_streams_bounded(stack: Stack) -> None:
         stale = r.xpending_range(stream, group, "-", "+", 10, idle=CLAIM_IDLE_MS)
         assert not stale, (stream, stale)
     for name in lengths:
-        if name.startswith(f"{s.prefix}:reply:"):
+        if name.startswith((f"{s.prefix}:reply:", f"{s.prefix}:requests:")):
             assert 0 < r.ttl(name) <= 60, name  # refreshed while its gateway lives, then it expires

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from service_stack import SentRequests
 from websockets.asyncio.client import ClientConnection, connect
 
 from rill.services.gateway.app import create_app
@@ -113,21 +114,17 @@ def server() -> Iterator[LiveServer]:
 class Downstream:
     """Plays tokenizer + detokenizer: reads GenerateRequests, writes replies, watches aborts."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, url: str = REDIS_URL) -> None:
         self.streams = Streams(prefix)
-        self.r = aioredis.Redis.from_url(REDIS_URL, decode_responses=False)
-        self.req_last = b"0-0"
+        self.r = aioredis.Redis.from_url(url, decode_responses=False)
+        self.sent = SentRequests(self.r, self.streams)
         self.abort_last: dict[int, bytes] = {}
 
     async def next_request(self, timeout: float = 5.0) -> GenerateRequest:
-        resp = await self.r.xread({self.streams.requests: self.req_last}, count=1, block=int(timeout * 1000))
-        assert resp, "the gateway sent no request"
-        entry_id, fields = resp[0][1][0]
-        self.req_last = entry_id
-        return generate_decoder.decode(fields[FIELD])
+        return generate_decoder.decode(await self.sent.next(timeout))
 
     async def num_requests(self) -> int:
-        return await self.r.xlen(self.streams.requests)
+        return await self.sent.count()
 
     async def reply(self, reply_to: str, deltas: list[TextDelta]) -> None:
         await self.r.xadd(reply_to, {FIELD: encode(ReplyBatch(deltas=deltas))})

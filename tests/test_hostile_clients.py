@@ -293,8 +293,7 @@ def test_full_broker_gives_new_requests_503_and_recovers() -> None:
         assert resp.status_code == 503 and "full" in resp.json()["error"]["message"], resp.text
         r.delete(*r.keys("fill:*"))  # room again: the same gateway takes requests
         r.config_set("maxmemory", 4 << 20)
-        down = Downstream(srv.prefix)
-        down.r = down.r.from_url(broker.url)
+        down = Downstream(srv.prefix, broker.url)
 
         async def served_again() -> str:
             async with httpx.AsyncClient(base_url=srv.url, timeout=10) as http:

@@ -32,17 +32,16 @@ from rill.services.gateway import openai_api
 from rill.services.gateway.metrics import GatewayMetrics, GroupBacklog
 from rill.shared.broker import free_port
 from rill.shared.schema import EngineStats
-from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "scripts" / "kubernetes"
 RILL_IMAGE = "rill"  # rill:latest and rill:cuda, built from scripts/Dockerfile (ENTRYPOINT ["rill"])
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-# redis-streams trigger fields in KEDA's docs (keda.sh/docs/latest/scalers/redis-streams).
-KEDA_REDIS_STREAMS = {"address", "host", "port", "addressFromEnv", "hostFromEnv", "portFromEnv", "usernameFromEnv",
-                      "passwordFromEnv", "stream", "consumerGroup", "pendingEntriesCount", "streamLength",
-                      "lagCount", "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex"}
+# prometheus trigger fields in KEDA's docs (keda.sh/docs/latest/scalers/prometheus).
+KEDA_PROMETHEUS = {"serverAddress", "query", "threshold", "activationThreshold", "namespace", "customHeaders",
+                   "ignoreNullValues", "queryParameters", "unsafeSsl", "timeout"}
 
 
 @functools.cache
@@ -172,16 +171,17 @@ def test_broker_address_is_the_bundled_service() -> None:
     namespace = kustomization()["namespace"]
     assert url.hostname == f"{service['metadata']['name']}.{namespace}.svc"
     assert url.port == service["spec"]["ports"][0]["port"]
-    assert config["RILL_REDIS_ADDRESS"] == f"{url.hostname}:{url.port}", "KEDA must watch the broker Rill uses"
     broker = find("StatefulSet", "rill-redis")
     assert service["spec"]["selector"] == broker["spec"]["template"]["metadata"]["labels"]
     args = broker["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction", "full broker: 503, not lost entries"
 
 
-def test_keda_scales_replicas_on_rills_streams() -> None:
-    """KEDA's ScaledObject CRD is not in Kubernetes' schemas: checked here field by field."""
-    reads = {"tokenizer": (lambda s: s.requests, TOKENIZER_GROUP), "detokenizer": (lambda s: s.detok, DETOKENIZER_GROUP)}
+def test_keda_scales_replicas_on_their_groups_lag() -> None:
+    """KEDA's ScaledObject CRD is not in Kubernetes' schemas: checked here field by field. Each
+    stage reads many streams (one per gateway / engine), so KEDA reads the lag the gateways export."""
+    groups = {"tokenizer": TOKENIZER_GROUP, "detokenizer": DETOKENIZER_GROUP}
+    series = exported_series()
     scaled = [d for d in manifests() if d["apiVersion"].startswith("keda.sh/")]
     assert {d["kind"] for d in scaled} == {"ScaledObject"} and {d["apiVersion"] for d in scaled} == {"keda.sh/v1alpha1"}
     targets = set()
@@ -197,17 +197,17 @@ def test_keda_scales_replicas_on_rills_streams() -> None:
         assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
         (trigger,) = spec["triggers"]
         meta = trigger["metadata"]
-        assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS, meta
+        assert trigger["type"] == "prometheus" and set(meta) <= KEDA_PROMETHEUS, meta
         assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
-        stream_of, group = reads[ns.name]
-        assert (meta["stream"], meta["consumerGroup"]) == (stream_of(Streams(ns.prefix)), group)
-        assert (meta["stream"], group) in gateway_metrics.replica_groups(Streams(ns.prefix))
-        assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
-        # KEDA reads the address from the target container's environment, as host:port.
-        address = container_env(container)[meta["addressFromEnv"]]
-        assert re.fullmatch(r"[a-z0-9.-]+:\d+", address), address
+        # The series the gateways export, for this Deployment's own group.
+        query = re.fullmatch(r'max\((rill:[a-z_:]+)\{group="([a-z]+)"\}\)', meta["query"])
+        assert query is not None, meta["query"]
+        assert query[1] == "rill:consumer_group_lag" and "group" in series[query[1]]
+        assert query[2] == groups[ns.name]
+        assert float(meta["threshold"]) > 0 and float(meta["activationThreshold"]) >= 0
+        assert urlsplit(meta["serverAddress"]).scheme in ("http", "https")
         targets.add(ns.name)
-    assert targets == set(reads)
+    assert targets == set(groups)
 
 
 def exported_series() -> dict[str, set[str]]:

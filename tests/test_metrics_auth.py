@@ -20,6 +20,7 @@ import redis
 import redis.asyncio as aioredis
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from service_stack import SentRequests
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -101,17 +102,13 @@ class Downstream:
     def __init__(self, redis_url: str, prefix: str) -> None:
         self.streams = Streams(prefix)
         self.r = aioredis.Redis.from_url(redis_url)
-        self.last = b"0-0"
+        self.sent = SentRequests(self.r, self.streams)
 
     async def next_request(self, timeout: float = 5.0) -> GenerateRequest:
-        resp = await self.r.xread({self.streams.requests: self.last}, count=1, block=int(timeout * 1000))
-        assert resp, "the gateway sent no request"
-        entry_id, fields = resp[0][1][0]
-        self.last = entry_id
-        return generate_decoder.decode(fields[FIELD])
+        return generate_decoder.decode(await self.sent.next(timeout))
 
     async def num_requests(self) -> int:
-        return await self.r.xlen(self.streams.requests)
+        return await self.sent.count()
 
     async def reply(self, req: GenerateRequest, deltas: list[TextDelta]) -> None:
         await self.r.xadd(req.reply_to, {FIELD: encode(ReplyBatch(deltas=deltas))})
@@ -224,10 +221,10 @@ async def test_metrics_match_a_known_workload(make_server, down_of) -> None:
     await r.set(s.stats_key(0), encode(EngineStats(engine_id=0, num_running=7, kv_usage=0.5)))
     await r.set(s.stats_key(1), encode(queue))
     # Replica backlog: 3 entries on the detokenizers' stream, one delivered and not acked.
-    await r.xgroup_create(s.detok, DETOKENIZER_GROUP, id="0", mkstream=True)
+    await r.xgroup_create(s.detok(0), DETOKENIZER_GROUP, id="0", mkstream=True)
     for _ in range(3):
-        await r.xadd(s.detok, {FIELD: b"x"})
-    await r.xreadgroup(DETOKENIZER_GROUP, "detok-a", {s.detok: ">"}, count=1)
+        await r.xadd(s.detok(0), {FIELD: b"x"})
+    await r.xreadgroup(DETOKENIZER_GROUP, "detok-a", {s.detok(0): ">"}, count=1)
     await r.aclose()
 
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:

@@ -294,10 +294,7 @@ def test_bodies_translate_to_the_same_sampling_params() -> None:
 
 async def _answer_tokenizer(down: Downstream, reply: TokenizeReply) -> str:
     """Answer the next tokenizer call; returns what kind of call it was."""
-    resp = await down.r.xread({down.streams.requests: down.req_last}, count=1, block=5000)
-    entry_id, fields = resp[0][1][0]
-    down.req_last = entry_id
-    msg = tokenizer_input_decoder.decode(fields[FIELD])
+    msg = tokenizer_input_decoder.decode(await down.sent.next())
     await down.r.xadd(msg.reply_to, {FIELD: encode(msgspec.structs.replace(reply, request_id=msg.request_id))})
     return type(msg).__name__
 

@@ -23,7 +23,7 @@ def batch(step: int) -> DetokBatch:
 
 def test_exchange_runs_sends_then_reads_in_order(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix, name="resp-test")
-    stream = bus.streams.detok
+    stream = bus.streams.detok(0)
     try:
         replies = bus.exchange([bus.xadd(stream, batch(i)) for i in range(3)] + [Bus.xread(stream, b"0-0", None)])
         ids, read = replies[:3], replies[3]
@@ -44,7 +44,7 @@ def test_a_posted_blocking_read_is_answered_while_the_caller_works(redis_url: st
     take() then finds the reply waiting (the worker's plan read). Errors of posted commands
     raise on take(); pipeline() takes what was posted first, so replies never go astray."""
     reader, writer = RespConnection(redis_url), Bus(redis_url, prefix)
-    stream = writer.streams.detok
+    stream = writer.streams.detok(0)
     try:
         t0 = time.monotonic()
         reader.post([Bus.xread(stream, b"0-0", 5000, count=1)])
@@ -95,7 +95,7 @@ def test_error_reply_raises_after_the_whole_batch_and_keeps_the_connection_in_st
 
 def test_group_reads_and_acks(redis_url: str, prefix: str) -> None:
     bus = Bus(redis_url, prefix)
-    stream = bus.streams.detok
+    stream = bus.streams.detok(0)
     try:
         bus.ensure_group(stream, DETOKENIZER_GROUP)
         sent = [bus.send(stream, batch(i)) for i in range(2)]
@@ -189,7 +189,7 @@ async def test_async_blocking_read_waits_for_the_entry(redis_url: str, prefix: s
     from rill.shared.bus import AsyncBus
 
     bus, writer = AsyncBus(redis_url, prefix, name="aresp-test"), Bus(redis_url, prefix)
-    stream = writer.streams.detok
+    stream = writer.streams.detok(0)
     try:
         read = asyncio.ensure_future(bus.read(stream, b"0-0", 5000))
         await asyncio.sleep(0.05)
@@ -214,7 +214,7 @@ async def test_async_cancelled_read_does_not_answer_the_next_command(redis_url: 
     from rill.shared.bus import AsyncBus
 
     bus, writer = AsyncBus(redis_url, prefix), Bus(redis_url, prefix)
-    stream = writer.streams.detok
+    stream = writer.streams.detok(0)
     try:
         read = asyncio.ensure_future(bus.read(stream, b"$", 5000))
         await asyncio.sleep(0.05)
@@ -235,7 +235,7 @@ async def test_async_reads_fail_clearly_while_the_broker_is_down_and_recover() -
     port = free_port()
     broker = EmbeddedBroker(port).start()
     bus = AsyncBus(broker.url, "rill")
-    stream = bus.streams.detok
+    stream = bus.streams.detok(0)
     try:
         assert await bus.read(stream, b"0-0", None) == []
         broker.stop()

@@ -145,7 +145,7 @@ def watch_replies(page: Page) -> None:
 
 def sent_requests(stack: ServiceStack) -> list[GenerateRequest]:
     """What the gateway queued for the tokenizers, read back from Redis."""
-    entries = stack.redis.xrange(stack.streams.requests)
+    entries = stack.sent_requests()
     return [generate_decoder.decode(fields[FIELD]) for _, fields in entries]
 
 

@@ -1,6 +1,6 @@
 """Detokenizer replicas: DetokBatch in, one ReplyBatch per gateway (and stop aborts) out.
 
-Replicas are stateless and share the detok stream through one consumer group; every row
+Replicas are stateless and share every engine's detok stream through one consumer group; every row
 carries its own decode context (see incremental.py), so consecutive steps of a request may be
 decoded by different replicas. Entries are acked only after their replies were sent, so a
 killed replica's entries are redone: by itself on restart (its pending list), or by a live
@@ -16,8 +16,8 @@ import logging
 
 from rill.services.detokenizer.incremental import Detokenizer
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
-from rill.shared.group_consumer import serve_group
-from rill.shared.heartbeat import replica_heartbeat
+from rill.shared.group_consumer import serve_streams
+from rill.shared.heartbeat import engine_detok_streams, replica_heartbeat
 from rill.shared.kinds import AbortReason
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command
@@ -30,7 +30,7 @@ log = logging.getLogger("rill.detokenizer")
 READ_COUNT = 64  # entries (steps) per read: one ReplyBatch per gateway covers all of them
 
 
-def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[Command]:
+def handle_entries(bus: Bus, stream: str, detok: Detokenizer, entries: list[Entry]) -> list[Command]:
     """Decode every entry; the commands that send all replies and aborts, then ack, in one round
     trip (serve_group sends them ahead of its next read)."""
     replies: dict[str, list[TextDelta]] = {}
@@ -46,8 +46,8 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[C
         except Exception:  # a bug, not bad input: keep serving the other entries
             log.exception("detok entry id=%s failed", entry_id)
             continue
-        for stream, deltas in out.replies.items():
-            replies.setdefault(stream, []).extend(deltas)
+        for reply_to, deltas in out.replies.items():
+            replies.setdefault(reply_to, []).extend(deltas)
         if out.stopped:
             aborts.setdefault((batch.engine_id, "stop"), []).extend(out.stopped)
         if out.failed:
@@ -55,12 +55,12 @@ def handle_entries(bus: Bus, detok: Detokenizer, entries: list[Entry]) -> list[C
         if out.errors:
             log.warning("detok rows failed engine=%s step=%s: %s", batch.engine_id, batch.step_id,
                         "; ".join(out.errors)[:2000])
-    sends: list[Command] = [bus.xadd(stream, ReplyBatch(deltas=deltas))
-                            for stream, deltas in replies.items()]
+    sends: list[Command] = [bus.xadd(reply_to, ReplyBatch(deltas=deltas))
+                            for reply_to, deltas in replies.items()]
     sends += [bus.xadd(bus.streams.engine_in(engine), AbortRequest(request_ids=ids, reason=reason))
               for (engine, reason), ids in aborts.items()]
     # The ack goes last in the same round trip: it runs only after the sends did.
-    return [*sends, Bus.xack(bus.streams.detok, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])]
+    return [*sends, Bus.xack(stream, DETOKENIZER_GROUP, [entry_id for entry_id, _ in entries])]
 
 
 def load_detokenizer(model_dir: str) -> Detokenizer:
@@ -74,14 +74,12 @@ def run(redis_url: str, prefix: str, model_dir: str, consumer: str, stop: StopFl
     replicas' entries idle that long (None: never); `detok`: reuse an already loaded tokenizer."""
     stop = stop if stop is not None else StopFlag()
     detok = detok or load_detokenizer(model_dir)
-    bus = Bus(redis_url, prefix, name=consumer)
-    stream = bus.streams.detok
     heartbeat = replica_heartbeat(redis_url, prefix, "detokenizer", consumer)
-    log.info("detokenizer consumer=%s stream=%s byte_level=%s", consumer, stream, detok.byte_level)
+    log.info("detokenizer consumer=%s byte_level=%s", consumer, detok.byte_level)
     try:
-        serve_group(bus, stream, DETOKENIZER_GROUP, consumer, lambda entries: handle_entries(bus, detok, entries),
-                    stop, claim_idle_ms, count=READ_COUNT, log=log)
+        serve_streams(redis_url, prefix, DETOKENIZER_GROUP, consumer, engine_detok_streams,
+                      lambda bus, stream, entries: handle_entries(bus, stream, detok, entries),
+                      stop, claim_idle_ms, count=READ_COUNT, log=log)
     finally:
         heartbeat.stop()
-        bus.close()
         log.info("detokenizer consumer=%s stopped", consumer)

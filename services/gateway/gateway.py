@@ -120,6 +120,11 @@ class Gateway:
     def reply_stream(self) -> str:
         return Streams(self.prefix).reply(self.gateway_id)
 
+    @property
+    def requests_stream(self) -> str:
+        """Where this gateway's requests go; every tokenizer replica reads it."""
+        return Streams(self.prefix).requests(self.gateway_id)
+
     async def start(self) -> None:
         self.bus = AsyncBus(self.redis_url, self.prefix, name=self.gateway_id)
         # Read only what arrives after start; the id is taken before any request is sent.
@@ -127,7 +132,7 @@ class Gateway:
         s = self.bus.streams
         self._heartbeat = Heartbeat(self.redis_url, s.heartbeat("gateway", self.reply_stream),
                                     members=[(s.gateways_key(), self.reply_stream)],
-                                    expire=[(self.reply_stream, REPLY_TTL_S)])
+                                    expire=[(self.reply_stream, REPLY_TTL_S), (self.requests_stream, REPLY_TTL_S)])
         await asyncio.to_thread(self._heartbeat.start)
         await self._watch_once()
         self._reader = asyncio.create_task(self._read_loop(), name="gateway-reply-reader")
@@ -318,7 +323,7 @@ class Gateway:
         try:
             # Counted in /metrics from now on (set before the send: its replies may come first).
             self._mark_accepted(req.request_id, True)
-            await self.bus.send(self.bus.streams.requests, req)
+            await self.bus.send(self.requests_stream, req)
         except Exception as exc:
             self._mark_accepted(req.request_id, False)  # answered with an error at once: not counted
             log.warning("could not submit %s: %r", req.request_id, exc)
@@ -334,7 +339,7 @@ class Gateway:
         self.tracker.calls[msg.request_id] = fut
         try:
             try:
-                await self.bus.send(self.bus.streams.requests, msg)
+                await self.bus.send(self.requests_stream, msg)
             except Exception as exc:
                 raise APIError("The server could not queue the request; try again.", 503) from exc
             try:

@@ -56,8 +56,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rill.shared.heartbeat import engine_ids
 from rill.shared.schema import EngineStats, ErrorReply, TextDelta
-from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
+from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP
 
 if TYPE_CHECKING:
     from rill.services.gateway.gateway import Gateway
@@ -297,24 +298,33 @@ class BacklogCollector(_SnapshotCollector[GroupBacklog]):
         yield from (lag, pending)
 
 
-def replica_groups(streams: Streams) -> list[tuple[str, str]]:
-    """(stream, consumer group) of every replicated stage: what an autoscaler watches."""
-    return [(streams.requests, TOKENIZER_GROUP), (streams.detok, DETOKENIZER_GROUP)]
+async def replica_groups(gw: Gateway) -> list[tuple[str, str]]:
+    """(stream, consumer group) of every replicated stage's streams: every listed gateway's
+    requests stream (tokenizers) and every listed engine's detok stream (detokenizers)."""
+    assert gw.bus is not None
+    s = gw.bus.streams
+    replies, engines = await asyncio.gather(gw.bus.r.smembers(s.gateways_key()), gw.bus.r.smembers(s.engines_key()))
+    return ([(s.requests_for(r.decode() if isinstance(r, bytes) else r), TOKENIZER_GROUP) for r in sorted(replies)]
+            + [(s.detok(e), DETOKENIZER_GROUP) for e in engine_ids(engines)])
 
 
 async def read_backlogs(gw: Gateway) -> list[GroupBacklog]:
-    """XINFO GROUPS of the replicated stages' streams (a stream not created yet has no series)."""
+    """XINFO GROUPS of the replicated stages' streams, summed per group (a stream not created
+    yet, or expired with its gateway, counts nothing); what an autoscaler watches."""
     assert gw.bus is not None
-    pairs = replica_groups(gw.bus.streams)
+    pairs = await replica_groups(gw)
     replies = await asyncio.gather(*(gw.bus.r.xinfo_groups(stream) for stream, _ in pairs), return_exceptions=True)
-    out = []
+    lag: dict[str, int | None] = {}
+    pending: dict[str, int] = {}
     for (_, group), groups in zip(pairs, replies, strict=True):
         if isinstance(groups, BaseException):
-            continue  # no such stream yet
+            continue  # no such stream
         for g in groups:
             if g["name"] in (group, group.encode()):
-                out.append(GroupBacklog(group, g.get("lag"), int(g["pending"])))
-    return out
+                one, before = g.get("lag"), lag.get(group, 0)
+                lag[group] = None if one is None or before is None else before + one
+                pending[group] = pending.get(group, 0) + int(g["pending"])
+    return [GroupBacklog(group, lag[group], pending[group]) for group in lag]
 
 
 async def metrics(request: Request) -> Response:

@@ -154,6 +154,7 @@ class EngineGuard:
                 log.warning("gateway %s stopped beating: aborted its requests", t)
                 pipe.srem(s.gateways_key(), t)
                 pipe.expire(t, REPLY_TTL_S)  # nobody reads it any more
+                pipe.expire(s.requests_for(t), REPLY_TTL_S)  # nor writes this one
                 self.dead[t] = None
                 self.gateways.pop(t, None)
         while len(self.dead) > 4096:

@@ -317,7 +317,7 @@ class SchedulerService:
         for req, why in outcome.failed:
             self.send_error(req, why, 400)
         if outcome.detok is not None:
-            self.outbox.append(self.bus.xadd(self.bus.streams.detok, outcome.detok))
+            self.outbox.append(self.bus.xadd(self.bus.streams.detok(self.e), outcome.detok))
         self.disagg.after_step(result, outcome.parked)
 
     def send_error(self, req: Request, message: str, status: int) -> None:

@@ -1,7 +1,7 @@
 """Tokenizer replicas: chat template + text -> token ids, validation, routing to an engine.
 
-Stateless: replicas share the requests stream through one consumer group, so any replica
-takes any request. A replica acks a request in the same atomic step that forwards it (or
+Stateless: replicas share every gateway's requests stream through one consumer group, so any
+replica takes any request. A replica acks a request in the same atomic step that forwards it (or
 answers it with an error), so a killed replica's requests stay pending: it redoes them itself
 on restart, or a live replica claims them once idle for CLAIM_IDLE_MS. Either way a request
 reaches the engine exactly once, since a step whose ack finds the entry already acked sends
@@ -25,8 +25,8 @@ from rill.services.tokenizer.chat_template import (
 from rill.services.tokenizer.router import DEFAULT_POLICY, Router
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
-from rill.shared.group_consumer import serve_group
-from rill.shared.heartbeat import replica_heartbeat
+from rill.shared.group_consumer import serve_streams
+from rill.shared.heartbeat import gateway_request_streams, replica_heartbeat
 from rill.shared.lifecycle import StopFlag
 from rill.shared.request_params import ChatMessage
 from rill.shared.schema import (
@@ -159,27 +159,29 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     instead of the model's; `routing`: the policy that picks each request's engine (router.py). Broker errors never end the loop: it backs off, reconnects and
     first redoes its own unacked requests."""
     stop = stop if stop is not None else StopFlag()
-    bus = Bus(redis_url, prefix, name=consumer)
+    bus = Bus(redis_url, prefix, name=consumer)  # the router's
     tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
     router = Router(bus, routing)
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer)
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
     try:
-        serve_group(bus, bus.streams.requests, TOKENIZER_GROUP, consumer,
-                    lambda entries: handle_entries(bus, tokenizer, router, entries), stop, claim_idle_ms, log=log)
+        # Every gateway's requests stream; handle_entries runs one batch at a time.
+        serve_streams(redis_url, prefix, TOKENIZER_GROUP, consumer, gateway_request_streams,
+                      lambda rbus, stream, entries: handle_entries(rbus, stream, tokenizer, router, entries),
+                      stop, claim_idle_ms, log=log)
     finally:
         heartbeat.stop()
         bus.close()
         log.info("tokenizer %s stopped", consumer)
 
 
-def handle_entries(bus: Bus, tokenizer: Tokenizer, router: Router, entries: list[Entry]) -> None:
-    """Tokenize each entry; ack it and forward its output in one atomic step per entry, so an
-    entry redone by another replica after a crash or a claim is forwarded exactly once."""
+def handle_entries(bus: Bus, stream: str, tokenizer: Tokenizer, router: Router, entries: list[Entry]) -> None:
+    """Tokenize each entry of `stream`; ack it and forward its output in one atomic step per
+    entry, so an entry redone by another replica after a crash or a claim is forwarded exactly once."""
     if not entries:
         return
     items = [(entry_id, handle(bus, tokenizer, router, data)) for entry_id, data in entries]
-    bus.ack_and_send_many(bus.streams.requests, TOKENIZER_GROUP, items)
+    bus.ack_and_send_many(stream, TOKENIZER_GROUP, items)
 
 
 def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[tuple[str, Struct]]:
