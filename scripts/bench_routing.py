@@ -8,7 +8,9 @@ concurrently, the turns of one chat in order, each turn appending the assistant'
 new user message (a pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
-tokens looked up, summed over the engines' EngineStats, after minus before the workload), TTFT
+tokens looked up, summed over the engines' EngineStats, after minus before the workload) beside
+its ceiling for the same prompts (every full block any earlier prompt began with reused, as one
+unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn), TTFT
 p50/p99 at the client, tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
 and requests/s over the workload's wall time, and how the requests split over the engines.
 
@@ -81,13 +83,14 @@ async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
 
 
 async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argparse.Namespace, systems: list[str],
-                       ttfts: list[float]) -> int:
+                       ttfts: list[float], prompts: dict[tuple[int, int], list[dict[str, str]]]) -> int:
     rng = random.Random(1000 + c)
     messages = [{"role": "system", "content": systems[c % len(systems)]}]
     tokens = 0
     for t in range(args.turns):
         messages.append({"role": "user", "content": f"Passage {t}: {text(rng, args.user_words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
+        prompts[(t, c)] = list(messages)
         ttft, reply = await turn(client, model, messages, args.max_tokens)
         ttfts.append(ttft)
         messages.append({"role": "assistant", "content": reply})
@@ -95,11 +98,35 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     return tokens
 
 
-async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], float, list[dict[str, Any]]]:
-    """TTFTs, wall seconds, and the engines' stats after the warm-up (before the chats)."""
+async def ceiling(client: httpx.AsyncClient, prompts: dict[tuple[int, int], list[dict[str, str]]],
+                  block_size: int) -> float:
+    """The hit rate of one unbounded prefix cache over these prompts, turn by turn: each prompt
+    reuses the full blocks it shares with the longest earlier one, all but its last token (the
+    scheduler's rule, kv_cache_manager.lookup)."""
+    ids = {}
+    for key, messages in sorted(prompts.items()):
+        resp = await client.post("/v1/tokenize", json={"messages": messages})
+        resp.raise_for_status()
+        ids[key] = resp.json()["tokens"]
+    seen: list[list[int]] = []
+    hits = total = 0
+    for key in sorted(ids):
+        p = ids[key]
+        common = max((next((i for i, (a, b) in enumerate(zip(p, q, strict=False)) if a != b), min(len(p), len(q)))
+                      for q in seen), default=0)
+        hits += min(common, len(p) - 1) // block_size * block_size
+        total += len(p)
+        seen.append(p)
+    return hits / max(1, total)
+
+
+async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], float, list[dict[str, Any]], float]:
+    """TTFTs, wall seconds, the engines' stats after the warm-up (before the chats), and the
+    ceiling of the hit rate for the prompts sent."""
     rng = random.Random(7)
     systems = [f"You are assistant {i}. Rules: {text(rng, args.system_words)}." for i in range(args.systems)]
     ttfts: list[float] = []
+    prompts: dict[tuple[int, int], list[dict[str, str]]] = {}  # (turn, chat) -> messages
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         # Warm both engines with unrelated prompts (no shared prefix: spread by load).
@@ -108,8 +135,10 @@ async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], fl
         await asyncio.sleep(0.6)  # their stats and summaries written
         before = engine_stats(base)
         start = time.perf_counter()
-        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts) for c in range(args.conversations)])
-        return ttfts, time.perf_counter() - start, before
+        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts, prompts)
+                               for c in range(args.conversations)])
+        wall = time.perf_counter() - start
+        return ttfts, wall, before, await ceiling(client, prompts, before[0]["block_size"])
 
 
 def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -119,12 +148,13 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
     print(f"[{policy}] starting rill serve --data-parallel-size 2 ...", flush=True)
     with serving(argv, port) as base:
-        ttfts, wall, before = asyncio.run(workload(base, args))
+        ttfts, wall, before, best = asyncio.run(workload(base, args))
         time.sleep(0.6)  # the engines' last stats writes
         after = engine_stats(base)
     diff = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))  # noqa: E731
     n = args.conversations * args.turns
     return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
+            "ceiling": best,
             "prompt_tokens": diff("prefix_cache_queries"),
             "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits"), "ttft_p50": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99": percentile(ttfts, 0.99) * 1e3, "tok_s": n * args.max_tokens / wall, "req_s": n / wall,
@@ -155,14 +185,14 @@ def main() -> None:
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
     if args.repeat > 1:
-        keys = ("hit_rate", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
+        keys = ("hit_rate", "ceiling", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
         rows += [{"policy": f"{policy} (median)", "split": "-",
                   **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
                  for policy in policies]
-    print("\n| routing | prefix-cache hit rate | prompt tokens | computed | TTFT p50 ms | TTFT p99 ms | tok/s | req/s | "
-          "requests e0/e1 |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| routing | prefix-cache hit rate | its ceiling | prompt tokens | computed | TTFT p50 ms | TTFT p99 ms | "
+          "tok/s | req/s | requests e0/e1 |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
+        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
               f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
 
 if __name__ == "__main__":
