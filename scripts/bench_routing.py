@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Data-parallel routing on multi-turn chats: least-loaded against cache-aware, same run.
 
-Starts `rill serve --data-parallel-size 2 --routing POLICY` once per policy (a fresh server
+Starts `rill serve --data-parallel-size ENGINES --routing POLICY` (2 engines by default) once per policy (a fresh server
 each time, so every run starts with empty caches) and plays the same workload: CONVERSATIONS
 chats of TURNS turns, each opening with one of SYSTEMS long system prompts; the chats run
 concurrently, the turns of one chat in order, each turn appending the assistant's reply and a
@@ -144,9 +144,9 @@ async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], fl
 def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     argv = [sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
-            "--data-parallel-size", "2", "--routing", policy, "--dtype", args.dtype,
+            "--data-parallel-size", str(args.engines), "--routing", policy, "--dtype", args.dtype,
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
-    print(f"[{policy}] starting rill serve --data-parallel-size 2 ...", flush=True)
+    print(f"[{policy}] starting rill serve --data-parallel-size {args.engines} ...", flush=True)
     with serving(argv, port) as base:
         ttfts, wall, before, best = asyncio.run(workload(base, args))
         time.sleep(0.6)  # the engines' last stats writes
@@ -166,6 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--engines", type=int, default=2)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--systems", type=int, default=2, help="distinct system prompts, shared by the chats")
     p.add_argument("--system-words", type=int, default=300, help="about 1.3 tokens a word")
@@ -180,7 +181,7 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     print(f"CPU: {cpu_line()}")
     print(f"{args.conversations} chats x {args.turns} turns, {args.systems} system prompts of ~{args.system_words} "
-          f"words, user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, 2 engines, "
+          f"words, user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, {args.engines} engines, "
           f"KV cache {args.kv_cache_memory} each", flush=True)
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
@@ -190,7 +191,7 @@ def main() -> None:
                   **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
                  for policy in policies]
     print("\n| routing | prefix-cache hit rate | its ceiling | prompt tokens | computed | TTFT p50 ms | TTFT p99 ms | "
-          "tok/s | req/s | requests e0/e1 |\n|---|---|---|---|---|---|---|---|---|---|")
+          "tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
               f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
