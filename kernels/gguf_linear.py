@@ -107,13 +107,16 @@ class _Part:
         return gguf_native.gemm(x32, self.raw, self.qtype, self.n, k, bias)
 
 
-def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, logits: bool) -> torch_ops.Linear:
-    """The part dequantized into `dtype`, as the float model's layer (which keeps its own copies)."""
+def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, logits: bool,
+                  route: chooser.Route | None = None) -> torch_ops.Linear:
+    """The part dequantized into `dtype`, as the float model's layer (which keeps its own copies:
+    given the part's `route`, only those the row buckets routed to "float" use)."""
     if gguf_native.dequant_supported(qtype):
         w = gguf_native.dequantize(raw, qtype, k, mm_dtype(dtype)).to(dtype)
     else:
         w = gguf_blocks.dequantize(raw, qtype, k).to(dtype)
-    return torch_ops.Linear(w, None, logits)
+    rows = None if route is None else tuple(b for b, c in zip(route.buckets, route.choices, strict=True) if c == "float")
+    return torch_ops.Linear(w, None, logits, rows)
 
 
 def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> _Part:
@@ -129,7 +132,7 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         # row): force() and the probes switch routes on a built layer, which needs them.
         # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them).
         packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None
-        lin = _float_linear(raw, qtype, k, dtype, logits) if route.uses("float") else None
+        lin = _float_linear(raw, qtype, k, dtype, logits, route) if route.uses("float") else None
         return _Part(qtype, n, raw if packed is None else None, route, lin, packed)
     if qtype not in _warned:
         _warned.add(qtype)
@@ -188,10 +191,10 @@ class QuantLinear:
             if not p.blocks_held:
                 continue
             p.route = chooser.Route((1,), (name,))
-            if name != "float":
-                p.lin = None
-            elif p.lin is None:
-                p.lin = _float_linear(p.rows(self.in_features), p.qtype, self.in_features, self.dtype, self.logits)
+            # Serving every row count, the float copy is built for all of them (the one built
+            # for some buckets may lack the small GEMM's copy).
+            p.lin = None if name != "float" else _float_linear(p.rows(self.in_features), p.qtype,
+                                                                self.in_features, self.dtype, self.logits)
 
     def _names(self, m: int) -> list[str]:
         return [p.route.pick(m) for p in self._parts]

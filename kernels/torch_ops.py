@@ -143,9 +143,11 @@ class Linear:
     `small_gemm_rows()` rows) or as an fp32 GEMM: which one serves a call of m rows is the
     measured choice of m's row bucket (chooser.py; `logits`: this layer is called through
     `float_out`, the LM head). Those two need their own copies of the weight, kept only when
-    some bucket chose them. The route is settled when the layer is built."""
+    some bucket chose them (`rows`: the buckets it will be called for, when another layer serves
+    the rest: a GGUF layer's blocks). The route is settled when the layer is built."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logits: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logits: bool = False,
+                 rows: tuple[int, ...] | None = None) -> None:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
@@ -154,12 +156,13 @@ class Linear:
         self.route = chooser.installed().route(
             "gemm", gemm_shape(weight, logits), buckets,
             [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
-        use_small = "small" in names and self.route.uses("small")
+        served = {c for b, c in zip(self.route.buckets, self.route.choices, strict=True) if rows is None or b in rows}
+        use_small = "small" in names and "small" in served
         self.small = cpu_native.small_gemm_pack(weight) if use_small else None
         self.small_rows = small_gemm_limit(logits) if use_small else 0
         self.f32: torch.Tensor | None = None
         self.f32_bias = None if bias is None else bias.float()
-        if "f32" in names and self.route.uses("f32"):
+        if "f32" in names and "f32" in served:
             self.f32 = _prepack(weight.float(), self.f32_bias)
         self.packed = _prepack(weight, bias) if weight.device.type == "cpu" else None
         if self.packed is not None:

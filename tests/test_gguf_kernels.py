@@ -266,6 +266,34 @@ def test_quant_linear_dequant_route(native_lib: ctypes.CDLL, dtype: torch.dtype,
     assert ((yb.double() - want).norm() / want.norm()).item() < 0.03
 
 
+def test_float_copy_keeps_only_what_its_rows_use(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the blocks serve the few-row buckets, the float copy serving the rest carries no
+    small-GEMM copy for those buckets; forced to serve every row count, it gets one again."""
+    torch_ops = gguf_linear.torch_ops
+    raw = gguf_blocks.random_blocks(gguf_blocks.Q8_0, 48, 64)
+    if "small" not in torch_ops.gemm_candidates(torch.zeros(48, 64, dtype=torch.bfloat16), None):
+        pytest.skip("no native bf16 small GEMM on this CPU (AVX512-BF16)")
+    few = [b for b in chooser.ROW_BUCKETS if b <= 4]
+    table = {KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(48, 64, gguf_blocks.Q8_0, torch.bfloat16), b):
+             {"choice": "blocks" if b in few else "float"} for b in chooser.ROW_BUCKETS}
+    table |= {KernelTable.key("gemm", torch_ops.gemm_key(48, 64, torch.bfloat16), b):
+              {"choice": "small" if b in few else "onednn"} for b in chooser.ROW_BUCKETS}
+    monkeypatch.setattr(chooser, "_installed", KernelTable(table))
+    layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.bfloat16)
+    (part,) = layer.parts
+    assert part.lin is not None and part.lin.small is None
+    assert layer.float_copy_bytes == 48 * 64 * 2  # oneDNN's packed copy only
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    want = F.linear(x.float(), torch.from_numpy(reference(raw, gguf_blocks.Q8_0)).reshape(48, 64).float())
+    for m in (1, 4, 32):  # blocks, blocks, the float copy
+        got = layer(x[:m]).float()
+        assert ((got - want[:m]).norm() / want[:m].norm()).item() < 0.02, m
+    layer.force("float")
+    assert part.lin is not None and part.lin.small is not None  # a row of 1 now reaches it
+    got = layer(x[:1]).float()
+    assert ((got - want[:1]).norm() / want[:1].norm()).item() < 0.02
+
+
 def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unmeasured: blocks up to 4 rows, float above; a table's choice per part and bucket wins,
     and the float copy is made only where some bucket chose float."""
