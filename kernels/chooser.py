@@ -43,7 +43,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,8 +113,13 @@ class Route:
     def pick(self, size: int) -> str:
         return self.choices[min(bisect.bisect_left(self.buckets, size), len(self.choices) - 1)]
 
-    def uses(self, name: str) -> bool:
-        return name in self.choices
+    def uses(self, name: str, buckets: Collection[int] | None = None) -> bool:
+        """Whether some bucket (of `buckets`; None: any) chose `name`."""
+        return any(c == name and (buckets is None or b in buckets) for b, c in zip(self.buckets, self.choices, strict=True))
+
+    def buckets_of(self, name: str) -> tuple[int, ...]:
+        """The buckets that chose `name`."""
+        return tuple(b for b, c in zip(self.buckets, self.choices, strict=True) if c == name)
 
 
 _installed = KernelTable()

@@ -115,8 +115,7 @@ def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, log
         w = gguf_native.dequantize(raw, qtype, k, mm_dtype(dtype)).to(dtype)
     else:
         w = gguf_blocks.dequantize(raw, qtype, k).to(dtype)
-    rows = None if route is None else tuple(b for b, c in zip(route.buckets, route.choices, strict=True) if c == "float")
-    return torch_ops.Linear(w, None, logits, rows)
+    return torch_ops.Linear(w, None, logits, None if route is None else route.buckets_of("float"))
 
 
 def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> _Part:
@@ -191,10 +190,10 @@ class QuantLinear:
             if not p.blocks_held:
                 continue
             p.route = chooser.Route((1,), (name,))
-            # Serving every row count, the float copy is built for all of them (the one built
-            # for some buckets may lack the small GEMM's copy).
-            p.lin = None if name != "float" else _float_linear(p.rows(self.in_features), p.qtype,
-                                                                self.in_features, self.dtype, self.logits)
+            if name != "float":
+                p.lin = None
+            elif p.lin is None or p.lin.rows is not None:  # none, or one built for some buckets only
+                p.lin = _float_linear(p.rows(self.in_features), p.qtype, self.in_features, self.dtype, self.logits)
 
     def _names(self, m: int) -> list[str]:
         return [p.route.pick(m) for p in self._parts]

@@ -156,13 +156,13 @@ class Linear:
         self.route = chooser.installed().route(
             "gemm", gemm_shape(weight, logits), buckets,
             [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
-        served = {c for b, c in zip(self.route.buckets, self.route.choices, strict=True) if rows is None or b in rows}
-        use_small = "small" in names and "small" in served
+        self.rows = rows
+        use_small = "small" in names and self.route.uses("small", rows)
         self.small = cpu_native.small_gemm_pack(weight) if use_small else None
         self.small_rows = small_gemm_limit(logits) if use_small else 0
         self.f32: torch.Tensor | None = None
         self.f32_bias = None if bias is None else bias.float()
-        if "f32" in names and "f32" in served:
+        if "f32" in names and self.route.uses("f32", rows):
             self.f32 = _prepack(weight.float(), self.f32_bias)
         self.packed = _prepack(weight, bias) if weight.device.type == "cpu" else None
         if self.packed is not None:
