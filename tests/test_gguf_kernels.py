@@ -65,7 +65,9 @@ def quantized_activation(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     element's block scale d (float64 [m, k]); the same fp32 steps as quantize_row in C."""
     xb = x.reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor / tensor division: torch computes scalar / tensor as a reciprocal times the scalar,
+    # two roundings against C's one, which moves a value sitting on a rounding tie.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     d = (amax / 127.0).expand_as(xb)
     q = torch.round(xb * inv)
     return (q * d).double().reshape(x.shape), d.double().reshape(x.shape)
@@ -116,11 +118,12 @@ def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: in
 
 
 @pytest.mark.parametrize("qtype", [gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 4, 6, 17])
+@pytest.mark.parametrize("m", [1, 4, 6, 17, 70])
 def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
     """Blocks repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row
-    kernel, with output rows that fill no last group (37) and enough work to run threaded
-    (300 x 1024); the repacking undone gives the rows back."""
+    kernel, with output rows that fill no last group (37), enough work to run threaded
+    (300 x 1024), passes of 8 rows and a partial one (17), an activation quantized across threads
+    (70 rows); the repacking undone gives the rows back."""
     if not gguf_native.x16_supported(qtype):
         pytest.skip("the x16 GEMM needs AVX512-VNNI")
 
