@@ -84,20 +84,45 @@ def _nibbles(q: torch.Tensor, group: int) -> torch.Tensor:
 
 def _bits(q: torch.Tensor, width: int) -> torch.Tensor:
     """Fields of `width` bits, lowest first, of each byte: [blocks, bytes] -> [blocks, bytes, 8 / width]."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=q.device)
     return (q.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b, 0)
+@dataclass
+class Affine:
+    """Blocks as w = scale * (codes - offset) + zero per `group` consecutive weights: every format
+    here is one (K formats: their sub-block scale folded into `scale`, their min into `zero`).
+    codes uint8 [blocks, elements]; scale and zero fp32 [blocks, elements / group] (zero None
+    for the formats without a min)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    offset: int
+    group: int
+    bits: int  # codes < 2 ** bits
+
+    def values(self) -> torch.Tensor:
+        """float32 [blocks, elements], the reference's operations in its order: one multiply, then
+        the add of the min (K formats: d * sc * q - dmin * m, as a + (-b), which is exact)."""
+        nb, e = self.codes.shape
+        q = self.codes.reshape(nb, -1, self.group).to(torch.int16)
+        w = self.scale.unsqueeze(-1) * (q - self.offset if self.offset else q).float()
+        if self.zero is not None:
+            w = w + self.zero.unsqueeze(-1)
+        return w.reshape(nb, e)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _half(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int16) - 8).float()
+def _q8_0(b: torch.Tensor) -> Affine:
+    return Affine(b[:, 2:] ^ 0x80, _half(b, 0), None, 128, 32, 8)  # int8 -> uint8 + 128
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _half(b, 0) * _nibbles(b[:, 4:], 16).float() + _half(b, 2)
+def _q4_0(b: torch.Tensor) -> Affine:
+    return Affine(_nibbles(b[:, 2:], 16), _half(b, 0), None, 8, 32, 4)
+
+
+def _q4_1(b: torch.Tensor) -> Affine:
+    return Affine(_nibbles(b[:, 4:], 16), _half(b, 0), _half(b, 2), 0, 32, 4)
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -105,14 +130,12 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     return _bits(qh, 1).reshape(qh.shape[0], 32) << 4
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6])
-    return _half(b, 0) * (q.to(torch.int16) - 16).float()
+def _q5_0(b: torch.Tensor) -> Affine:
+    return Affine(_nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6]), _half(b, 0), None, 16, 32, 5)
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8])
-    return _half(b, 0) * q.float() + _half(b, 2)
+def _q5_1(b: torch.Tensor) -> Affine:
+    return Affine(_nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8]), _half(b, 0), _half(b, 2), 0, 32, 5)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,45 +146,53 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k_apply(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """d * sc * q - dmin * m per 32-element sub-block, in the reference's order of roundings."""
+def _k_affine(b: torch.Tensor, q: torch.Tensor, bits: int) -> Affine:
+    """d * sc * q - dmin * m per 32-element sub-block (the products rounded as the reference does)."""
     sc, mn = _k_scales(b[:, 4:16])
-    d = (_half(b, 0) * sc.float()).unsqueeze(-1)
-    dm = (_half(b, 2) * mn.float()).unsqueeze(-1)
-    return (d * q.reshape(b.shape[0], 8, 32).float() - dm).reshape(b.shape[0], 256)
+    return Affine(q, _half(b, 0) * sc.float(), -(_half(b, 2) * mn.float()), 0, 32, bits)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    return _k_apply(b, _nibbles(b[:, 16:], 32))
+def _q4_k(b: torch.Tensor) -> Affine:
+    return _k_affine(b, _nibbles(b[:, 16:], 32), 4)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q5_k(b: torch.Tensor) -> Affine:
     high = _bits(b[:, 16:48], 1).transpose(1, 2).reshape(b.shape[0], 256) << 4  # sub-block s: bit s
-    return _k_apply(b, _nibbles(b[:, 48:], 32) | high)
+    return _k_affine(b, _nibbles(b[:, 48:], 32) | high, 5)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k(b: torch.Tensor) -> Affine:
     nb = b.shape[0]
     low = _nibbles(b[:, :128], 64)  # per 128-element half: 4 runs of 32
     high = _bits(b[:, 128:192].reshape(nb, 2, 32), 2).permute(0, 1, 3, 2).reshape(nb, 256) << 4
-    q = ((low | high).to(torch.int16) - 32).float().reshape(nb, 16, 16)
-    d = (_half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
-    return (d * q).reshape(nb, 256)
+    return Affine(low | high, _half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float(), None, 32, 16, 6)
 
 
-_DEQUANTIZE: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+_AFFINE: dict[int, Callable[[torch.Tensor], Affine]] = {
     Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
 }
 
 
-def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Raw blocks uint8 [n, row_bytes(qtype, k)] -> float32 [n, k], equal to gguf's dequantizer."""
+def _blocks(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     fmt = block_format(qtype)
     rb = row_bytes(qtype, k)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
         raise ValueError(f"{fmt.name} weight of {k} columns: want uint8 [n, {rb}], got {raw.dtype} {list(raw.shape)}")
-    blocks = raw.contiguous().reshape(-1, fmt.nbytes)
-    return _DEQUANTIZE[qtype](blocks).reshape(raw.shape[0], k)
+    return raw.contiguous().reshape(-1, fmt.nbytes)
+
+
+def affine(raw: torch.Tensor, qtype: int, k: int) -> Affine:
+    """Raw blocks uint8 [n, row_bytes(qtype, k)] as one Affine over the rows: codes [n, k], scale
+    and zero [n, k / group] (what a kernel without this format's bit layout multiplies)."""
+    a = _AFFINE[qtype](_blocks(raw, qtype, k))
+    n = raw.shape[0]
+    return Affine(a.codes.reshape(n, k), a.scale.reshape(n, -1), None if a.zero is None else a.zero.reshape(n, -1),
+                  a.offset, a.group, a.bits)
+
+
+def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Raw blocks uint8 [n, row_bytes(qtype, k)] -> float32 [n, k], equal to gguf's dequantizer."""
+    return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
 X16_FORMATS = frozenset({Q4_1, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)

@@ -55,7 +55,16 @@ warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
 
-from rill.kernels import moe, ops, triton_attention, triton_attention_kernels, triton_moe, triton_ops  # noqa: E402
+from rill.kernels import (  # noqa: E402
+    gguf_blocks,
+    moe,
+    ops,
+    triton_attention,
+    triton_attention_kernels,
+    triton_gguf,
+    triton_moe,
+    triton_ops,
+)
 from rill.kernels.triton_attention import (  # noqa: E402
     attention_bytes,
     choose_num_splits,
@@ -678,6 +687,16 @@ def compile_report() -> list[tuple[str, int, int, int]]:
             (f"moe gate_up M={block_m}", triton_moe._gate_up_kernel, moe_ptrs, set(), dict(tiles, TOP_K=8),
              moe_warps, moe_stages),
             (f"moe down M={block_m}", triton_moe._down_kernel, moe_ptrs, set(), tiles, moe_warps, moe_stages)]
+    # The GGUF GEMM (triton_gguf.py): 4-bit codes two to a byte with a min (Q4_1 / Q4_K), 8-bit
+    # ones (Q8_0), groups of 16 (Q6_K); its decode and prefill row blocks.
+    gguf_ptrs = dict(x_ptr=bf, code_ptr="*u8", scale_ptr="*fp32", zero_ptr="*fp32", y_ptr="*fp32")
+    few, block_m, block_n, gguf_warps = triton_gguf.CONFIG
+    for bm in (few, block_m):
+        for label, packed4, group, zero, offset in (("Q4_1", True, 32, True, 0), ("Q8_0", False, 32, False, 128),
+                                                    ("Q6_K", False, 16, False, 32)):
+            variants.append((f"gguf {label} M={bm}", triton_gguf._gguf_gemm_kernel, gguf_ptrs, set(),
+                             dict(OFFSET=offset, GROUP=group, PACKED4=packed4, HAS_ZERO=zero, UPCAST=False,
+                                  PRECISION="tf32", BLOCK_M=bm, BLOCK_N=block_n), gguf_warps, 1))
     report = []
     for name, fn, ptrs, floats, consts, warps, stages in variants:
         sig, attrs = {}, {}
@@ -772,6 +791,30 @@ def print_table() -> None:
     print(f"correctness/compile failures: {len(bad)}   performance targets missed: {len(missed)}")
 
 
+def check_gguf(dtype: torch.dtype, big: bool) -> None:
+    """The GGUF GEMM (triton_gguf.py) against the GEMM of its weights dequantized and rounded to
+    `dtype`, each code layout (Q4_1, Q4_K: 4-bit pairs with a min; Q8_0; Q6_K: groups of 16); when
+    big, at Llama-3-8B's gate/up shape, and timed against cuBLAS on the bf16 weight at 1 and 256 rows."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    n, k = (14336, 4096) if big else (40, 256)
+    for qtype in (gguf_blocks.Q4_1, gguf_blocks.Q4_K, gguf_blocks.Q8_0, gguf_blocks.Q6_K):
+        raw = gguf_blocks.random_blocks(qtype, n, k, seed=qtype)
+        lin = triton_gguf.QuantLinear([(qtype, raw)], k, None, dtype, DEV)
+        w = gguf_blocks.dequantize(raw, qtype, k).to(DEV).to(dtype)
+        x = torch.randn((9, k), generator=g).to(DEV).to(dtype)
+        want = x.float() @ w.float().T
+        # bf16: the interpreter's fp32 -> bf16 cast is not round-to-nearest-even as torch's is.
+        tol = 4e-2 if dtype == torch.bfloat16 and not CUDA else 1e-3
+        compare(f"gguf {gguf_blocks.name(qtype)} {n}x{k}", dtype, lin.float_out(x), want,
+                (tol * float(want.abs().max()), tol))
+        if big and qtype == gguf_blocks.Q4_1 and dtype == torch.bfloat16:
+            for m in (1, 256):
+                xm = torch.randn((m, k), generator=g).to(DEV).to(dtype)
+                ms, ref = bench_ms(lambda: lin(xm)), bench_ms(lambda: xm @ w.T)  # noqa: B023
+                add("gguf", f"Q4_1 GEMM {n}x{k}, {m} rows", f"{ms:.3f} ms", f"(cuBLAS bf16 {ref:.3f} ms, "
+                    f"{lin.nbytes / 2 ** 20:.0f} vs {w.numel() * 2 / 2 ** 20:.0f} MiB)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile-only", action="store_true", help="only compile every kernel for sm_90")
@@ -792,6 +835,7 @@ def main() -> int:
             check_attention(dtype, big=CUDA and not args.smoke)
             check_elementwise(dtype, big=CUDA and not args.smoke)
             check_moe(dtype, big=CUDA and not args.smoke)
+            check_gguf(dtype, big=CUDA and not args.smoke)
         time_decode_attention(bw)
         time_other_kernels(bw, flops)
         if time_left() > 40:
@@ -811,6 +855,7 @@ def main() -> int:
             check_attention(dtype, big=False)
             check_elementwise(dtype, big=False)
             check_moe(dtype, big=False)
+            check_gguf(dtype, big=False)
         run_compile_report_subprocess()
         for what in ("(a) copy bandwidth and bf16 matmul peaks", "(b) bf16/fp16 checks at full Llama-3-8B shapes "
                      "and the > 2^31-element cache", "(c) per-kernel timings, decode launch sweep, batch "

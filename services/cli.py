@@ -60,7 +60,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="on CUDA: fraction of GPU memory for weights + activations + KV cache")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="gguf: keep a .gguf model's quantized blocks (CPU; auto picks it for a .gguf on CPU); "
+                   help="gguf: keep a .gguf model's quantized blocks (auto picks it for a .gguf on CPU; on CUDA "
+                        "a Triton GEMM, only when asked); "
                         "int8: W8A8 dynamic quantization of every linear layer and the LM head (CPU only); "
                         "none: float weights in --dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -3,7 +3,8 @@
 A GGUF is still converted once into a float checkpoint (model_files.py): that gives the config,
 the tokenizer, the norms and a reference for every weight. Here each linear layer's raw GGUF blocks
 (Q4_1, Q5_0, Q4_K, ...) are read from the file itself and replace the float weight, kept quantized
-in memory and multiplied by kernels/gguf_linear.QuantLinear. A block set is used only when it
+in memory and multiplied by kernels/gguf_linear.QuantLinear (kernels/triton_gguf.QuantLinear on the
+Triton backend: CUDA, opt-in). A block set is used only when it
 dequantizes to exactly the converted weight, rows permuted as llama.cpp's converter permuted
 them; anything else (a float tensor in the file, an unknown layout) keeps the float weight, so a
 mismatch costs memory, never correctness.
@@ -12,6 +13,7 @@ mismatch costs memory, never correctness.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rill.kernels import gguf_blocks, gguf_linear, gguf_native
+from rill.kernels import gguf_blocks, gguf_linear, gguf_native, ops
 from rill.kernels.gguf_linear import QuantLinear
 from rill.shared.config import ModelConfig
 from rill.shared.gguf_header import read_header
@@ -69,6 +71,12 @@ def blocks_serve(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -
     if not gguf_native.format_supported(qtype):
         return False
     return any(c != "float" for c in gguf_linear.installed_route(n, k, qtype, dtype, logits).choices)
+
+
+def quant_linears() -> tuple[type, ...]:
+    """The classes a GGUF layer can be: the CPU one, and the Triton one where Triton was imported."""
+    triton_gguf = sys.modules.get("rill.kernels.triton_gguf")
+    return (QuantLinear,) if triton_gguf is None else (QuantLinear, triton_gguf.QuantLinear)
 
 
 def llama_row_order(rows: int, heads: int) -> torch.Tensor:
@@ -139,6 +147,7 @@ class GGUFSource:
         if found is None:
             return None
         qtype, raw = found
+        want = want.cpu()  # compared with the blocks read here
         rows, k = want.shape
         if raw.shape[0] != rows:
             return None
@@ -154,8 +163,8 @@ class GGUFSource:
         return None
 
     def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None,
-               logits: bool = False) -> QuantLinear | None:
-        """A QuantLinear over the named tensors stacked in `weight`'s rows, or None: the float
+               logits: bool = False) -> object | None:
+        """A QuantLinear (Triton's on that backend) over the named tensors stacked in `weight`'s rows, or None: the float
         layer serves (blocks that do not match it, or a layer whose every part measured faster
         from a float copy at every row count: then it is exactly the float model's layer)."""
         parts: list[tuple[int, torch.Tensor]] = []
@@ -174,6 +183,11 @@ class GGUFSource:
             return None
         parts = merge_formats(parts)
         k = weight.shape[1]
+        if ops.uses_triton(weight):  # CUDA, or the interpreter when forced: no CPU kernel or chooser
+            from rill.kernels import triton_gguf
+
+            self.report.from_blocks += 1
+            return triton_gguf.QuantLinear(parts, k, bias, weight.dtype, weight.device, logits)
         if not any(blocks_serve(b.shape[0], k, q, weight.dtype, logits) for q, b in parts):
             self.report.measured_float += 1
             return None
@@ -208,6 +222,7 @@ class GGUFSource:
             return None
         qtype, blocks = part
         k, dtype = weight.shape[1], weight.dtype
+        blocks = blocks.to(weight.device)
 
         def lookup(ids: torch.Tensor) -> torch.Tensor:
             return gguf_blocks.dequantize(blocks.index_select(0, ids.reshape(-1)), qtype, k).to(dtype) \
@@ -220,7 +235,7 @@ class GGUFSource:
         lookup = None if float_table_kept else self.embedding(embed)
         if lookup is not None:
             model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
-            shared = model.tied and isinstance(model.lm_head, QuantLinear)  # the head holds these blocks
+            shared = model.tied and isinstance(model.lm_head, quant_linears())  # the head holds these blocks
             held = 0 if shared else self.report.quantized_bytes.get("token_embd.weight", 0)
         else:
             held = embed.numel() * embed.element_size()
@@ -230,7 +245,7 @@ class GGUFSource:
     def _head_name(self, tied: bool) -> str:
         return "token_embd.weight" if tied or "output.weight" not in self.tensors else "output.weight"
 
-    def lm_head(self, weight: torch.Tensor, tied: bool) -> QuantLinear | None:
+    def lm_head(self, weight: torch.Tensor, tied: bool) -> object | None:
         return self.linear([self._head_name(tied)], weight, None, logits=True)
 
     def part_shapes(self, tied: bool) -> tuple[list[GgufShape], GgufShape | None]:

@@ -81,8 +81,8 @@ class ModelRunner:
                  block_size: int = 16, max_model_len: int | None = None, seed: int = 0,
                  model: LlamaModel | None = None, quantization: str = "none", tp: TPGroup | None = None,
                  draft_model: str | None = None) -> None:
-        """quantization: "none", "int8" (W8A8 linear layers) or "gguf" (the file's own blocks), the
-        last two CPU only (see LlamaModel.load). A
+        """quantization: "none", "int8" (W8A8 linear layers, CPU only) or "gguf" (the file's own
+        blocks; see LlamaModel.load). A
         `model` passed in is used as loaded, its own quantization included. `tp`: this process is
         one rank of a tensor-parallel group; it loads its shard, and only rank 0 samples.
         `draft_model`: a checkpoint of the same vocabulary that proposes speculative drafts."""
@@ -93,9 +93,6 @@ class ModelRunner:
             configure_cpu_threads(tp.size if tp else 1)
             keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
-        if quantization == "gguf" and self.device != "cpu":
-            log.warning("the GGUF block kernels are CPU-only: serving the dequantized weights on %s", self.device)
-            quantization = "none"
         cfg = model.cfg if model is not None else ModelConfig.from_dir(model_dir)
         if self.device == "cpu" and model is None:
             # Before the layers are built: each one reads its measured GEMM choice when built.
