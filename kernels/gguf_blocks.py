@@ -106,10 +106,10 @@ class Affine:
         """float32 [blocks, elements], the reference's operations in its order: one multiply, then
         the add of the min (K formats: d * sc * q - dmin * m, as a + (-b), which is exact)."""
         nb, e = self.codes.shape
-        q = self.codes.reshape(nb, -1, self.group).to(torch.int16)
-        w = self.scale.unsqueeze(-1) * (q - self.offset if self.offset else q).float()
+        q = self.codes.reshape(nb, -1, self.group)
+        w = self.scale.unsqueeze(-1) * (q.to(torch.int16) - self.offset if self.offset else q).float()
         if self.zero is not None:
-            w = w + self.zero.unsqueeze(-1)
+            w += self.zero.unsqueeze(-1)
         return w.reshape(nb, e)
 
 

@@ -143,6 +143,25 @@ def test_penalties_change_greedy_picks() -> None:
         [[-1.0, -5.0, -3.0, -1.75, -3.0]]
 
 
+def test_a_speculated_row_counts_its_drafts_as_outputs() -> None:
+    """A draft position's penalties read the request's outputs plus the drafts before it, exactly
+    as if they had been sampled; rows that do not record leave the history as it was."""
+    vocab = 12
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25)
+    raw = logits_for(3, 3, vocab)
+    ours, theirs = Sampler(vocab_size=vocab), Sampler(vocab_size=vocab)
+    slot = ours.track(params, [1, 2, 3], [4, 5])
+    drafts = (5, 6, 6)
+    rows = [SampleRow(params, 2 + j, None, slot, drafts[:j], record=False) for j in range(3)]
+    got = ours.process(raw, rows)
+    for j in range(3):
+        ref = SampleRow(params, 2 + j, None, theirs.track(params, [1, 2, 3], [4, 5, *drafts[:j]]))
+        assert torch.equal(got[j], theirs.process(raw[j:j + 1], [ref])[0]), j
+    before = ours.history.counts.clone()
+    ours.sample_batch(raw, rows)
+    assert torch.equal(ours.history.counts, before)
+
+
 def test_min_p_distribution_matches_reference() -> None:
     rng = random.Random(5)
     vocab = 200

@@ -151,7 +151,10 @@ def test_drafts_respect_max_tokens_budget_and_free_blocks() -> None:
     assert plan.spec_token_ids == [] and plan.num_scheduled_tokens == [1]
 
 
-def test_penalties_are_not_speculated_grammars_are() -> None:
+def test_penalties_and_grammars_are_speculated() -> None:
+    """Requests with penalties or a grammar draft like any other (the worker takes each draft's
+    position as if the drafts before it stood); a step of requests that may speculate is not
+    planned ahead."""
     prompt = [5, 6, 7, 8] * 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), spec())
     sched.add(_request("p", prompt, presence_penalty=0.5))
@@ -160,14 +163,8 @@ def test_penalties_are_not_speculated_grammars_are() -> None:
     _step(sched, {"p": [5], "g": [5], "ok": [5]})
     plan = sched.schedule()
     drafts = dict(zip(plan.scheduled_request_ids, plan.spec_token_ids, strict=True))
-    assert drafts["p"] == [] and drafts["g"] == drafts["ok"] == [6, 7, 8]
-    assert not sched.may_plan_ahead(2)  # "ok" may speculate again after this step
-    sched.update(StepResult(step_id=plan.step_id, request_ids=["p", "g", "ok"], token_ids=[5, 6, 9, 9, 9],
-                            num_tokens=[1, 2, 2]))
-    sched.abort("ok")
-    sched.abort("g")
-    sched.schedule()
-    assert sched.may_plan_ahead(2)  # only requests that never speculate: async scheduling as usual
+    assert drafts["p"] == drafts["g"] == drafts["ok"] == [6, 7, 8]
+    assert not sched.may_plan_ahead(2)
 
 
 # ------------------------------------------------------------------- with a real model
@@ -278,6 +275,30 @@ def test_sampled_tokens_keep_their_distribution(smol) -> None:
     same_seeds = sampled(10_000, spec(k=3, n_min=1))
     identical = sum(x == y for x, y in zip(same_seeds, without, strict=True))
     assert identical >= 0.95 * len(without), f"only {identical} of {len(without)} seeded samples identical"
+
+
+def test_penalized_requests_speculate_as_they_would_sample_without(smol) -> None:
+    """Penalties under speculation: each draft position counts the drafts before it as outputs
+    (and the counts keep only what stood), so greedy outputs with presence, frequency or
+    repetition penalties are unchanged, and seeded sampled ones are the very tokens drawn
+    without speculation, while drafts are verified and accepted for them."""
+    tok, runner = smol
+    kinds = [dict(temperature=0.0, presence_penalty=0.6), dict(temperature=0.0, repetition_penalty=1.3),
+             dict(temperature=0.0, frequency_penalty=0.5), dict(temperature=0.8, frequency_penalty=0.4, presence_penalty=0.3)]
+    msgs = [TokenizedRequest(request_id=f"r{i}-{j}", reply_to="none", prompt_token_ids=chat(tok, p),
+                             params=SamplingParams(max_tokens=32, seed=100 * i + j, **kind), eos_token_ids=[2],
+                             arrival_time=0.0)
+            for i, p in enumerate(PROMPTS[3:]) for j, kind in enumerate(kinds)]
+    reference = drive(runner, make_sched(num_blocks=1024, block_size=8, budget=512), msgs)
+    speculator = spec(k=4, n_min=1)
+    sched = make_sched(num_blocks=1024, block_size=8, budget=512, speculator=speculator)
+    run = drive(runner, sched, msgs)
+    assert speculator.num_accepted_tokens > 10, "no drafts stood for the penalized requests"
+    greedy_msgs = [m for m in msgs if m.params.temperature == 0]
+    assert _assert_same_greedy(reference, run, greedy_msgs) >= len(greedy_msgs) - 1
+    sampled = [m.request_id for m in msgs if m.params.temperature > 0]
+    assert sum(run.outputs[r] == reference.outputs[r] for r in sampled) >= len(sampled) - 1
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 # ------------------------------------------------------------------------ the whole stack
@@ -421,31 +442,34 @@ def test_distributions_are_what_the_sampler_draws_from() -> None:
 
 def test_draft_model_sampling_keeps_the_distribution(smol, smollm2_dir: str, random_draft: str) -> None:
     """Mostly rejected drafts: the tokens drawn where a draft was refused still pass the
-    chi-square test against sampling without speculation."""
+    chi-square test against sampling without speculation, with penalties too."""
     tok, runner = smol
     drafted = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=1024, block_size=8,
                           model=runner.model, draft_model=random_draft)
     prompt = chat(tok, "Name a colour.")
 
-    def sampled(r: ModelRunner, seed0: int, speculator: Speculator | None, n: int = 200) -> list[list[int]]:
+    def sampled(r: ModelRunner, seed0: int, speculator: Speculator | None, n: int = 200,
+                **penalties: float) -> list[list[int]]:
         msgs = [TokenizedRequest(request_id=f"c{seed0 + i}", reply_to="none", prompt_token_ids=prompt,
-                                 params=SamplingParams(temperature=1.0, max_tokens=4, seed=seed0 + i),
+                                 params=SamplingParams(temperature=1.0, max_tokens=4, seed=seed0 + i, **penalties),
                                  eos_token_ids=[2], arrival_time=0.0) for i in range(n)]
         run = drive(r, make_sched(num_blocks=1024, block_size=8, budget=4096, max_seqs=256, speculator=speculator), msgs)
         return [run.outputs[m.request_id] for m in msgs]
 
-    speculator = _draft_spec(random_draft, k=2)
-    with_draft = sampled(drafted, 0, speculator)
-    without = sampled(runner, 10_000, None)
-    assert speculator.num_draft_tokens > 200
-    for pos in range(1, 4):
-        a = [o[pos] for o in with_draft if len(o) > pos]
-        b = [o[pos] for o in without if len(o) > pos]
-        stat, dof = _two_sample_chi2(a, b)
-        if dof:
-            p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                                    torch.tensor(stat / 2, dtype=torch.float64)))
-            assert p_value > 1e-3, f"position {pos}: chi2={stat:.1f} on {dof} dof, p={p_value:.2g}"
+    # Plain, then with penalties (q drawn with them too, the drafts before each counted).
+    for penalties in ({}, {"frequency_penalty": 0.8, "presence_penalty": 0.5}):
+        speculator = _draft_spec(random_draft, k=2)
+        with_draft = sampled(drafted, 0, speculator, **penalties)
+        without = sampled(runner, 10_000, None, **penalties)
+        assert speculator.num_draft_tokens > 200
+        for pos in range(1, 4):
+            a = [o[pos] for o in with_draft if len(o) > pos]
+            b = [o[pos] for o in without if len(o) > pos]
+            stat, dof = _two_sample_chi2(a, b)
+            if dof:
+                p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                                        torch.tensor(stat / 2, dtype=torch.float64)))
+                assert p_value > 1e-3, f"{penalties} position {pos}: chi2={stat:.1f} on {dof} dof, p={p_value:.2g}"
 
 
 def test_constrained_requests_speculate_with_per_draft_masks(smol) -> None:

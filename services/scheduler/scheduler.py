@@ -90,7 +90,7 @@ class Scheduler(RequestStates):
         step. A step running prompt tokens is long (on a CPU each one costs about a decode
         row), and a plan fixed while it runs would hold every request arriving meanwhile back
         by one more whole step: waiting for its result lets them join the next plan instead.
-        With speculative decoding, not behind a step of a request that may speculate either.
+        With speculative decoding, not behind any step that decodes (its requests may speculate).
         """
         in_flight = self.plans.in_flight
         if len(in_flight) >= depth:
@@ -98,7 +98,7 @@ class Scheduler(RequestStates):
         if not in_flight:
             return True
         last = in_flight[-1]
-        if self.speculator is not None and any(self.speculator.may_speculate(r) for r in last.reqs):
+        if self.speculator is not None and last.reqs:
             return False  # its next drafts come from the tokens this step samples
         return all(n == 1 for n in last.plan.num_scheduled_tokens)
 

@@ -15,9 +15,10 @@ verified with min(1, p/q) instead (model_runner._rejection_sample). KV written f
 drafts is rolled back by counting only accepted tokens as computed: their slots are overwritten
 by the next step.
 
-Not speculated (they decode one token a step, as without speculation): requests with penalties,
-whose token counts at draft i would include drafts 1..i-1. A grammar's mask at draft i is taken
-after drafts 1..i-1 (the worker advances its matcher through them and rolls it back).
+What a position's sampling reads from the tokens before it is taken as if drafts 1..i-1 stood:
+a grammar's mask at draft i is the matcher's after them (the worker advances it through them and
+rolls it back), and penalties count them as outputs (the sampler adds them to the request's
+counts for that row; the counts keep only what stood).
 """
 
 from __future__ import annotations
@@ -58,17 +59,11 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
-    @staticmethod
-    def may_speculate(req: Request) -> bool:
-        """Whether the request's sampling lets drafts be verified (not: penalties)."""
-        return not req.params.uses_penalties
-
     def drafts(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts to run after the request's last token this step, within the step's `budget`
         (its last token included) and its length limits; [] when it is not speculated."""
-        if (not req.output_token_ids or req.num_inflight_tokens or not self.may_speculate(req)
-                or req.num_computed_tokens != req.num_tokens - 1):
-            return []  # not decoding, its last token still unknown, or sampling that reads the drafts
+        if not req.output_token_ids or req.num_inflight_tokens or req.num_computed_tokens != req.num_tokens - 1:
+            return []  # not decoding, or its last token still unknown
         room = min(self.config.num_speculative_tokens, budget - 1,
                    req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1)
         if room < 1:

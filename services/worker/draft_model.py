@@ -45,6 +45,7 @@ class DraftRow:
     num_drafts: int
     params: SamplingParams
     num_outputs: int  # output tokens so far: the first draft's output index
+    history_slot: int | None = None  # its token counts in the sampler (penalties apply to q as to p)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class DraftModel:
                 sampled = [j for j, i in enumerate(live) if draws_from_q(rows[i].params)]
                 if sampled:
                     q = sampler.distributions(logits[sampled], [
-                        SampleRow(rows[live[j]].params, rows[live[j]].num_outputs + len(out[live[j]].tokens))
+                        SampleRow(rows[live[j]].params, rows[live[j]].num_outputs + len(out[live[j]].tokens), None,
+                                  rows[live[j]].history_slot, tuple(out[live[j]].tokens), record=False)
                         for j in sampled])
                     tokens[sampled] = torch.multinomial(q, 1)[:, 0]
                     for j, q_row in zip(sampled, q, strict=True):

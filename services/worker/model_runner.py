@@ -257,7 +257,8 @@ class ModelRunner:
         if not wanted or self.draft is None:
             return spec, {}
         rows = [DraftRow(states[i].request_id, states[i].token_ids, states[i].num_computed, states[i].block_ids,
-                         len(spec[i]), states[i].params, len(states[i].token_ids) - states[i].num_prompt)
+                         len(spec[i]), states[i].params, len(states[i].token_ids) - states[i].num_prompt,
+                         states[i].history_slot)
                 for i in wanted]
         drafts, qs = list(spec), {}
         for i, proposal in zip(wanted, self.draft.propose(rows, self.sampler), strict=True):
@@ -314,7 +315,8 @@ class ModelRunner:
         for i, d in zip(sampled, drafts, strict=True):
             s = states[i]
             first = len(s.token_ids) - s.num_prompt  # output index of its next token
-            rows += [SampleRow(s.params, first + j, s.generator, s.history_slot) for j in range(len(d) + 1)]
+            rows += [SampleRow(s.params, first + j, s.generator, s.history_slot, tuple(d[:j]), record=not d)
+                     for j in range(len(d) + 1)]
         out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled], drafts))
         if self.tp is not None:
             self.tp.broadcast_tokens(out.token_ids, len(sampled))
@@ -330,6 +332,9 @@ class ModelRunner:
             s.num_computed -= len(d) - accepted  # rejected drafts' KV: overwritten by later steps
             if s.prompt_lps is not None and len(s.token_ids) == s.num_prompt:  # its first output token
                 self._prompt_out[s.request_id], s.prompt_lps = s.prompt_lps, None
+            if d and s.history_slot is not None and self.sampler.history is not None:  # penalties count what stood
+                self.sampler.history.record([s.history_slot] * (accepted + 1),
+                                            torch.tensor(picks[:accepted + 1], device=logits.device))
             for tok in picks[:accepted + 1]:
                 if s.matcher is not None and s.error is None:
                     why = Grammars.advance(s.matcher, tok)

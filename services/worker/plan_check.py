@@ -55,7 +55,7 @@ def check_plan(plan: StepPlan, requests: Mapping[str, Known], limits: Limits) ->
         view[rid] = (n_tok, n_done, n_blocks + len(blocks))
     if len(set(plan.scheduled_request_ids)) != len(plan.scheduled_request_ids):
         raise PlanError("a request is scheduled twice in one step")
-    drafts = _check_drafts(plan, requests, limits)
+    drafts = _check_drafts(plan, limits)
     for rid, n, k in zip(plan.scheduled_request_ids, plan.num_scheduled_tokens, drafts, strict=True):
         if rid not in view:
             raise PlanError(f"unknown request id {rid!r} in scheduled_request_ids")
@@ -71,13 +71,12 @@ def check_plan(plan: StepPlan, requests: Mapping[str, Known], limits: Limits) ->
             raise PlanError(f"request {rid!r}: {n_blocks} blocks cannot hold {n_done + n} tokens")
 
 
-def _check_drafts(plan: StepPlan, requests: Mapping[str, Known], limits: Limits) -> list[int]:
+def _check_drafts(plan: StepPlan, limits: Limits) -> list[int]:
     """Draft counts per scheduled request, after checking the drafts can be verified here."""
     if not plan.spec_token_ids:
         return plan.num_drafts()
     if len(plan.spec_token_ids) != len(plan.scheduled_request_ids):
         raise PlanError("spec_token_ids and scheduled_request_ids differ in length")
-    params = {rid: s.params for rid, s in requests.items()} | {n.request_id: n.params for n in plan.new_requests}
     for rid, drafts in zip(plan.scheduled_request_ids, plan.spec_token_ids, strict=True):
         if not drafts:
             continue
@@ -88,9 +87,6 @@ def _check_drafts(plan: StepPlan, requests: Mapping[str, Known], limits: Limits)
                 raise PlanError(f"request {rid!r} mixes draft tokens and placeholders")
         elif min(drafts) < 0 or max(drafts) >= limits.vocab_size:
             raise PlanError(f"request {rid!r} has draft tokens outside the vocabulary")
-        p = params.get(rid)
-        if p is not None and p.uses_penalties:
-            raise PlanError(f"request {rid!r}: drafts for a request with penalties")
     return plan.num_drafts()
 
 

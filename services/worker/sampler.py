@@ -47,6 +47,10 @@ class SampleRow:
     output_index: int  # how many tokens this request has already generated
     generator: torch.Generator | None = None  # set for seeded requests
     history_slot: int | None = None  # its row in the sampler's TokenHistory (requests with penalties)
+    # A speculated position: the drafts before it, outputs for its penalties as if already sampled;
+    # its history is recorded by the caller once it knows which drafts stood (record False).
+    drafted: tuple[int, ...] = ()
+    record: bool = True
 
 
 @dataclass
@@ -183,7 +187,7 @@ class Sampler:
         """One token per row of fp32 logits [B, vocab], with logprobs for the rows that ask.
         Tracked rows get their token counted in their history."""
         picks = self._pick(self.process(logits, rows, mask), rows)
-        tracked = [(i, r.history_slot) for i, r in enumerate(rows) if r.history_slot is not None]
+        tracked = [(i, r.history_slot) for i, r in enumerate(rows) if r.history_slot is not None and r.record]
         if tracked and self.history is not None:  # a slot comes from track(), so history exists
             self.history.record([slot for _, slot in tracked], _take(picks, [i for i, _ in tracked]))
         logprobs = _logprobs(logits, picks, rows)
@@ -265,7 +269,12 @@ class Sampler:
         dev = x.device
         params = [rows[i].params for i in idx]
         slots = torch.tensor([rows[i].history_slot for i in idx], device=dev)
-        counts = self.history.counts.index_select(0, slots)
+        counts = self.history.counts.index_select(0, slots)  # a copy: the drafts are added to it
+        drafted = [(j, t) for j, i in enumerate(idx) for t in rows[i].drafted]
+        if drafted:
+            r, c = zip(*drafted, strict=True)
+            counts.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
+                              torch.ones(len(r), dtype=counts.dtype, device=dev), accumulate=True)
         in_output = counts > 0
         sub = _take(x, idx)
         if any(p.repetition_penalty != 1.0 for p in params):
