@@ -164,9 +164,9 @@ class GGUFSource:
 
     def linear(self, names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None,
                logits: bool = False) -> object | None:
-        """A QuantLinear (Triton's on that backend) over the named tensors stacked in `weight`'s rows, or None: the float
-        layer serves (blocks that do not match it, or a layer whose every part measured faster
-        from a float copy at every row count: then it is exactly the float model's layer)."""
+        """A QuantLinear (Triton's on that backend) over the named tensors stacked in `weight`'s
+        rows, or None: the float layer serves (blocks that do not match it, or a layer whose every
+        part measured faster from a float copy at every row count: then it is the float layer)."""
         parts: list[tuple[int, torch.Tensor]] = []
         start = 0
         for name in names:
