@@ -1,4 +1,4 @@
-// Q4_1 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
+// Q4_0, Q4_1 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
 // first gather their scales one by one: at one activation row that bookkeeping, not the memory,
@@ -10,7 +10,8 @@
 //
 // Layout (gguf_blocks.pack_x16 builds it): for each group of 16 rows (zero rows pad the last), for
 // each block of 32 values: d[16] fp16, (Q4_1) m[16] fp16, then 4 x 64 bytes of nibbles, or (Q8_0)
-// 8 x 64 bytes of values + 128. AVX512-VNNI only.
+// 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d).
+// AVX512-VNNI only.
 
 #include <omp.h>
 
@@ -24,7 +25,7 @@
 
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
 
-int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_1 || qtype == Q8_0; }
+int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
@@ -100,7 +101,7 @@ static void x16_pass(int Q8, const uint8_t* w, int64_t nb, const int8_t* q, cons
 // format or shape this kernel does not take; 2 out of memory.
 int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                       const float* bias, float* y) {
-  if ((qtype != Q4_1 && qtype != Q8_0) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
+  if (!gguf_gemm_x16_supported(qtype) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
   const int64_t nb = k / 32, groups = (n + 15) / 16;
   char* scratch = gguf_act_scratch((size_t)(m * k + 8 * m * nb));
   if (!scratch) return 2;

@@ -195,20 +195,34 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({Q4_1, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_FORMATS = frozenset({Q4_0, Q4_1, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
 
 
 def _x16_fields(qtype: int) -> tuple[int, int, int]:
     """(bytes of a raw block, bytes of its fp16 fields before the values, bytes of its values)."""
-    return (20, 4, 16) if qtype == Q4_1 else (34, 2, 32)
+    return (20, 4, 16) if qtype in (Q4_0, Q4_1) else (34, 2, 32)
 
 
-def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_1 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group of 16
-    rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins), then
-    their values as 64-byte loads whose 4-byte lane r is row r's next 4 bytes (Q8_0's + 128).
-    Flat uint8."""
+def _q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
+    """Q4_0 rows as Q4_1 ones (d (q - 8) = d q + m, m = -8 d: exact in fp16), or None where some
+    -8 d overflows fp16."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, 18)
+    m = (_half(b, 0) * -8).half()
+    if not torch.isfinite(m).all():
+        return None
+    return torch.cat([b[:, :2], m.view(torch.uint8), b[:, 2:]], dim=1).reshape(n, -1)
+
+
+def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """Q4_0 / Q4_1 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group
+    of 16 rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins, which
+    Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is row r's next 4
+    bytes (Q8_0's + 128). Flat uint8; None for a Q4_0 weight whose mins fp16 cannot hold."""
     assert qtype in X16_FORMATS and raw.dtype == torch.uint8
+    if qtype == Q4_0:
+        q41 = _q4_0_as_q4_1(raw)
+        return None if q41 is None else pack_x16(q41, Q4_1, k)
     size, head, vals = _x16_fields(qtype)
     n, nb = raw.shape[0], k // 32
     groups = -(-n // 16)
@@ -225,6 +239,9 @@ def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """pack_x16 undone: the rows uint8 [n, row_bytes] again."""
     assert qtype in X16_FORMATS
+    if qtype == Q4_0:  # packed as Q4_1: drop the mins
+        b = unpack_x16(packed, Q4_1, n, k).reshape(-1, 20)
+        return torch.cat([b[:, :2], b[:, 4:]], dim=1).reshape(n, -1).contiguous()
     size, head, vals = _x16_fields(qtype)
     nb = k // 32
     blocks = packed.view(-1, nb, 16 * size)

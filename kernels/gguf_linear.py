@@ -130,7 +130,7 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         # The blocks stay even where every bucket chose "float" (a CPU where oneDNN wins from one
         # row): force() and the probes switch routes on a built layer, which needs them.
         # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them).
-        packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None
+        packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None  # None: rows
         lin = _float_linear(raw, qtype, k, dtype, logits, route) if route.uses("float") else None
         return _Part(qtype, n, raw if packed is None else None, route, lin, packed)
     if qtype not in _warned:

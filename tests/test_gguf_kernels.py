@@ -117,7 +117,7 @@ def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: in
         check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
-@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 4, 6, 17, 70])
 def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
     """Blocks repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row
@@ -134,6 +134,15 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
 
     for n, k in ((37, 192), (300, 1024)):
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
+
+
+def test_q4_0_packs_as_q4_1_unless_its_mins_overflow_fp16() -> None:
+    """Q4_0 rides the Q4_1 x16 kernel with m = -8 d; a scale whose -8 d fp16 cannot hold keeps the rows."""
+    raw = gguf_blocks.random_blocks(gguf_blocks.Q4_0, 16, 64)
+    packed = gguf_blocks.pack_x16(raw, gguf_blocks.Q4_0, 64)
+    assert packed is not None and torch.equal(gguf_blocks.unpack_x16(packed, gguf_blocks.Q4_0, 16, 64), raw)
+    raw[3, 0:2] = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
+    assert gguf_blocks.pack_x16(raw, gguf_blocks.Q4_0, 64) is None
 
 
 def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
@@ -187,7 +196,10 @@ def parts_of_mixed_layer(k: int) -> list[tuple[int, torch.Tensor]]:
 def held_bytes(qtype: int, raw: torch.Tensor) -> int:
     """Bytes of the blocks as a layer keeps them: repacked 16 rows at a time where the build has
     that GEMM (the last group padded with zero rows), else as they are."""
-    return -(-raw.shape[0] // 16) * 16 * raw.shape[1] if gguf_native.x16_supported(qtype) else raw.nbytes
+    fmt = gguf_blocks.FORMATS[qtype]
+    packed = gguf_blocks.pack_x16(raw, qtype, raw.shape[1] // fmt.nbytes * fmt.elements) \
+        if gguf_native.x16_supported(qtype) else None
+    return raw.nbytes if packed is None else packed.nbytes
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
