@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_quantization import CHATS, chat_ids, quality, run_rows
 
-from rill.kernels import chooser
+from rill.kernels import chooser, gguf_blocks, gguf_native
 from rill.kernels.gguf_linear import QuantLinear
 from rill.services.cli import build_parser, engine_args
 from rill.services.worker.llama import LlamaModel
@@ -41,7 +41,21 @@ def from_blocks(model_dir: str) -> LlamaModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+@pytest.fixture(scope="module")
+def smollm2_q4_0_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2 in Q4_0 (its Q4_1 file requantized by gguf-py), converted as `rill serve` would."""
+    from gguf import GGMLQuantizationType
+    from gguf_requantize import requantize
+
+    from rill.shared.model_files import gguf_source, resolve_model
+
+    src = gguf_source(None)  # the default model's file
+    assert src is not None
+    dst = tmp_path_factory.mktemp("q4_0") / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    return str(resolve_model(str(requantize(src, dst, GGMLQuantizationType.Q4_0))))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "smollm2_q4_0", "gemma3"])
 def pair(request: pytest.FixtureRequest) -> tuple[str, LlamaModel, LlamaModel]:
     """(model dir, its float model, the same served from its GGUF blocks)."""
     model_dir = request.getfixturevalue(f"{request.param}_dir")
@@ -53,6 +67,8 @@ def test_every_linear_and_the_embedding_stay_in_the_files_blocks(pair: tuple[str
     fused QKV holds two formats. Both models tie their head to the embedding's blocks."""
     _, ref, model = pair
     assert all(isinstance(lin, QuantLinear) for lin in model.linears())
+    for p in (p for lin in model.linears() for p in lin.parts):  # repacked where this CPU has the x16 GEMM
+        assert (p.packed is not None) == gguf_native.x16_supported(p.qtype), gguf_blocks.name(p.qtype)
     assert model.embed.numel() == 0, "the float embedding should have been dropped for its blocks"
     ids = torch.tensor([0, 5, ref.embed.shape[0] - 1, 1234])
     assert torch.equal(model.embed_lookup(ids), ref.embed[ids])
