@@ -23,7 +23,7 @@ from service_stack import ServiceStack, fast_flags, rill_executable
 from rill.shared.broker import free_port
 from rill.shared.bus import Bus, connect
 from rill.shared.local_cluster import LocalCluster
-from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode
+from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode, stats_decoder
 from rill.shared.streams import Streams
 
 N_REQUESTS = 32
@@ -109,20 +109,27 @@ def test_hot_path_pipelines_span_masters(cluster: LocalCluster) -> None:
         bus.close()
 
 
-def _chat(i: int) -> dict:
+def _chat(i: int, long: bool = False) -> dict:
+    """A short greedy chat; `long`: 64 tokens whatever the model says (EOS ignored), to be in flight."""
     return {"messages": [{"role": "user", "content": f"Count to {3 + i % 7}, then say item {i}."}],
-            "max_tokens": MAX_TOKENS, "temperature": 0}
+            "max_tokens": 64 if long else MAX_TOKENS, "temperature": 0, **({"ignore_eos": True} if long else {})}
 
 
-async def _ask(base_urls: list[str], idx: list[int], timeout: float = 120) -> list[dict]:
+async def _ask(base_urls: list[str], idx: list[int], timeout: float = 120, long: bool = False) -> list[dict]:
     async with httpx.AsyncClient(timeout=timeout) as client:
         async def one(i: int) -> dict:
             try:
-                r = await client.post(f"{base_urls[i % len(base_urls)]}/v1/chat/completions", json=_chat(i))
+                r = await client.post(f"{base_urls[i % len(base_urls)]}/v1/chat/completions", json=_chat(i, long))
                 return r.json() | {"status": r.status_code}
             except httpx.HTTPError as exc:
                 return {"status": 0, "error": {"message": repr(exc)}}
         return list(await asyncio.gather(*(one(i) for i in idx)))
+
+
+def _running(r: redis.Redis, s: Streams, engine: int) -> int:
+    """Requests in the engine's running batch, from its last published stats (0 before any)."""
+    raw = r.get(s.stats_key(engine))
+    return 0 if raw is None else stats_decoder.decode(raw).num_running
 
 
 def _texts(replies: list[dict]) -> list[str]:
@@ -184,8 +191,12 @@ def test_pipeline_on_a_cluster_survives_a_master_failover(cluster: LocalCluster,
         # Kill engine 0's master under load: what was in flight ends with a clear error; new
         # requests succeed within 15 s of the kill, and from then on all do; no service restarted.
         async def failover() -> tuple[list[dict], float]:
-            load = asyncio.create_task(_ask(bases, list(range(N_REQUESTS)), timeout=60))
-            await asyncio.sleep(1.0)
+            # Long replies, and the kill only once engine 0 runs some: on a fast machine short
+            # replies were all done a second in, and the kill then had nothing to fail.
+            load = asyncio.create_task(_ask(bases, list(range(N_REQUESTS)), timeout=60, long=True))
+            deadline, r = time.monotonic() + 20, connect(cluster.url)
+            while _running(r, s, 0) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             victim = next(n for n in cluster.nodes if n.port == engine_masters[0])
             assert victim.proc is not None
             victim.proc.kill()
