@@ -11,12 +11,15 @@ few seconds (the supervisor restarts it). Prints one table:
   failed       ended with a clear error (an error event, an HTTP error, or the connection of a
                killed gateway dropping: the client knows it failed)
   lost         neither, within --request-timeout: the request hung
-  dup deltas   chunks a completed stream showed that the reference does not have (repeats)
-  missing      reference chunks a completed stream did not show
-  diverged     completed streams that left the reference's text for good: another greedy path,
-               not a fault (a batch of another size rounds differently and a near-tie flips);
-               dup deltas and missing count the edits of the streams that end as the
-               reference does
+  dup deltas   tokens a completed stream showed more than once (repeats)
+  missing      tokens a completed stream generated but did not show
+  diverged     completed streams that showed each token once but not the reference's text:
+               another greedy path, not a fault (a batch of another size rounds differently
+               and a near-tie flips)
+
+Each chunk carries its tokens (`logprobs`) and the stream ends with its usage, so a stream's
+delivered tokens are counted against the tokens the engine generated; a stream without usage (its
+gateway died after the finish) is compared chunk by chunk with the reference instead.
 
     .venv/bin/python scripts/chaos.py --duration 60
 """
@@ -60,11 +63,14 @@ class Outcome:
     finish: str | None = None
     error: str | None = None
     lost: bool = False
+    delivered: int = 0  # tokens its chunks carried
+    generated: int | None = None  # usage.completion_tokens
 
 
 async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, timeout: float) -> Outcome:
     out = Outcome()
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 1,
+            "stream_options": {"include_usage": True}}
 
     async def read() -> None:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -80,7 +86,10 @@ async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, timeou
                 if "error" in obj:
                     out.error = obj["error"]["message"]
                     continue
+                if obj.get("usage"):
+                    out.generated = obj["usage"]["completion_tokens"]
                 for choice in obj["choices"]:
+                    out.delivered += len((choice.get("logprobs") or {}).get("tokens") or [])
                     if choice["text"]:
                         out.chunks.append(choice["text"])
                     if choice["finish_reason"]:
@@ -196,10 +205,13 @@ class Killer(threading.Thread):
 
 
 def compare(ref: Outcome, got: Outcome) -> tuple[int, int, bool]:
-    """(repeated chunks, missing chunks, diverged) of a completed stream against its reference.
-    A stream that ends on a replacement took another greedy path (diverged: its text after the
-    flip has nothing to be compared with, and may briefly agree again); in any other, every
-    insertion is a repeat and every deletion a loss."""
+    """(repeated tokens, missing tokens, diverged) of a completed stream against its reference.
+    With its usage: the tokens its chunks carried against those generated; every token shown once
+    and another text is another greedy path. Without: chunk by chunk, where a stream that ends on
+    a replacement diverged and in any other every insertion is a repeat, every deletion a loss."""
+    if got.generated is not None:
+        extra = got.delivered - got.generated
+        return max(extra, 0), max(-extra, 0), extra == 0 and got.chunks != ref.chunks
     ops = difflib.SequenceMatcher(a=ref.chunks, b=got.chunks, autojunk=False).get_opcodes()
     if ops and ops[-1][0] == "replace":
         return 0, 0, True
