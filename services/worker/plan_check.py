@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from rill.services.worker.sampler import check_params
-from rill.shared.request_params import SamplingParams
 from rill.shared.schema import DRAFT_PLACEHOLDER, NewRequestData, StepPlan
 
 
@@ -21,7 +20,6 @@ class Known(Protocol):
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]
-    params: SamplingParams
 
 
 class Limits(NamedTuple):
