@@ -262,18 +262,21 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.zeros(1)
+    cpu, x = torch.zeros(1), torch.zeros(1, device=DEVICE)
     try:
         monkeypatch.setenv("RILL_KERNELS", "torch")
         ops.set_backend(None)
-        assert ops.backend() == "torch" and not ops.uses_triton(cpu)
+        assert ops.backend() == "torch" and not ops.uses_triton(x)
         monkeypatch.setenv("RILL_KERNELS", "triton")
         ops.set_backend(None)
-        assert ops.backend() == "triton" and ops.uses_triton(cpu)
-        assert ops._impl_for(cpu) is triton_ops
+        assert ops.backend() == "triton" and ops.uses_triton(x)
+        assert ops._impl_for(x) is triton_ops
+        # Compiled GPU kernels cannot take CPU tensors: forced Triton reaches them only when interpreted.
+        assert ops.uses_triton(cpu) == triton_ops.INTERPRET
         monkeypatch.delenv("RILL_KERNELS")
         ops.set_backend(None)
         assert ops.backend() == "auto" and not ops.uses_triton(cpu)  # auto: CPU tensors -> torch
+        assert ops.uses_triton(x) == CUDA  # ...and CUDA tensors -> Triton
         monkeypatch.setenv("RILL_KERNELS", "cuda-please")
         ops.set_backend(None)
         with pytest.raises(ValueError):
