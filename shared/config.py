@@ -13,8 +13,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --quantization: none keeps every GEMM in the model dtype; int8 is W8A8 dynamic quantization of the
 # linear layers (CPU only, see kernels/torch_ops.Int8Linear); gguf keeps a .gguf model's own
 # quantized blocks (services/worker/gguf_weights.py: the CPU block kernels, or on CUDA the Triton
-# GEMM of kernels/triton_gguf.py); auto is gguf for a .gguf model on CPU, else none (the Triton
-# GEMM is not yet measured against cuBLAS on a GPU, so CUDA takes it only when asked).
+# GEMM of kernels/triton_gguf.py); auto is gguf for a .gguf model on CPU, else none (on an H200
+# the Triton GEMM took 2.4x cuBLAS's time on bf16 weights at one row: CUDA takes it only when asked,
+# for the memory; scripts/benchmarks.md).
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 
