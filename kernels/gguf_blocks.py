@@ -236,6 +236,36 @@ def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     return torch.cat([*fields, values], dim=2).reshape(-1).contiguous()
 
 
+@functools.cache
+def _x16_lanes(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For row r of a 16-row group of the x16 layout: the int16 indices (in the group) of its fp16
+    fields, [16, blocks * fields], and the int32 indices of its 4-byte value lanes, [16, blocks * lanes]."""
+    size, head, vals = _x16_fields(qtype)
+    nb, r = k // 32, torch.arange(16)[:, None]
+    block = torch.arange(nb)[:, None] * (16 * size)  # byte offset of each block's group
+    fields = ((block + torch.arange(head // 2)[None, :] * 32) // 2).reshape(-1)[None, :] + r
+    lanes = ((block + 16 * head + torch.arange(vals // 4)[None, :] * 64) // 4).reshape(-1)[None, :] + r
+    return fields, lanes
+
+
+def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a pack_x16 layout as uint8 [len(ids), row_bytes], each row's fields and value
+    lanes gathered from its group (an embedding lookup on a tied head's repacked blocks)."""
+    q = Q4_1 if qtype == Q4_0 else qtype
+    size, head, vals = _x16_fields(q)
+    fields, lanes = _x16_lanes(q, k)
+    nb, m, group_bytes = k // 32, len(ids), 16 * row_bytes(q, k)
+    base, r = torch.div(ids, 16, rounding_mode="floor")[:, None], ids % 16
+    f = packed.view(torch.int16).take(base * (group_bytes // 2) + fields[r])
+    v = packed.view(torch.int32).take(base * (group_bytes // 4) + lanes[r])
+    rows = torch.cat([f.view(torch.uint8).view(m, nb, head), v.view(torch.uint8).view(m, nb, vals)], dim=2)
+    if qtype == Q8_0:
+        rows[..., head:] ^= 0x80
+    elif qtype == Q4_0:  # drop the mins it was packed with
+        rows = torch.cat([rows[..., :2], rows[..., 4:]], dim=2)
+    return rows.reshape(m, -1)
+
+
 def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """pack_x16 undone: the rows uint8 [n, row_bytes] again."""
     assert qtype in X16_FORMATS

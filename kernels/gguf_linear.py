@@ -79,7 +79,7 @@ def _tile(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
-class _Part:
+class BlockPart:
     qtype: int
     n: int
     raw: torch.Tensor | None  # the blocks row by row; None when packed holds them, or a part served by "float" only
@@ -98,6 +98,13 @@ class _Part:
             return self.raw
         assert self.packed is not None
         return gguf_blocks.unpack_x16(self.packed, self.qtype, self.n, k)
+
+    def select(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows `ids` of the blocks (an embedding lookup sharing a tied head's blocks)."""
+        if self.raw is not None:
+            return self.raw.index_select(0, ids)
+        assert self.packed is not None
+        return gguf_blocks.select_x16(self.packed, self.qtype, k, ids)
 
     def blocks_mm(self, x32: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The "blocks" route: x32 [m, k] fp32 @ W.T -> fp32, on the repacked copy where there is one."""
@@ -118,7 +125,7 @@ def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, log
     return torch_ops.Linear(w, None, logits, None if route is None else route.buckets_of("float"))
 
 
-def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> _Part:
+def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> BlockPart:
     rb = gguf_blocks.row_bytes(qtype, k)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
         raise ValueError(f"{gguf_blocks.name(qtype)} part of {k} columns: want uint8 [n, {rb}], "
@@ -132,13 +139,13 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them).
         packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None  # None: rows
         lin = _float_linear(raw, qtype, k, dtype, logits, route) if route.uses("float") else None
-        return _Part(qtype, n, raw if packed is None else None, route, lin, packed)
+        return BlockPart(qtype, n, raw if packed is None else None, route, lin, packed)
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
                     gguf_blocks.name(qtype), dtype)
     buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
-    return _Part(qtype, n, None, chooser.Route(buckets, ("float",) * len(buckets)),
+    return BlockPart(qtype, n, None, chooser.Route(buckets, ("float",) * len(buckets)),
                  _float_linear(raw, qtype, k, dtype, logits))
 
 
@@ -161,7 +168,7 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     @property
-    def parts(self) -> list[_Part]:
+    def parts(self) -> list[BlockPart]:
         """The stacked parts, in output order (read them; `force` changes their routes)."""
         return self._parts
 
@@ -198,7 +205,7 @@ class QuantLinear:
     def _names(self, m: int) -> list[str]:
         return [p.route.pick(m) for p in self._parts]
 
-    def _dequant_mm(self, x: torch.Tensor, part: _Part, y: torch.Tensor) -> None:
+    def _dequant_mm(self, x: torch.Tensor, part: BlockPart, y: torch.Tensor) -> None:
         """y [m, part.n] (a column slice of the output) = x @ W.T, W dequantized a tile at a time."""
         k = self.in_features
         rows = min(part.n, max(16, TILE_ELEMS // k))
@@ -213,7 +220,7 @@ class QuantLinear:
                 y[:, r0:r1] = torch.mm(x, w.t())
 
     @staticmethod
-    def _float_mm(part: _Part, xf: torch.Tensor, fp32: bool) -> torch.Tensor:
+    def _float_mm(part: BlockPart, xf: torch.Tensor, fp32: bool) -> torch.Tensor:
         assert part.lin is not None, "route float without its float copy"
         return part.lin.float_out(xf) if fp32 else part.lin(xf)
 

@@ -42,8 +42,9 @@ def plans(batch: int, prompt: int, decode: int, block_size: int, vocab: int) -> 
 
 
 def run_one(args: argparse.Namespace, rank: int, size: int, address: str) -> dict | None:
+    from rill.services.worker.memory import resident_bytes, weight_bytes
     from rill.services.worker.model_runner import ModelRunner
-    from rill.services.worker.tensor_parallel import TPGroup, resident_bytes, weight_bytes
+    from rill.services.worker.tensor_parallel import TPGroup
     from rill.shared.config import ModelConfig
 
     group = TPGroup.join(rank, size, address, "cpu") if size > 1 else None

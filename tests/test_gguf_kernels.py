@@ -136,6 +136,17 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
 
 
+@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
+    """An embedding lookup on a tied head's repacked blocks: rows from any group, the padded last
+    one included, repeated and out of order."""
+    raw = gguf_blocks.random_blocks(qtype, 37, 96, seed=5)
+    packed = gguf_blocks.pack_x16(raw, qtype, 96)
+    assert packed is not None
+    ids = torch.tensor([36, 0, 16, 17, 5, 5, 31, 32, 15])
+    assert torch.equal(gguf_blocks.select_x16(packed, qtype, 96, ids), raw[ids])
+
+
 def test_q4_0_packs_as_q4_1_unless_its_mins_overflow_fp16() -> None:
     """Q4_0 rides the Q4_1 x16 kernel with m = -8 d; a scale whose -8 d fp16 cannot hold keeps the rows."""
     raw = gguf_blocks.random_blocks(gguf_blocks.Q4_0, 16, 64)

@@ -15,6 +15,7 @@ from rill.kernels import chooser, gguf_blocks, gguf_native
 from rill.kernels.gguf_linear import QuantLinear
 from rill.services.cli import build_parser, engine_args
 from rill.services.worker.llama import LlamaModel
+from rill.services.worker.memory import held_bytes, weight_bytes
 from rill.shared.config import resolve_quantization
 
 # Teacher-forced over the texts of test_quantization.CHATS (126 positions), against the float model
@@ -70,9 +71,12 @@ def test_every_linear_and_the_embedding_stay_in_the_files_blocks(pair: tuple[str
     for p in (p for lin in model.linears() for p in lin.parts):  # repacked where this CPU has the x16 GEMM
         assert (p.packed is not None) == gguf_native.x16_supported(p.qtype), gguf_blocks.name(p.qtype)
     assert model.embed.numel() == 0, "the float embedding should have been dropped for its blocks"
-    ids = torch.tensor([0, 5, ref.embed.shape[0] - 1, 1234])
+    vocab = ref.embed.shape[0]
+    ids = torch.cat([torch.tensor([0, 5, vocab - 1, 1234]), torch.randint(0, vocab, (60,), generator=torch.Generator().manual_seed(0))])
     assert torch.equal(model.embed_lookup(ids), ref.embed[ids])
-    held = sum(lin.nbytes for lin in model.linears())  # the head's blocks are the embedding's
+    # The lookup reads the tied head's blocks (repacked or not): one copy of them.
+    assert weight_bytes(model) == held_bytes(model.norm, model.lm_head, *model.layers)
+    held = sum(lin.nbytes for lin in model.linears())
     floats = 4 * sum(lin.out_features * lin.in_features for lin in model.linears())
     assert held < 0.3 * floats  # 4-6 bits a weight where fp32 has 32; the embedding 8.5
 

@@ -72,3 +72,13 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: keep the defaults
+
+
+def release_freed_memory() -> None:
+    """Return the heap's free pages to the OS. With keep_freed_memory's thresholds nothing freed is
+    ever returned, so the load's transients (checkpoint tensors read in fp32, dequantized blocks,
+    kernel-choice probes) would stay resident for the worker's life: call this after loading."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc

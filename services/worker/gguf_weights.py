@@ -13,7 +13,6 @@ mismatch costs memory, never correctness.
 from __future__ import annotations
 
 import logging
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ import numpy as np
 import torch
 
 from rill.kernels import gguf_blocks, gguf_linear, gguf_native, ops
-from rill.kernels.gguf_linear import QuantLinear
+from rill.kernels.gguf_linear import BlockPart, QuantLinear
+from rill.services.worker.memory import held_bytes
 from rill.shared.config import ModelConfig
 from rill.shared.gguf_header import read_header
 from rill.shared.model_files import converted_from
@@ -73,12 +73,6 @@ def blocks_serve(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) -
     return any(c != "float" for c in gguf_linear.installed_route(n, k, qtype, dtype, logits).choices)
 
 
-def quant_linears() -> tuple[type, ...]:
-    """The classes a GGUF layer can be: the CPU one, and the Triton one where Triton was imported."""
-    triton_gguf = sys.modules.get("rill.kernels.triton_gguf")
-    return (QuantLinear,) if triton_gguf is None else (QuantLinear, triton_gguf.QuantLinear)
-
-
 def llama_row_order(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's q/k permutation (its converter interleaves each
     head's rotary halves; transformers' GGUF reader applies the same reverse)."""
@@ -110,6 +104,20 @@ class Report:
                 f"{self.measured_float} from float copies (faster on this CPU at every batch size), "
                 f"{self.kept_float} float (blocks not servable); weights held {held_bytes / mib:.0f} MiB "
                 f"against {params * 4 / mib:.0f} MiB fp32 / {params * 2 / mib:.0f} MiB bf16 for these tensors")
+
+
+class BlockEmbedding:
+    """ids -> embedding rows dequantized from token_embd's blocks: its own rows, or those a tied
+    head keeps (one copy of the blocks for both)."""
+
+    def __init__(self, source: torch.Tensor | BlockPart, qtype: int, k: int, dtype: torch.dtype) -> None:
+        self.source, self.qtype, self.k, self.dtype = source, qtype, k, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.source.index_select(0, flat) if isinstance(self.source, torch.Tensor) \
+            else self.source.select(flat, self.k)
+        return gguf_blocks.dequantize(rows, self.qtype, self.k).to(self.dtype).reshape(*ids.shape, self.k)
 
 
 class GGUFSource:
@@ -214,32 +222,28 @@ class GGUFSource:
                 return names
         return None
 
-    def embedding(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def embedding(self, weight: torch.Tensor, tied_head: object | None = None) -> BlockEmbedding | None:
         """ids -> embedding rows dequantized from token_embd's blocks (the same values as
-        `weight`, checked here), or None; the float table can then be dropped."""
+        `weight`, checked here), or None; the float table can then be dropped. A tied head built
+        on the CPU blocks lends its own (row by row or repacked)."""
         part = self._part("token_embd.weight", weight)
         if part is None:
             return None
         qtype, blocks = part
-        k, dtype = weight.shape[1], weight.dtype
-        blocks = blocks.to(weight.device)
-
-        def lookup(ids: torch.Tensor) -> torch.Tensor:
-            return gguf_blocks.dequantize(blocks.index_select(0, ids.reshape(-1)), qtype, k).to(dtype) \
-                .reshape(*ids.shape, k)
-        return lookup
+        source: torch.Tensor | BlockPart = blocks.to(weight.device)
+        if isinstance(tied_head, QuantLinear) and len(tied_head.parts) == 1:
+            head_part = tied_head.parts[0]
+            if head_part.blocks_held and head_part.qtype == qtype:
+                source = head_part
+        return BlockEmbedding(source, qtype, weight.shape[1], weight.dtype)
 
     def finish(self, model: LlamaModel, embed: torch.Tensor, float_table_kept: bool) -> None:
         """Swap the embedding lookup to the blocks (dropping the float table) unless the float table
         stays for a tied float head; log what the model holds."""
-        lookup = None if float_table_kept else self.embedding(embed)
+        lookup = None if float_table_kept else self.embedding(embed, model.lm_head if model.tied else None)
         if lookup is not None:
             model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
-            shared = model.tied and isinstance(model.lm_head, quant_linears())  # the head holds these blocks
-            held = 0 if shared else self.report.quantized_bytes.get("token_embd.weight", 0)
-        else:
-            held = embed.numel() * embed.element_size()
-        held += sum(getattr(lin, "nbytes", 0) for lin in model.linears() if lin is not None)
+        held = held_bytes(model.embed, model.embed_lookup, *model.linears())
         log.info("%s", self.report.line(held))
 
     def _head_name(self, tied: bool) -> str:

@@ -28,10 +28,11 @@ import msgspec
 import redis
 import torch
 
-from rill.services.worker.cpu_setup import resolve_device
+from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
+from rill.services.worker.memory import resident_bytes, weight_bytes
 from rill.services.worker.model_runner import ModelRunner
-from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup, resident_bytes, weight_bytes
+from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup
 from rill.shared import envs
 from rill.shared.bus import Backoff, Bus, hot_connection
 from rill.shared.config import (
@@ -104,6 +105,8 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
                          draft_model=draft_model_dir(args))
     if tp is None or tp.rank == 0:  # the rank that samples; overlaps the cache sizing and warm-up below
         runner.grammars.prepare_in_background()
+    if device == "cpu":
+        release_freed_memory()
     rank = f"rank {tp.rank}/{tp.size} " if tp else ""
     log.info("%sweights: %d MiB held (process resident +%d MiB since before the load)", rank,
              weight_bytes(runner.model) >> 20, (resident_bytes() - rss) >> 20)
@@ -119,6 +122,8 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
     runner.grammars.wait_prepared()
+    if device == "cpu":
+        release_freed_memory()
     tokens = num_blocks * args.block_size
     log.info("%skv cache: blocks=%d block_size=%d tokens=%d bytes=%d dtype=%s quantization=%s device=%s "
              "(= %d layers x %d tokens x 2 x %d kv_heads x %d head_dim x %d bytes)", rank,

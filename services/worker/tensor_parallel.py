@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -287,38 +286,3 @@ def shard_model(model: Any, shard: Shard, full_cfg: ModelConfig, group: TPGroup)
     model.embed_lookup = VocabParallelEmbedding(model.embed, shard.vocab, group)
     if model.lm_head is not None:
         model.lm_head = GatheredHead(model.lm_head, shard, full_cfg.vocab_size, group)
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of the tensors a model's layers hold (prepared copies included)."""
-    seen: set[int] = set()
-    total = 0
-
-    def add(obj: Any, depth: int = 0) -> None:
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                total += obj.numel() * obj.element_size()
-        elif depth < 3 and hasattr(obj, "__dict__"):
-            for v in vars(obj).values():
-                add(v, depth + 1)
-        elif depth < 3 and isinstance(obj, list | tuple):
-            for v in obj:
-                add(v, depth + 1)
-
-    add(model.embed)
-    add(model.norm)
-    add(model.lm_head)
-    for layer in model.layers:
-        add(layer)
-    return total
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
