@@ -135,6 +135,23 @@ def gemm_incumbent(names: list[str], bucket: int, logits: bool) -> str:
     return "small" if "small" in names and bucket <= small_gemm_limit(logits) else names[0]
 
 
+def _route(weight: torch.Tensor, bias: torch.Tensor | None, logits: bool,
+           rows: tuple[int, ...] | None) -> tuple[chooser.Route, bool, bool]:
+    """A Linear's installed route, and whether it keeps the small GEMM's copy and an fp32 one."""
+    names = gemm_candidates(weight, bias)
+    buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+    route = chooser.installed().route("gemm", gemm_shape(weight, logits), buckets,
+                                      [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
+    return route, "small" in names and route.uses("small", rows), "f32" in names and route.uses("f32", rows)
+
+
+def copy_bytes(n: int, k: int, dtype: torch.dtype, logits: bool = False, rows: tuple[int, ...] | None = None) -> int:
+    """Bytes the weight copies of a CPU Linear of an [n, k] `dtype` weight would take, as the
+    installed choices stand (the weight or its oneDNN-packed twin, plus the chosen extras)."""
+    _, small, f32 = _route(torch.empty((1, k), dtype=dtype).expand(n, k), None, logits, rows)
+    return n * k * (dtype.itemsize + (2 if small else 0) + (4 if f32 else 0))
+
+
 class Linear:
     """y = x @ W.T + b. On CPU the weight is pre-packed once into oneDNN's blocked layout, which
     skips a per-call weight reorder (faster GEMMs at decode batch sizes); when
@@ -151,18 +168,13 @@ class Linear:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        names = gemm_candidates(weight, bias)
-        buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
-        self.route = chooser.installed().route(
-            "gemm", gemm_shape(weight, logits), buckets,
-            [gemm_incumbent(names, b, logits) if names else "aten" for b in buckets])
+        self.route, use_small, use_f32 = _route(weight, bias, logits, rows)
         self.rows = rows
-        use_small = "small" in names and self.route.uses("small", rows)
         self.small = cpu_native.small_gemm_pack(weight) if use_small else None
         self.small_rows = small_gemm_limit(logits) if use_small else 0
         self.f32: torch.Tensor | None = None
         self.f32_bias = None if bias is None else bias.float()
-        if "f32" in names and self.route.uses("f32", rows):
+        if use_f32:
             self.f32 = _prepack(weight.float(), self.f32_bias)
         self.packed = _prepack(weight, bias) if weight.device.type == "cpu" else None
         if self.packed is not None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     RILL_AMX: bool
     RILL_DECODE_LAYERS: bool
     RILL_PREFILL_KERNEL: str
+    RILL_GGUF_FLOAT_COPIES: str
     RILL_CUDA_GRAPHS: bool
     RILL_CUDA_GRAPH_MAX_BATCH: int
     RILL_SMOOTHQUANT_ALPHA: str | None
@@ -74,6 +75,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_DECODE_LAYERS": _flag("RILL_DECODE_LAYERS"),
     # Force one CPU prefill attention kernel (auto: chosen by measurement; sdpa, native, dot, amx).
     "RILL_PREFILL_KERNEL": _choice("RILL_PREFILL_KERNEL", "auto"),
+    # Bytes the float copies of GGUF weights may take where they measured faster than the blocks
+    # (auto: half the memory available at start, less the blocks; 0: none; e.g. 2GiB).
+    "RILL_GGUF_FLOAT_COPIES": _choice("RILL_GGUF_FLOAT_COPIES", "auto"),
     # CUDA graphs for decode steps, and the largest batch captured.
     "RILL_CUDA_GRAPHS": _flag("RILL_CUDA_GRAPHS"),
     "RILL_CUDA_GRAPH_MAX_BATCH": _number("RILL_CUDA_GRAPH_MAX_BATCH", int, 256),

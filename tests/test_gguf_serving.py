@@ -120,20 +120,27 @@ def test_auto_keeps_a_gguf_quantized_on_cpu_only(smollm2_dir: str, tiny_llama) -
         engine_args(build_parser().parse_args(["serve", path, "--quantization", "gguf"]), path)
 
 
-def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str) -> None:
-    """Where this machine's table says a float copy wins at every batch size, the layer is the
-    float model's own (one fused GEMM, no blocks held) and the logits equal the float model's."""
+def all_float_table(model_dir: str) -> tuple[chooser.KernelTable, list[tuple[int, int, int]], tuple[int, int, int]]:
+    """(a table where every bucket of every fp32 part measured fastest from a float copy, the
+    parts, the head): blocks 2 µs, dequant 3, float 1."""
     from rill.kernels import gguf_linear
     from rill.services.worker.gguf_weights import GGUFSource
     from rill.shared.config import ModelConfig
 
-    cfg = ModelConfig.from_dir(smollm2_dir)
-    parts, head = GGUFSource.of(Path(smollm2_dir), cfg).part_shapes(tied=True)
+    parts, head = GGUFSource.of(Path(model_dir), ModelConfig.from_dir(model_dir)).part_shapes(tied=True)
+    assert head is not None
     table = chooser.KernelTable()
     for shape, logits in [*((p, False) for p in parts), (head, True)]:
         for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             key = chooser.KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*shape, torch.float32, logits), bucket)
-            table.entries[key] = {"choice": "float", "us": {"blocks": 2.0, "float": 1.0}, "dropped": []}
+            table.entries[key] = {"choice": "float", "us": {"blocks": 2.0, "dequant": 3.0, "float": 1.0}, "dropped": []}
+    return table, parts, head
+
+
+def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str) -> None:
+    """Where this machine's table says a float copy wins at every batch size, the layer is the
+    float model's own (one fused GEMM, no blocks held) and the logits equal the float model's."""
+    table, _, _ = all_float_table(smollm2_dir)
     saved = chooser.installed()
     chooser.install(table)
     try:
@@ -145,3 +152,29 @@ def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str)
     assert model.embed.numel() == ref.embed.numel(), "a tied float head keeps the float table"
     prompt = chat_ids(smollm2_dir)[1]
     assert torch.equal(run_rows(model, [prompt]), run_rows(ref, [prompt]))
+
+
+def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:
+    """A table where every bucket of every layer measured fastest from a float copy, cut to a
+    budget of 0 bytes: every layer keeps its blocks and no copy, and still agrees with the float model."""
+    from transformers import AutoTokenizer
+
+    from rill.kernels import float_copies
+
+    table, parts, head = all_float_table(smollm2_dir)
+    fit = float_copies.fit(table, parts, head, torch.float32, 0)
+    assert fit.kept == 0 and fit.dropped == len(set(parts)) + 1
+    assert fit.wanted == 4 * sum(n * k for n, k, _ in [*parts, head])
+    saved = chooser.installed()
+    chooser.install(fit.table)
+    try:
+        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+    finally:
+        chooser.install(saved)
+    assert all(isinstance(lin, QuantLinear) and lin.float_copy_bytes == 0 for lin in model.linears())
+    # Each bucket went to the next-fastest route measured (blocks 2 us, dequant 3).
+    assert all(r is not None and set(r.choices) == {"blocks"} for lin in model.linears() for r in lin.routes)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    seqs = [tok(" ".join(text for _, text in chat))["input_ids"] for chat in CHATS]
+    agreement, mean_diff, _ = quality(LlamaModel.load(smollm2_dir, torch.float32), model, seqs)
+    assert agreement >= MIN_TOP1_AGREEMENT and mean_diff <= MAX_MEAN_LOGPROB_DIFF

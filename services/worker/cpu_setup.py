@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rill.kernels import chooser, native_build
+from rill.kernels import chooser, float_copies, native_build
 from rill.kernels.cpu_tuning import ModelShapes, tune_gguf, tune_model
 from rill.services.worker.gguf_weights import GGUFSource
 from rill.shared import envs
@@ -57,6 +57,13 @@ def choose_cpu_kernels(cfg: ModelConfig, dtype: torch.dtype, quantization: str,
         parts, head = GGUFSource.of(Path(model_dir), cfg).part_shapes(cfg.tie_word_embeddings)
         table, gguf_keys = tune_gguf(parts, dtype, head, remeasure=remeasure)
         keys = keys + gguf_keys
+        fitted = float_copies.fit(table, parts, head, dtype, float_copies.budget(parts, head))
+        if fitted.dropped:
+            table = fitted.table
+            chooser.install(table)
+            log.info("gguf float copies: %d of the %d MiB measured faster kept, within %d MiB "
+                     "(RILL_GGUF_FLOAT_COPIES); %d weight shapes serve from their blocks instead",
+                     fitted.kept >> 20, fitted.wanted >> 20, fitted.budget >> 20, fitted.dropped)
     log.info("kernels (%s, %d threads): %s", chooser.cpu_model(), torch.get_num_threads(),
              chooser.summary(table, keys))
     return table, keys

@@ -254,14 +254,14 @@ class GGUFSource:
 
     def part_shapes(self, tied: bool) -> tuple[list[GgufShape], GgufShape | None]:
         """(n, k, ggml type) of every linear part the blocks may serve, adjacent parts of one format
-        merged as `linear` merges them, and the LM head's: what the kernel chooser measures before
-        the layers are built."""
+        merged as `linear` merges them (one entry per layer's part), and the LM head's: what the
+        kernel chooser measures before the layers are built."""
         def info(name: str) -> tuple[int, int, int] | None:
             t = self.tensors.get(name)
             ok = t is not None and t.qtype in gguf_blocks.SUPPORTED and len(t.dims) == 2
             return (t.dims[1], t.dims[0], t.qtype) if ok else None  # type: ignore[union-attr]
 
-        shapes: set[GgufShape] = set()
+        shapes: list[GgufShape] = []  # one per part of each layer: the float copies' bytes count them
         layers = {int(name.split(".")[1]) for name in self.tensors if name.startswith("blk.")}
         for layer in layers:
             for fused in _PARTS:
@@ -270,6 +270,6 @@ class GGUFSource:
                 if not infos or len(infos) < len(found):
                     continue  # `linear` serves this field from floats
                 k = infos[0][1]
-                shapes.update((sum(n for n, _, _ in infos[i:j]), k, q)
+                shapes.extend((sum(n for n, _, _ in infos[i:j]), k, q)
                               for q, i, j in format_runs([q for _, _, q in infos]))
         return sorted(shapes), info(self._head_name(tied))
