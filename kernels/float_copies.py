@@ -6,7 +6,7 @@ AMX most layers from 16 rows on. The blocks are 3.5-7x smaller than a bf16 copy,
 copies can outgrow the machine a quantized model was chosen to fit. `fit` keeps the copies that
 save the most time per byte while they fit the budget (RILL_GGUF_FLOAT_COPIES; auto: half the
 memory available at start, less the blocks), and sends every other bucket to its fastest route
-without a copy ("dequant" where nothing was measured).
+without a copy.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def fit(table: chooser.KernelTable, parts: list[GgufShape], head: GgufShape | No
         if not gguf_native.dequant_supported(q):
             continue  # no route without the copy
         key_shape = gguf_linear.gguf_key(n, k, q, dtype, logits)
+        # Without a measurement: the x16 GEMM where the blocks are repacked for it (the dequant
+        # route would unpack them every call), else dequantized tiles.
+        unmeasured = "blocks" if gguf_native.x16_supported(q) else "dequant"
         saved, rerouted = 0.0, {}
         for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             key = chooser.KernelTable.key(gguf_linear.OP, key_shape, bucket)
@@ -77,7 +80,7 @@ def fit(table: chooser.KernelTable, parts: list[GgufShape], head: GgufShape | No
                 continue
             us: dict[str, float] = dict(entry["us"]) if entry is not None else {}  # type: ignore[arg-type]
             others = {name: t for name, t in us.items() if name != "float"}
-            best = min(others, key=others.__getitem__) if others else "dequant"
+            best = min(others, key=others.__getitem__) if others else unmeasured
             if others and "float" in us:
                 saved += (others[best] - us["float"]) * count
             rerouted[key] = {**(entry or {"us": {}, "dropped": []}), "choice": best}
