@@ -1,4 +1,4 @@
-// Q4_0, Q4_1 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
+// Q4_0, Q4_1, Q5_0 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
 // first gather their scales one by one: at one activation row that bookkeeping, not the memory,
@@ -10,7 +10,8 @@
 //
 // Layout (gguf_blocks.pack_x16 builds it): for each group of 16 rows (zero rows pad the last), for
 // each block of 32 values: d[16] fp16, (Q4_1) m[16] fp16, then 4 x 64 bytes of nibbles, or (Q8_0)
-// 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d).
+// 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d), Q5_0
+// as Q8_0 (its codes q - 16 fit a signed byte).
 // AVX512-VNNI only.
 
 #include <omp.h>
@@ -25,7 +26,7 @@
 
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
 
-int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
+int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0; }
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
@@ -120,7 +121,7 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
     for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
       const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
-      x16_pass(qtype == Q8_0, w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
+      x16_pass(qtype == Q8_0 || qtype == Q5_0, w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
     }
   }
   return 0;

@@ -195,7 +195,7 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({Q4_0, Q4_1, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
 
 
 def _x16_fields(qtype: int) -> tuple[int, int, int]:
@@ -214,15 +214,35 @@ def _q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([b[:, :2], m.view(torch.uint8), b[:, 2:]], dim=1).reshape(n, -1)
 
 
+def _q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows as Q8_0 ones: the same scale, codes q - 16 as signed bytes (exact)."""
+    n, b = raw.shape[0], raw.reshape(-1, 22)
+    codes = (_nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6])).to(torch.int16) - 16
+    return torch.cat([b[:, :2], codes.to(torch.int8).view(torch.uint8)], dim=1).reshape(n, -1)
+
+
+def _q8_0_as_q5_0(raw: torch.Tensor) -> torch.Tensor:
+    """_q5_0_as_q8_0 undone."""
+    n, b = raw.shape[0], raw.reshape(-1, 34)
+    q = (b[:, 2:].view(torch.int8).to(torch.int16) + 16).to(torch.uint8)  # 0..31
+    qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+    bits = (q >> 4).to(torch.int64) << torch.arange(32)
+    qh = bits.sum(dim=1).to(torch.int32).view(torch.uint8).reshape(-1, 4)  # little-endian uint32
+    return torch.cat([b[:, :2], qh, qs], dim=1).reshape(n, -1)
+
+
 def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
-    """Q4_0 / Q4_1 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per group
-    of 16 rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins, which
-    Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is row r's next 4
-    bytes (Q8_0's + 128). Flat uint8; None for a Q4_0 weight whose mins fp16 cannot hold."""
+    """Q4_0 / Q4_1 / Q5_0 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per
+    group of 16 rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins,
+    which Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is row r's next
+    4 bytes (Q8_0's + 128; Q5_0 goes as Q8_0). Flat uint8; None for a Q4_0 weight whose mins fp16
+    cannot hold."""
     assert qtype in X16_FORMATS and raw.dtype == torch.uint8
     if qtype == Q4_0:
         q41 = _q4_0_as_q4_1(raw)
         return None if q41 is None else pack_x16(q41, Q4_1, k)
+    if qtype == Q5_0:
+        return pack_x16(_q5_0_as_q8_0(raw), Q8_0, k)
     size, head, vals = _x16_fields(qtype)
     n, nb = raw.shape[0], k // 32
     groups = -(-n // 16)
@@ -251,6 +271,8 @@ def _x16_lanes(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a pack_x16 layout as uint8 [len(ids), row_bytes], each row's fields and value
     lanes gathered from its group (an embedding lookup on a tied head's repacked blocks)."""
+    if qtype == Q5_0:
+        return _q8_0_as_q5_0(select_x16(packed, Q8_0, k, ids))
     q = Q4_1 if qtype == Q4_0 else qtype
     size, head, vals = _x16_fields(q)
     fields, lanes = _x16_lanes(q, k)
@@ -272,6 +294,8 @@ def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor
     if qtype == Q4_0:  # packed as Q4_1: drop the mins
         b = unpack_x16(packed, Q4_1, n, k).reshape(-1, 20)
         return torch.cat([b[:, :2], b[:, 4:]], dim=1).reshape(n, -1).contiguous()
+    if qtype == Q5_0:
+        return _q8_0_as_q5_0(unpack_x16(packed, Q8_0, n, k)).contiguous()
     size, head, vals = _x16_fields(qtype)
     nb = k // 32
     blocks = packed.view(-1, nb, 16 * size)

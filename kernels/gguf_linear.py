@@ -99,6 +99,16 @@ class BlockPart:
         assert self.packed is not None
         return gguf_blocks.unpack_x16(self.packed, self.qtype, self.n, k)
 
+    def tile(self, r0: int, r1: int, k: int) -> torch.Tensor:
+        """Rows r0:r1 of the blocks (from the x16 copy, only the groups that hold them)."""
+        if self.raw is not None:
+            return self.raw[r0:r1]
+        assert self.packed is not None
+        g0, g1 = r0 // 16, -(-r1 // 16)
+        group_bytes = self.packed.numel() // -(-self.n // 16)
+        rows = gguf_blocks.unpack_x16(self.packed[g0 * group_bytes:g1 * group_bytes], self.qtype, 16 * (g1 - g0), k)
+        return rows[r0 - 16 * g0:r1 - 16 * g0]
+
     def select(self, ids: torch.Tensor, k: int) -> torch.Tensor:
         """Rows `ids` of the blocks (an embedding lookup sharing a tied head's blocks)."""
         if self.raw is not None:
@@ -208,12 +218,11 @@ class QuantLinear:
     def _dequant_mm(self, x: torch.Tensor, part: BlockPart, y: torch.Tensor) -> None:
         """y [m, part.n] (a column slice of the output) = x @ W.T, W dequantized a tile at a time."""
         k = self.in_features
-        rows = min(part.n, max(16, TILE_ELEMS // k))
+        rows = min(part.n, max(16, TILE_ELEMS // k // 16 * 16))  # whole groups of a repacked weight
         direct = y.dtype == x.dtype
-        raw = part.rows(k)
         for r0 in range(0, part.n, rows):
             r1 = min(r0 + rows, part.n)
-            w = gguf_native.dequantize(raw[r0:r1], part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
+            w = gguf_native.dequantize(part.tile(r0, r1, k), part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
             if direct:
                 torch.mm(x, w.t(), out=y[:, r0:r1])  # a strided slice: BLAS writes it in place
             else:

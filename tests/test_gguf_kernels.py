@@ -29,6 +29,7 @@ from rill.kernels.chooser import KernelTable
 FORMATS = sorted(gguf_blocks.SUPPORTED)
 IDS = [gguf_blocks.name(q) for q in FORMATS]
 SMALL_FORMATS = [q for q in FORMATS if gguf_blocks.FORMATS[q].elements == 32]
+X16 = sorted(gguf_blocks.X16_FORMATS)
 EMUL_TOL = 2e-5  # fp32 sums of up to 2048 products in another order: ~sqrt(k) * 2^-24, with margin
 
 
@@ -117,7 +118,7 @@ def test_native_gemm_full_and_partial_batches(native_lib: ctypes.CDLL, qtype: in
         check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(qtype, 19, 32 * (32 + left), seed=left), qtype, m, bias=True)
 
 
-@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", X16, ids=[gguf_blocks.name(q) for q in X16])
 @pytest.mark.parametrize("m", [1, 4, 6, 17, 70])
 def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> None:
     """Blocks repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row
@@ -136,7 +137,7 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
 
 
-@pytest.mark.parametrize("qtype", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", X16, ids=[gguf_blocks.name(q) for q in X16])
 def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     """An embedding lookup on a tied head's repacked blocks: rows from any group, the padded last
     one included, repeated and out of order."""
