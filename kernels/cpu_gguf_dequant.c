@@ -190,3 +190,41 @@ int gguf_dequant(const uint8_t* w, int qtype, int64_t n, int64_t k, void* out, i
   }
   return 0;
 }
+
+// Rows `ids` [m] of a weight repacked 16 rows at a time (gguf_blocks.pack_x16: Q4_0 as Q4_1, Q5_0
+// as Q8_0; per group and block the 16 rows' d (and m) fp16, then 64-byte loads whose 4-byte lane r
+// holds row r's next 4 value bytes, Q8_0's + 128) -> out [m, k] as gguf_dequant writes them: each
+// block of a row gathered back into its raw layout, then dequantized. Equal to dequantizing the
+// original rows (Q4_0's d q - 8 d and Q5_0's d (q - 16) are exact products either way). For an
+// embedding lookup on a tied head's repacked blocks. 0 on success; 1 for a format, shape or id
+// this does not take.
+int gguf_dequant_x16_rows(const uint8_t* packed, int qtype, int64_t n, int64_t k, const int64_t* ids, int64_t m,
+                          void* out, int bf16) {
+  const int q41 = qtype == Q4_0 || qtype == Q4_1, q80 = qtype == Q5_0 || qtype == Q8_0;
+  if ((!q41 && !q80) || n < 1 || k < 32 || k % 32) return 1;
+  for (int64_t i = 0; i < m; ++i)
+    if (ids[i] < 0 || ids[i] >= n) return 1;
+  const int size = q41 ? 20 : 34, head = q41 ? 4 : 2, lanes = (size - head) / 4;
+  const block_fn fn = q41 ? dq_q4_1 : dq_q8_0;
+  const int64_t nb = k / 32, group = nb * 16 * size;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t g = ids[i] / 16, r = ids[i] % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = packed + g * group + b * 16 * size;
+      uint8_t block[34];
+      float y[32];
+      for (int f = 0; f < head; f += 2) memcpy(block + f, src + f * 16 + 2 * r, 2);
+      for (int j = 0; j < lanes; ++j) memcpy(block + head + 4 * j, src + 16 * head + 64 * j + 4 * r, 4);
+      if (q80)
+        for (int j = 2; j < 34; ++j) block[j] ^= 0x80;
+      fn(block, y);
+      if (!bf16) {
+        memcpy((float*)out + i * k + b * 32, y, sizeof y);
+      } else {
+        uint16_t* yb = (uint16_t*)out + i * k + b * 32;
+        for (int j = 0; j < 32; ++j) yb[j] = bf16_of(y[j]);
+      }
+    }
+  }
+  return 0;
+}

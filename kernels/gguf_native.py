@@ -40,6 +40,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_dequant.argtypes = [ptr, i32, i64, i64, ptr, i32]
     lib.gguf_dequant_supported.restype = i32
     lib.gguf_dequant_supported.argtypes = [i32]
+    lib.gguf_dequant_x16_rows.restype = i32
+    lib.gguf_dequant_x16_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
     return lib
 
 
@@ -128,6 +130,21 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
     gguf_blocks.dequantize; bf16: that rounded to nearest-even), written into `out` when given
     (a contiguous [n, k] tensor of dtype: a reused scratch buffer). The caller checks `dequant_supported`."""
     return dequantize_with(_lib(), raw, qtype, k, dtype, out)
+
+
+def dequantize_x16_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of a weight of n rows as gguf_blocks.pack_x16 repacked it, dequantized to [len(ids), k]
+    in dtype (equal to `dequantize` of the original rows): an embedding lookup on a tied head's blocks."""
+    lib = _lib()
+    assert lib is not None and dtype in DEQUANT_DTYPES and packed.dtype == torch.uint8 and packed.is_contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), k), dtype=dtype)
+    rc = lib.gguf_dequant_x16_rows(packed.data_ptr(), qtype, n, k, ids.data_ptr(), ids.numel(), out.data_ptr(),
+                                   int(dtype == torch.bfloat16))
+    if rc != 0:
+        raise ValueError(f"x16 {gguf_blocks.name(qtype)} rows of {n} x {k}: a format, shape or id out of range")
+    return out
 
 
 def dequantize_with(lib: ctypes.CDLL | None, raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype,

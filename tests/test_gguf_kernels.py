@@ -148,6 +148,20 @@ def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     assert torch.equal(gguf_blocks.select_x16(packed, qtype, 96, ids), raw[ids])
 
 
+@pytest.mark.parametrize("qtype", X16, ids=[gguf_blocks.name(q) for q in X16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x16_rows_dequantize_as_the_rows(native_lib: ctypes.CDLL, qtype: int, dtype: torch.dtype) -> None:
+    """The native lookup on repacked blocks equals dequantizing the original rows, bit for bit."""
+    raw = gguf_blocks.random_blocks(qtype, 37, 96, seed=7)
+    packed = gguf_blocks.pack_x16(raw, qtype, 96)
+    assert packed is not None
+    ids = torch.tensor([36, 0, 16, 17, 5, 5, 31, 32, 15])
+    got = gguf_native.dequantize_x16_rows(packed, qtype, 37, 96, ids, dtype)
+    assert torch.equal(got, gguf_native.dequantize(raw[ids].contiguous(), qtype, 96, dtype))
+    with pytest.raises(ValueError, match="out of range"):
+        gguf_native.dequantize_x16_rows(packed, qtype, 37, 96, torch.tensor([37]), dtype)
+
+
 def test_q4_0_packs_as_q4_1_unless_its_mins_overflow_fp16() -> None:
     """Q4_0 rides the Q4_1 x16 kernel with m = -8 d; a scale whose -8 d fp16 cannot hold keeps the rows."""
     raw = gguf_blocks.random_blocks(gguf_blocks.Q4_0, 16, 64)

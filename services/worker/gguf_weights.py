@@ -114,10 +114,16 @@ class BlockEmbedding:
         self.source, self.qtype, self.k, self.dtype = source, qtype, k, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        rows = self.source.index_select(0, flat) if isinstance(self.source, torch.Tensor) \
-            else self.source.select(flat, self.k)
-        return gguf_blocks.dequantize(rows, self.qtype, self.k).to(self.dtype).reshape(*ids.shape, self.k)
+        flat, src = ids.reshape(-1), self.source
+        native = flat.device.type == "cpu" and self.dtype in gguf_native.DEQUANT_DTYPES \
+            and gguf_native.dequant_supported(self.qtype)
+        if native and isinstance(src, BlockPart) and src.packed is not None:
+            out = gguf_native.dequantize_x16_rows(src.packed, self.qtype, src.n, self.k, flat, self.dtype)
+        else:
+            rows = src.index_select(0, flat) if isinstance(src, torch.Tensor) else src.select(flat, self.k)
+            out = gguf_native.dequantize(rows.contiguous(), self.qtype, self.k, self.dtype) if native \
+                else gguf_blocks.dequantize(rows, self.qtype, self.k).to(self.dtype)
+        return out.reshape(*ids.shape, self.k)
 
 
 class GGUFSource:
