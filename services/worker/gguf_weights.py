@@ -81,20 +81,18 @@ def llama_row_order(rows: int, heads: int) -> torch.Tensor:
 
 @dataclass
 class Report:
-    """What the load kept, for the start-up log line (a tied head and the embedding share their
-    blocks: counted once, by tensor name)."""
+    """What the load kept, for the start-up log line (each tensor counted once by name: a tied head
+    and the embedding read the same one)."""
 
     formats: Counter = field(default_factory=Counter)
-    quantized_bytes: dict[str, int] = field(default_factory=dict)
-    float_params: dict[str, int] = field(default_factory=dict)  # the same tensors, counted as floats
+    float_params: dict[str, int] = field(default_factory=dict)  # each quantized tensor, counted as floats
     from_blocks: int = 0  # linear layers the blocks serve (at some row counts at least)
     measured_float: int = 0  # layers whose float copy measured faster at every row count
     kept_float: int = 0  # layers whose blocks the kernels cannot serve
 
-    def add(self, name: str, qtype: int, blocks: torch.Tensor, params: int) -> None:
-        if name not in self.quantized_bytes:
+    def add(self, name: str, qtype: int, params: int) -> None:
+        if name not in self.float_params:
             self.formats[gguf_blocks.name(qtype)] += 1
-        self.quantized_bytes[name] = int(blocks.numel())
         self.float_params[name] = params
 
     def line(self, held_bytes: int) -> str:
@@ -172,7 +170,7 @@ class GGUFSource:
         for order in orders:
             if torch.equal(values if order is None else values[order], want):
                 self._parts[name] = qtype, blocks if order is None else blocks[order].contiguous()
-                self.report.add(name, qtype, self._parts[name][1], want.numel())
+                self.report.add(name, qtype, want.numel())
                 return self._parts[name]
         return None
 
