@@ -18,7 +18,7 @@ Ops and their candidates (the first is the incumbent: a challenger must win by `
 - `gguf_gemm` (GGUF models), per weight part's shape, format and row bucket: `blocks` (the native
   integer-dot GEMM on the blocks), `dequant` (tiles dequantized, then torch's GEMM) and `float`
   (a float copy made at load, served as a `gemm` layer); see gguf_linear.py. The incumbent is
-  `blocks` up to 4 rows, `float` above.
+  `blocks` up to 4 rows, `float` above, except where the x16 GEMM serves the format (`blocks`).
 - `prefill`, per head layout and context bucket: `amx`, `dot`, `vector` (native kernels reading
   the paged cache in place) and `sdpa` (torch's attention over gathered keys).
 - `decode`, per head layout: `native` (registers-only path where the shape allows), `generic`
@@ -53,7 +53,7 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-VERSION = 5  # bump when what is measured, or how, changes: every cached table is then stale
+VERSION = 6  # bump when what is measured, or how, changes: every cached table is then stale
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
 LOGIT_BUCKETS = (1, 4, 16, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
 CONTEXT_BUCKETS = (1024, 8192)  # prompt attention: longest context of the step's chunks

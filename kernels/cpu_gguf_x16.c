@@ -1,4 +1,4 @@
-// Q4_0, Q4_1, Q5_0 and Q8_0 weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
+// Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
 // first gather their scales one by one: at one activation row that bookkeeping, not the memory,
@@ -11,7 +11,8 @@
 // Layout (gguf_blocks.pack_x16 builds it): for each group of 16 rows (zero rows pad the last), for
 // each block of 32 values: d[16] fp16, (Q4_1) m[16] fp16, then 4 x 64 bytes of nibbles, or (Q8_0)
 // 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d), Q5_0
-// as Q8_0 (its codes q - 16 fit a signed byte).
+// as Q8_0 (its codes q - 16 fit a signed byte), Q4_K as Q4_1 per 32-value sub-block with fp32 d and
+// m (d sc and -dmin m, exact in fp32; not in fp16): d[16] fp32, m[16] fp32, then the nibbles.
 // AVX512-VNNI only.
 
 #include <omp.h>
@@ -20,13 +21,22 @@
 
 #define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
 #define X16_BLOCK_Q8_0 544  // 32 + 512
+#define X16_BLOCK_Q4_F 384  // 64 + 64 + 256 (Q4_K)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
 
-int gguf_gemm_x16_supported(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0; }
+int gguf_gemm_x16_supported(int qtype) {
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K;
+}
+
+enum { X16_Q4_1, X16_Q8_0, X16_Q4_F };  // the three layouts
+
+static int x16_kind(int qtype) {
+  return qtype == Q8_0 || qtype == Q5_0 ? X16_Q8_0 : qtype == Q4_K ? X16_Q4_F : X16_Q4_1;
+}
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
@@ -39,9 +49,10 @@ static inline __m512i x4(const int8_t* p) {
 // so acc[] and accm[] stay in registers, the activation bytes broadcast from the row itself (copied
 // to a local array first, they went through the stack: the 8-row passes then gained nothing).
 static inline __attribute__((always_inline)) void x16_groups(
-    const int Q8, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s, int64_t k,
+    const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s, int64_t k,
     int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
-  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : X16_BLOCK_Q4_1;
+  const int Q8 = kind == X16_Q8_0, F32 = kind == X16_Q4_F;
+  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : F32 ? X16_BLOCK_Q4_F : X16_BLOCK_Q4_1, values = F32 ? 128 : 64;
   const __m512i m15 = _mm512_set1_epi8(15);
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[X16_MAX_ROWS], accm[X16_MAX_ROWS];
@@ -54,13 +65,14 @@ static inline __attribute__((always_inline)) void x16_groups(
         for (int t = 0; t < 8; ++t) v[t] = _mm512_loadu_si512(p + 32 + 64 * t);
       else
         for (int t = 0; t < 4; ++t) {
-          const __m512i raw = _mm512_loadu_si512(p + 64 + 64 * t);
+          const __m512i raw = _mm512_loadu_si512(p + values + 64 * t);
           v[t] = _mm512_and_si512(raw, m15);
           v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
         }
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-      const __m512 cw = Q8 ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.f))
-                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+      const __m512 dw = F32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+      const __m512 cw = Q8    ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.f))
+                        : F32 ? _mm512_loadu_ps(p + 64)
+                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -87,11 +99,12 @@ static inline __attribute__((always_inline)) void x16_groups(
 
 #define X16_CASE(R)                                                                          \
   case R:                                                                                    \
-    if (Q8) x16_groups(1, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y);                     \
-    else x16_groups(0, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y);                        \
+    if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y); \
+    else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y); \
+    else x16_groups(X16_Q4_1, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y);                 \
     break;
 
-static void x16_pass(int Q8, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
+static void x16_pass(int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
                      int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
   switch (R) {
     X16_CASE(1) X16_CASE(2) X16_CASE(3) X16_CASE(4) X16_CASE(5) X16_CASE(6) X16_CASE(7) X16_CASE(8)
@@ -121,7 +134,7 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
     for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
       const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
-      x16_pass(qtype == Q8_0 || qtype == Q5_0, w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
+      x16_pass(x16_kind(qtype), w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
     }
   }
   return 0;

@@ -226,9 +226,9 @@ def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
     if not (gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype)):
         return None
     raw = gguf_blocks.random_blocks(qtype, n, k, scale=0.01)
-    blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)
+    blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits, keep_rows=True)
     blocks.force("blocks")  # drops a float copy the table may have asked for
-    floats = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits)
+    floats = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits, keep_rows=True)
     floats.force("float")
     return blocks, floats
 
@@ -251,7 +251,7 @@ def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits
             return lin.float_out(x) if logits else lin(x)
         return call
 
-    first = gguf_linear.incumbent(rows)
+    first = gguf_linear.incumbent(rows, qtype)
     order = [first, *(r for r in gguf_linear.ROUTES if r != first)]
     return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows, {m: run(m) for m in order},
                  cold=True)

@@ -75,7 +75,7 @@ def fit(table: chooser.KernelTable, parts: list[GgufShape], head: GgufShape | No
         for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             key = chooser.KernelTable.key(gguf_linear.OP, key_shape, bucket)
             entry = table.entries.get(key)
-            choice = str(entry["choice"]) if entry is not None and entry["choice"] else gguf_linear.incumbent(bucket)
+            choice = str(entry["choice"]) if entry is not None and entry["choice"] else gguf_linear.incumbent(bucket, q)
             if choice != "float":
                 continue
             us: dict[str, float] = dict(entry["us"]) if entry is not None else {}  # type: ignore[arg-type]

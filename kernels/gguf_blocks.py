@@ -195,12 +195,27 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_KEEPS_ROWS = frozenset({Q4_K})  # repacked with products of its scales: the rows cannot be rebuilt
 
 
-def _x16_fields(qtype: int) -> tuple[int, int, int]:
-    """(bytes of a raw block, bytes of its fp16 fields before the values, bytes of its values)."""
-    return (20, 4, 16) if qtype in (Q4_0, Q4_1) else (34, 2, 32)
+def _x16_fields(qtype: int) -> tuple[int, int, int, int]:
+    """(bytes of a (converted) block of 32 values, bytes of its scale fields before the values,
+    bytes of its values, bytes of one field)."""
+    if qtype == Q4_K:
+        return 24, 8, 16, 4  # fp32 d and m, nibbles
+    return (20, 4, 16, 2) if qtype in (Q4_0, Q4_1) else (34, 2, 32, 2)
+
+
+def _q4_k_as_q4_f(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_K rows as blocks of 32 values: fp32 d sc and -dmin m (exact), then 16 bytes of nibbles
+    laid out as Q4_1's (value i low, value i + 16 high)."""
+    a = affine(raw, Q4_K, k)
+    codes = a.codes.reshape(-1, 32)
+    assert a.zero is not None
+    nibbles = codes[:, :16] | (codes[:, 16:] << 4)
+    d, m = a.scale.reshape(-1, 1).contiguous(), a.zero.reshape(-1, 1).contiguous()
+    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), nibbles], dim=1).reshape(raw.shape[0], -1)
 
 
 def _q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
@@ -235,21 +250,23 @@ def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     """Q4_0 / Q4_1 / Q5_0 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per
     group of 16 rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins,
     which Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is row r's next
-    4 bytes (Q8_0's + 128; Q5_0 goes as Q8_0). Flat uint8; None for a Q4_0 weight whose mins fp16
-    cannot hold."""
+    4 bytes (Q8_0's + 128; Q5_0 goes as Q8_0, Q4_K as Q4_1 with fp32 fields). Flat uint8; None for
+    a Q4_0 weight whose mins fp16 cannot hold."""
     assert qtype in X16_FORMATS and raw.dtype == torch.uint8
     if qtype == Q4_0:
         q41 = _q4_0_as_q4_1(raw)
         return None if q41 is None else pack_x16(q41, Q4_1, k)
     if qtype == Q5_0:
         return pack_x16(_q5_0_as_q8_0(raw), Q8_0, k)
-    size, head, vals = _x16_fields(qtype)
+    if qtype == Q4_K:
+        raw = _q4_k_as_q4_f(raw, k)
+    size, head, vals, width = _x16_fields(qtype)
     n, nb = raw.shape[0], k // 32
     groups = -(-n // 16)
     rows = torch.zeros((groups * 16, nb, size), dtype=torch.uint8)
     rows[:n] = raw.reshape(n, nb, size)
     blocks = rows.view(groups, 16, nb, size).permute(0, 2, 1, 3)  # [group, block, row, bytes]
-    fields = [blocks[..., at:at + 2].reshape(groups, nb, 32) for at in range(0, head, 2)]
+    fields = [blocks[..., at:at + width].reshape(groups, nb, 16 * width) for at in range(0, head, width)]
     values = blocks[..., head:].reshape(groups, nb, 16, vals // 4, 4).transpose(2, 3).reshape(groups, nb, 16 * vals)
     if qtype == Q8_0:
         values = values ^ 0x80  # signed bytes moved to unsigned ones
@@ -260,7 +277,7 @@ def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
 def _x16_lanes(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For row r of a 16-row group of the x16 layout: the int16 indices (in the group) of its fp16
     fields, [16, blocks * fields], and the int32 indices of its 4-byte value lanes, [16, blocks * lanes]."""
-    size, head, vals = _x16_fields(qtype)
+    size, head, vals, _ = _x16_fields(qtype)
     nb, r = k // 32, torch.arange(16)[:, None]
     block = torch.arange(nb)[:, None] * (16 * size)  # byte offset of each block's group
     fields = ((block + torch.arange(head // 2)[None, :] * 32) // 2).reshape(-1)[None, :] + r
@@ -271,10 +288,11 @@ def _x16_lanes(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a pack_x16 layout as uint8 [len(ids), row_bytes], each row's fields and value
     lanes gathered from its group (an embedding lookup on a tied head's repacked blocks)."""
+    assert qtype not in X16_KEEPS_ROWS  # read its rows
     if qtype == Q5_0:
         return _q8_0_as_q5_0(select_x16(packed, Q8_0, k, ids))
     q = Q4_1 if qtype == Q4_0 else qtype
-    size, head, vals = _x16_fields(q)
+    size, head, vals, _ = _x16_fields(q)
     fields, lanes = _x16_lanes(q, k)
     nb, m, group_bytes = k // 32, len(ids), 16 * row_bytes(q, k)
     base, r = torch.div(ids, 16, rounding_mode="floor")[:, None], ids % 16
@@ -290,13 +308,13 @@ def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> t
 
 def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """pack_x16 undone: the rows uint8 [n, row_bytes] again."""
-    assert qtype in X16_FORMATS
+    assert qtype in X16_FORMATS and qtype not in X16_KEEPS_ROWS
     if qtype == Q4_0:  # packed as Q4_1: drop the mins
         b = unpack_x16(packed, Q4_1, n, k).reshape(-1, 20)
         return torch.cat([b[:, :2], b[:, 4:]], dim=1).reshape(n, -1).contiguous()
     if qtype == Q5_0:
         return _q8_0_as_q5_0(unpack_x16(packed, Q8_0, n, k)).contiguous()
-    size, head, vals = _x16_fields(qtype)
+    size, head, vals, _ = _x16_fields(qtype)
     nb = k // 32
     blocks = packed.view(-1, nb, 16 * size)
     groups = blocks.shape[0]

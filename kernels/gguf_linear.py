@@ -37,7 +37,9 @@ _warned: set[int] = set()  # formats already reported as falling back, once per 
 OP = "gguf_gemm"
 ROUTES = ("blocks", "dequant", "float")
 # The unmeasured choice: "blocks" up to this many rows (decode, bound by the weight's bytes),
-# "float" above (compute-bound: the float GEMMs win there; scripts/benchmarks.md).
+# "float" above (compute-bound: the float GEMMs win there; scripts/benchmarks.md), except for the
+# formats the x16 GEMM serves, which keep "blocks" everywhere: it measured faster than a bf16 copy
+# from 1 to 256 rows, and a float copy costs 3-7x the blocks' memory, so it must win by the margin.
 BLOCKS_ROWS = 4
 # Weight values dequantized per torch GEMM: small tiles pay per-call and fork/join costs, a whole
 # large weight would need hundreds of MB of scratch; this is 512 rows at k = 2048.
@@ -58,15 +60,15 @@ def gguf_key(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = Fals
             *(("logits",) if logits else ()))
 
 
-def incumbent(bucket: int) -> str:
-    return "blocks" if bucket <= BLOCKS_ROWS else "float"
+def incumbent(bucket: int, qtype: int) -> str:
+    return "blocks" if bucket <= BLOCKS_ROWS or gguf_native.x16_supported(qtype) else "float"
 
 
 def installed_route(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> chooser.Route:
     """The installed table's route for a part of this shape, the incumbents where it has none."""
     buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
     return chooser.installed().route(OP, gguf_key(n, k, qtype, dtype, logits), buckets,
-                                     [incumbent(b) for b in buckets])
+                                     [incumbent(b, qtype) for b in buckets])
 
 
 def _tile(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,17 +94,25 @@ class BlockPart:
         """Whether the part keeps its blocks (routes "blocks" and "dequant" can serve it)."""
         return self.raw is not None or self.packed is not None
 
+    @property
+    def has_rows(self) -> bool:
+        """Whether the blocks row by row can be had (kept, or unpacked from the x16 copy)."""
+        return self.raw is not None or (self.packed is not None and self.qtype not in gguf_blocks.X16_KEEPS_ROWS)
+
     def rows(self, k: int) -> torch.Tensor:
         """The blocks row by row (unpacked from the x16 copy where that is what is kept)."""
         if self.raw is not None:
             return self.raw
+        if not self.has_rows:
+            raise ValueError(f"{gguf_blocks.name(self.qtype)} blocks kept repacked only (this layer was "
+                             "built for the blocks route alone): no rows for another route")
         assert self.packed is not None
         return gguf_blocks.unpack_x16(self.packed, self.qtype, self.n, k)
 
     def tile(self, r0: int, r1: int, k: int) -> torch.Tensor:
         """Rows r0:r1 of the blocks (from the x16 copy, only the groups that hold them)."""
-        if self.raw is not None:
-            return self.raw[r0:r1]
+        if self.raw is not None or not self.has_rows:
+            return self.rows(k)[r0:r1]
         assert self.packed is not None
         g0, g1 = r0 // 16, -(-r1 // 16)
         group_bytes = self.packed.numel() // -(-self.n // 16)
@@ -111,8 +121,8 @@ class BlockPart:
 
     def select(self, ids: torch.Tensor, k: int) -> torch.Tensor:
         """Rows `ids` of the blocks (an embedding lookup sharing a tied head's blocks)."""
-        if self.raw is not None:
-            return self.raw.index_select(0, ids)
+        if self.raw is not None or not self.has_rows:
+            return self.rows(k).index_select(0, ids)
         assert self.packed is not None
         return gguf_blocks.select_x16(self.packed, self.qtype, k, ids)
 
@@ -135,7 +145,7 @@ def _float_linear(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, log
     return torch_ops.Linear(w, None, logits, None if route is None else route.buckets_of("float"))
 
 
-def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool) -> BlockPart:
+def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: bool, keep_rows: bool) -> BlockPart:
     rb = gguf_blocks.row_bytes(qtype, k)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
         raise ValueError(f"{gguf_blocks.name(qtype)} part of {k} columns: want uint8 [n, {rb}], "
@@ -146,10 +156,13 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
         route = installed_route(n, k, qtype, dtype, logits)
         # The blocks stay even where every bucket chose "float" (a CPU where oneDNN wins from one
         # row): force() and the probes switch routes on a built layer, which needs them.
-        # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them).
+        # Where the build has the x16 GEMM, the repacked copy replaces the rows (rows() restores them;
+        # not Q4_K's: its repacked scales are products the rows cannot be rebuilt from).
         packed = gguf_blocks.pack_x16(raw, qtype, k) if gguf_native.x16_supported(qtype) else None  # None: rows
         lin = _float_linear(raw, qtype, k, dtype, logits, route) if route.uses("float") else None
-        return BlockPart(qtype, n, raw if packed is None else None, route, lin, packed)
+        # Q4_K's rows stay beside its repacked copy only where a route other than blocks reads them.
+        keep_rows = keep_rows or packed is None or (qtype in gguf_blocks.X16_KEEPS_ROWS and set(route.choices) != {"blocks"})
+        return BlockPart(qtype, n, raw if keep_rows else None, route, lin, packed)
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s weights: no native quantized GEMM here; dequantized to %s at load",
@@ -161,17 +174,18 @@ def _part(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, logits: boo
 
 class QuantLinear:
     """y = x @ W.T (+ bias), W [sum n_i, k] the parts (qtype, raw uint8 [n_i, row_bytes]) stacked.
-    `logits`: the LM head (called through float_out; its routes use the logit row buckets)."""
+    `logits`: the LM head (called through float_out; its routes use the logit row buckets).
+    `keep_rows`: every part keeps rows for every route (a layer `force` will switch: the probes)."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], k: int, bias: torch.Tensor | None,
-                 dtype: torch.dtype, logits: bool = False) -> None:
+                 dtype: torch.dtype, logits: bool = False, keep_rows: bool = False) -> None:
         if not parts:
             raise ValueError("a QuantLinear needs at least one weight part")
         self.in_features = k
         self.dtype = dtype
         self.logits = logits
         self.mm_dtype = mm_dtype(dtype)
-        self._parts = [_part(qtype, raw, k, dtype, logits) for qtype, raw in parts]
+        self._parts = [_part(qtype, raw, k, dtype, logits, keep_rows) for qtype, raw in parts]
         self.out_features = sum(p.n for p in self._parts)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias of {list(bias.shape)} for {self.out_features} outputs")

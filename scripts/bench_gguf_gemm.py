@@ -64,7 +64,7 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
 
 
 def forced_layer(qtype: int, raw: torch.Tensor, k: int, dtype: torch.dtype, route: str) -> gguf_linear.QuantLinear:
-    lin = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype)
+    lin = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, keep_rows=True)
     lin.force(route)
     return lin
 

@@ -61,16 +61,17 @@ def test_no_budget_or_enough_keeps_the_table_and_unmeasured_buckets_leave_float(
     table = table_of({shape: 5.0})
     assert float_copies.fit(table, [shape], None, BF16, None).table is table
     assert float_copies.fit(table, [shape], None, BF16, 1 << 30).dropped == 0
-    # A head measured nowhere: its incumbent is float from 16 rows; no budget -> the x16 GEMM
-    # there where this CPU has it (dequant would unpack the repacked blocks each call), else dequant.
-    head = (49152, 256, gguf_blocks.Q8_0)
+    # A head measured nowhere, in a format the x16 GEMM does not serve: its incumbent is float from
+    # 16 rows; with no budget the dequant route serves there.
+    head = (49152, 256, gguf_blocks.Q6_K)
     fit = float_copies.fit(chooser.KernelTable(), [], head, BF16, 0)
-    routes = [fit.table.entries[key(head, b, logits=True)]["choice"] for b in chooser.LOGIT_BUCKETS
-              if key(head, b, logits=True) in fit.table.entries]
-    instead = "blocks" if gguf_native.x16_supported(gguf_blocks.Q8_0) else "dequant"
-    assert routes == [instead] * sum(gguf_linear.incumbent(b) == "float" for b in chooser.LOGIT_BUCKETS)
-    float_rows = tuple(b for b in chooser.LOGIT_BUCKETS if gguf_linear.incumbent(b) == "float")
+    float_rows = tuple(b for b in chooser.LOGIT_BUCKETS if gguf_linear.incumbent(b, gguf_blocks.Q6_K) == "float")
+    routes = [fit.table.entries[key(head, b, logits=True)]["choice"] for b in float_rows]
+    assert float_rows and routes == ["dequant"] * len(float_rows)
     assert fit.kept == 0 and fit.wanted == torch_ops.copy_bytes(49152, 256, BF16, True, float_rows) >= 49152 * 256 * 2
+    # Where the x16 GEMM serves the format, the blocks are the incumbent everywhere: no copy asked.
+    if gguf_native.x16_supported(gguf_blocks.Q8_0):
+        assert float_copies.fit(chooser.KernelTable(), [], (49152, 256, gguf_blocks.Q8_0), BF16, 0).wanted == 0
 
 
 def test_budget_setting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,7 @@ FORMATS = sorted(gguf_blocks.SUPPORTED)
 IDS = [gguf_blocks.name(q) for q in FORMATS]
 SMALL_FORMATS = [q for q in FORMATS if gguf_blocks.FORMATS[q].elements == 32]
 X16 = sorted(gguf_blocks.X16_FORMATS)
+X16_ROWS = sorted(gguf_blocks.X16_FORMATS - gguf_blocks.X16_KEEPS_ROWS)  # the rows come back from x16
 EMUL_TOL = 2e-5  # fp32 sums of up to 2048 products in another order: ~sqrt(k) * 2^-24, with margin
 
 
@@ -74,7 +75,9 @@ def quantized_activation(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return (q * d).double().reshape(x.shape), d.double().reshape(x.shape)
 
 
-def check_gemm(gemm, raw: torch.Tensor, qtype: int, m: int, bias: bool, seed: int = 1) -> None:  # noqa: ANN001
+def check_gemm(gemm, raw: torch.Tensor, qtype: int, m: int, bias: bool, seed: int = 1,  # noqa: ANN001
+               act_group: int | None = None) -> None:
+    """`act_group`: values per activation scale (default: the row-by-row kernel's, 256 for K formats)."""
     n, k = raw.shape[0], raw.shape[1] // gguf_blocks.FORMATS[qtype].nbytes * gguf_blocks.FORMATS[qtype].elements
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -83,7 +86,8 @@ def check_gemm(gemm, raw: torch.Tensor, qtype: int, m: int, bias: bool, seed: in
     y = gemm(x, raw, qtype, n, k, b).double()
     assert y.shape == (m, n)
     extra = 0 if b is None else b.double()
-    xq, d = quantized_activation(x, 256 if qtype in (gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K) else 32)
+    k_format = qtype in (gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K)
+    xq, d = quantized_activation(x, act_group or (256 if k_format else 32))
     # 1. the int8 product, computed exactly, up to the order of fp32 sums
     emul = xq @ w.T + extra
     assert ((y - emul).abs() <= EMUL_TOL * (xq.abs() @ w.abs().T) + 1e-6).all(), (y - emul).abs().max()
@@ -124,20 +128,22 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
     """Blocks repacked 16 rows at a time (cpu_gguf_x16.c): the same bounds as the row-by-row
     kernel, with output rows that fill no last group (37), enough work to run threaded
     (300 x 1024), passes of 8 rows and a partial one (17), an activation quantized across threads
-    (70 rows); the repacking undone gives the rows back."""
+    (70 rows); the repacking undone gives the rows back (Q4_K keeps its rows instead). Activations
+    are quantized per 32 values here, Q4_K's too (per 256 row by row)."""
     if not gguf_native.x16_supported(qtype):
         pytest.skip("the x16 GEMM needs AVX512-VNNI")
 
     def gemm(x, raw, qtype, n, k, bias):  # noqa: ANN001, ANN202
         packed = gguf_blocks.pack_x16(raw, qtype, k)
-        assert torch.equal(gguf_blocks.unpack_x16(packed, qtype, n, k), raw)
+        if qtype not in gguf_blocks.X16_KEEPS_ROWS:
+            assert torch.equal(gguf_blocks.unpack_x16(packed, qtype, n, k), raw)
         return gguf_native.gemm_x16(x, packed, qtype, n, k, bias)
 
-    for n, k in ((37, 192), (300, 1024)):
-        check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37)
+    for n, k in ((37, 256 if qtype == gguf_blocks.Q4_K else 192), (300, 1024)):
+        check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37, act_group=32)
 
 
-@pytest.mark.parametrize("qtype", X16, ids=[gguf_blocks.name(q) for q in X16])
+@pytest.mark.parametrize("qtype", X16_ROWS, ids=[gguf_blocks.name(q) for q in X16_ROWS])
 def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     """An embedding lookup on a tied head's repacked blocks: rows from any group, the padded last
     one included, repeated and out of order."""
@@ -148,7 +154,7 @@ def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     assert torch.equal(gguf_blocks.select_x16(packed, qtype, 96, ids), raw[ids])
 
 
-@pytest.mark.parametrize("qtype", X16, ids=[gguf_blocks.name(q) for q in X16])
+@pytest.mark.parametrize("qtype", X16_ROWS, ids=[gguf_blocks.name(q) for q in X16_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_x16_rows_dequantize_as_the_rows(native_lib: ctypes.CDLL, qtype: int, dtype: torch.dtype) -> None:
     """The native lookup on repacked blocks equals dequantizing the original rows, bit for bit."""
@@ -236,9 +242,15 @@ def test_quant_linear_mixed_parts(native: bool, monkeypatch: pytest.MonkeyPatch,
     if not native:
         monkeypatch.setattr(gguf_native, "format_supported", lambda qtype: False)
         monkeypatch.setattr(gguf_linear, "_warned", set())
-    monkeypatch.setattr(chooser, "_installed", KernelTable())  # the incumbents: float copies above 4 rows
     k = 256
     parts = parts_of_mixed_layer(k)
+    # Blocks up to 4 rows, float copies above (the incumbents of formats without the x16 GEMM).
+    table = KernelTable()
+    for q, raw in parts:
+        for b in chooser.ROW_BUCKETS:
+            key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(raw.shape[0], k, q, torch.float32), b)
+            table.entries[key] = {"choice": "blocks" if b <= 4 else "float", "us": {}, "dropped": []}
+    monkeypatch.setattr(chooser, "_installed", table)
     bias = torch.randn(40)
     with caplog.at_level(logging.WARNING, logger="rill.kernels"):
         layer = gguf_linear.QuantLinear(parts, k, bias, torch.float32)
@@ -336,16 +348,19 @@ def test_float_copy_keeps_only_what_its_rows_use(native_lib: ctypes.CDLL, monkey
 
 
 def test_quant_linear_follows_the_installed_route(native_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unmeasured: blocks up to 4 rows, float above; a table's choice per part and bucket wins,
-    and the float copy is made only where some bucket chose float."""
+    """Unmeasured: blocks up to 4 rows, float above (blocks everywhere where the x16 GEMM serves the
+    format); a table's choice per part and bucket wins, and the float copy is made only where some
+    bucket chose float."""
     monkeypatch.setattr(chooser, "_installed", KernelTable())
     calls = counting(monkeypatch)
     raw = gguf_blocks.random_blocks(gguf_blocks.Q8_0, 24, 64)
+    x16 = gguf_native.x16_supported(gguf_blocks.Q8_0)
     layer = gguf_linear.QuantLinear([(gguf_blocks.Q8_0, raw)], 64, None, torch.float32)
-    assert layer.float_copy_bytes == 24 * 64 * 4
+    assert layer.float_copy_bytes == (0 if x16 else 24 * 64 * 4)
     for rows in (1, 4, 5, 64):
         layer(torch.randn(rows, 64))
-    assert calls == {"blocks": 2, "dequant": 1, "float": 2}  # dequant: the float copy, once
+    # dequant: the float copy, made once
+    assert calls == ({"blocks": 4, "dequant": 0, "float": 0} if x16 else {"blocks": 2, "dequant": 1, "float": 2})
     reset(calls)
     key = gguf_linear.gguf_key(24, 64, gguf_blocks.Q8_0, torch.float32)
     chooser.install(KernelTable({KernelTable.key(gguf_linear.OP, key, b): {"choice": "blocks" if b == 16 else "dequant"}
@@ -494,3 +509,36 @@ def test_real_tensors(model: str) -> None:
         assert_bit_equal(w, reference(raw, qtype))
         if native:
             check_gemm(gguf_native.gemm, raw[:96].contiguous(), qtype, 2, bias=False)
+
+
+def test_q4_k_keeps_its_rows_only_where_another_route_reads_them(native_lib: ctypes.CDLL) -> None:
+    """Q4_K repacks with fp32 products of its scales, from which its rows cannot be rebuilt: a layer
+    served by the blocks alone keeps the repacked copy only; one asked to keep them (the probes,
+    or any route but blocks) keeps the rows too."""
+    q, n, k = gguf_blocks.Q4_K, 48, 512
+    if not gguf_native.x16_supported(q):
+        pytest.skip("the x16 GEMM needs AVX512-VNNI")
+    raw = gguf_blocks.random_blocks(q, n, k, seed=3)
+    saved = chooser.installed()
+    table = chooser.KernelTable()
+    for b in chooser.ROW_BUCKETS:
+        key = chooser.KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, torch.float32), b)
+        table.entries[key] = {"choice": "blocks", "us": {"blocks": 1.0, "dequant": 2.0, "float": 3.0}, "dropped": []}
+    chooser.install(table)
+    try:
+        lean = gguf_linear.QuantLinear([(q, raw)], k, None, torch.float32)
+        table.entries[key]["choice"] = "dequant"  # the last bucket's
+        assert gguf_linear.QuantLinear([(q, raw)], k, None, torch.float32).parts[0].raw is not None
+    finally:
+        chooser.install(saved)
+    part = lean.parts[0]
+    assert part.raw is None and part.packed is not None and not part.has_rows
+    assert lean.nbytes == part.packed.nbytes == raw.nbytes * 24 // 18  # 6 bits a weight against 4.5
+    x = torch.randn(5, k)
+    check = gguf_linear.QuantLinear([(q, raw)], k, None, torch.float32, keep_rows=True)
+    assert check.parts[0].raw is not None and check.parts[0].has_rows
+    check.force("blocks")
+    assert torch.equal(lean(x), check(x))
+    with pytest.raises(ValueError, match="kept repacked only"):
+        lean.force("dequant")
+        lean(x)

@@ -115,7 +115,7 @@ class BlockEmbedding:
         flat, src = ids.reshape(-1), self.source
         native = flat.device.type == "cpu" and self.dtype in gguf_native.DEQUANT_DTYPES \
             and gguf_native.dequant_supported(self.qtype)
-        if native and isinstance(src, BlockPart) and src.packed is not None:
+        if native and isinstance(src, BlockPart) and src.raw is None and src.packed is not None:
             out = gguf_native.dequantize_x16_rows(src.packed, self.qtype, src.n, self.k, flat, self.dtype)
         else:
             rows = src.index_select(0, flat) if isinstance(src, torch.Tensor) else src.select(flat, self.k)
@@ -237,7 +237,7 @@ class GGUFSource:
         source: torch.Tensor | BlockPart = blocks.to(weight.device)
         if isinstance(tied_head, QuantLinear) and len(tied_head.parts) == 1:
             head_part = tied_head.parts[0]
-            if head_part.blocks_held and head_part.qtype == qtype:
+            if head_part.has_rows and head_part.qtype == qtype:
                 source = head_part
         return BlockEmbedding(source, qtype, weight.shape[1], weight.dtype)
 
