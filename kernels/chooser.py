@@ -53,7 +53,7 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-VERSION = 6  # bump when what is measured, or how, changes: every cached table is then stale
+VERSION = 7  # bump when what is measured, or how, changes: every cached table is then stale
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
 LOGIT_BUCKETS = (1, 4, 16, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
 CONTEXT_BUCKETS = (1024, 8192)  # prompt attention: longest context of the step's chunks

@@ -191,21 +191,30 @@ int gguf_dequant(const uint8_t* w, int qtype, int64_t n, int64_t k, void* out, i
   return 0;
 }
 
+// Q6_K's 32-value block as pack_x16 converts it: d, sc0, sc1, low nibbles (Q4_1's order), high bits.
+static void dq_q6_f(const uint8_t* b, float* y) {
+  const float d = fp16_at(b);
+  for (int i = 0; i < 32; ++i) {
+    const int u = (i < 16 ? b[4 + i] & 15 : b[4 + i - 16] >> 4) | ((b[20 + 4 * (i / 16) + i % 4] >> (2 * (i % 16 / 4))) & 3) << 4;
+    y[i] = (d * (float)(int8_t)b[2 + i / 16]) * (float)(u - 32);
+  }
+}
+
 // Rows `ids` [m] of a weight repacked 16 rows at a time (gguf_blocks.pack_x16: Q4_0 as Q4_1, Q5_0
-// as Q8_0; per group and block the 16 rows' d (and m) fp16, then 64-byte loads whose 4-byte lane r
-// holds row r's next 4 value bytes, Q8_0's + 128) -> out [m, k] as gguf_dequant writes them: each
-// block of a row gathered back into its raw layout, then dequantized. Equal to dequantizing the
-// original rows (Q4_0's d q - 8 d and Q5_0's d (q - 16) are exact products either way). For an
-// embedding lookup on a tied head's repacked blocks. 0 on success; 1 for a format, shape or id
-// this does not take.
+// as Q8_0, Q6_K per 32 values (dq_q6_f); per group and block the 16 rows' 2-byte fields, then
+// 64-byte loads whose 4-byte lane r holds row r's next 4 value bytes, Q8_0's + 128) -> out [m, k]
+// as gguf_dequant writes them: each block of a row gathered back into its (converted) layout, then
+// dequantized. Equal to dequantizing the original rows (Q4_0's d q - 8 d and Q5_0's d (q - 16) are
+// exact products either way; Q6_K's the same operations). For an embedding lookup on a tied head's
+// repacked blocks. 0 on success; 1 for a format, shape or id this does not take.
 int gguf_dequant_x16_rows(const uint8_t* packed, int qtype, int64_t n, int64_t k, const int64_t* ids, int64_t m,
                           void* out, int bf16) {
-  const int q41 = qtype == Q4_0 || qtype == Q4_1, q80 = qtype == Q5_0 || qtype == Q8_0;
-  if ((!q41 && !q80) || n < 1 || k < 32 || k % 32) return 1;
+  const int q41 = qtype == Q4_0 || qtype == Q4_1, q80 = qtype == Q5_0 || qtype == Q8_0, q6 = qtype == Q6_K;
+  if ((!q41 && !q80 && !q6) || n < 1 || k < 32 || k % (q6 ? 256 : 32)) return 1;
   for (int64_t i = 0; i < m; ++i)
     if (ids[i] < 0 || ids[i] >= n) return 1;
-  const int size = q41 ? 20 : 34, head = q41 ? 4 : 2, lanes = (size - head) / 4;
-  const block_fn fn = q41 ? dq_q4_1 : dq_q8_0;
+  const int size = q41 ? 20 : q6 ? 28 : 34, head = q80 ? 2 : 4, lanes = (size - head) / 4;
+  const block_fn fn = q41 ? dq_q4_1 : q6 ? dq_q6_f : dq_q8_0;
   const int64_t nb = k / 32, group = nb * 16 * size;
   for (int64_t i = 0; i < m; ++i) {
     const int64_t g = ids[i] / 16, r = ids[i] % 16;

@@ -1,4 +1,5 @@
-// Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights repacked 16 output rows at a time ("x16"), for the GEMM of few activation rows.
+// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights repacked 16 output rows at a time ("x16"), for
+// the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
 // first gather their scales one by one: at one activation row that bookkeeping, not the memory,
@@ -13,6 +14,10 @@
 // 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d), Q5_0
 // as Q8_0 (its codes q - 16 fit a signed byte), Q4_K as Q4_1 per 32-value sub-block with fp32 d and
 // m (d sc and -dmin m, exact in fp32; not in fp16): d[16] fp32, m[16] fp32, then the nibbles.
+// Q6_K per 32 values: its super-block's d[16] fp16, its two 16-value scales (sc0, sc1 int8) per
+// row, the low nibbles as Q4_1's, then 2 x 64 bytes of the high 2 bits (bits 2c of byte e of lane
+// r in load j: value 16 j + 4 c + e of row r): the file's bits, moved, so the rows come back.
+// w = d sc (u - 32): the sums start at -32 sum(x) of their 16 values, so no min term is needed.
 // AVX512-VNNI only.
 
 #include <omp.h>
@@ -22,6 +27,7 @@
 #define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
 #define X16_BLOCK_Q8_0 544  // 32 + 512
 #define X16_BLOCK_Q4_F 384  // 64 + 64 + 256 (Q4_K)
+#define X16_BLOCK_Q6 448    // 32 + 32 + 256 + 128 (Q6_K)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -29,13 +35,13 @@
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
 
 int gguf_gemm_x16_supported(int qtype) {
-  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K;
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K;
 }
 
-enum { X16_Q4_1, X16_Q8_0, X16_Q4_F };  // the three layouts
+enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q6 };  // the four layouts
 
 static int x16_kind(int qtype) {
-  return qtype == Q8_0 || qtype == Q5_0 ? X16_Q8_0 : qtype == Q4_K ? X16_Q4_F : X16_Q4_1;
+  return qtype == Q8_0 || qtype == Q5_0 ? X16_Q8_0 : qtype == Q4_K ? X16_Q4_F : qtype == Q6_K ? X16_Q6 : X16_Q4_1;
 }
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
@@ -49,11 +55,12 @@ static inline __m512i x4(const int8_t* p) {
 // so acc[] and accm[] stay in registers, the activation bytes broadcast from the row itself (copied
 // to a local array first, they went through the stack: the 8-row passes then gained nothing).
 static inline __attribute__((always_inline)) void x16_groups(
-    const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s, int64_t k,
-    int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
-  const int Q8 = kind == X16_Q8_0, F32 = kind == X16_Q4_F;
-  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : F32 ? X16_BLOCK_Q4_F : X16_BLOCK_Q4_1, values = F32 ? 128 : 64;
-  const __m512i m15 = _mm512_set1_epi8(15);
+    const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
+    const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
+  const int Q8 = kind == X16_Q8_0, F32 = kind == X16_Q4_F, Q6 = kind == X16_Q6;
+  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : F32 ? X16_BLOCK_Q4_F : Q6 ? X16_BLOCK_Q6 : X16_BLOCK_Q4_1;
+  const int64_t values = F32 ? 128 : 64;
+  const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[X16_MAX_ROWS], accm[X16_MAX_ROWS];
 #pragma GCC unroll 8
@@ -69,7 +76,36 @@ static inline __attribute__((always_inline)) void x16_groups(
           v[t] = _mm512_and_si512(raw, m15);
           v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
         }
+      if (Q6) {  // the high 2 bits of v[4 j + c] at bits 2c of load j, moved to bits 4-5
+        const __m512i h0 = _mm512_loadu_si512(p + 320), h1 = _mm512_loadu_si512(p + 384);
+        for (int j = 0; j < 2; ++j) {
+          const __m512i h = j ? h1 : h0;
+          v[4 * j] = _mm512_or_si512(v[4 * j], _mm512_and_si512(_mm512_slli_epi16(h, 4), m48));
+          v[4 * j + 1] = _mm512_or_si512(v[4 * j + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m48));
+          v[4 * j + 2] = _mm512_or_si512(v[4 * j + 2], _mm512_and_si512(h, m48));
+          v[4 * j + 3] = _mm512_or_si512(v[4 * j + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m48));
+        }
+      }
       const __m512 dw = F32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+      if (Q6) {  // d sc0 and d sc1 per row; lane r of the pairs: sc0 | sc1 << 8
+        const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(p + 32)));
+        const __m512 ds0 = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24)));
+        const __m512 ds1 = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 8)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* xq = q + row * k + b * 32;
+          const int32_t* off = o + 2 * (row * nb + b);  // -32 sum(x) of values 0-15, 16-31
+          __m512i s0 = _mm512_set1_epi32(off[0]), s1 = _mm512_set1_epi32(off[1]);
+          for (int t = 0; t < 4; ++t) {
+            s0 = _mm512_dpbusd_epi32(s0, v[t], x4(xq + 4 * t));
+            s1 = _mm512_dpbusd_epi32(s1, v[4 + t], x4(xq + 16 + 4 * t));
+          }
+          const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), ds1, _mm512_mul_ps(_mm512_cvtepi32_ps(s0), ds0));
+          acc[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[row * nb + b]), acc[r]);
+        }
+        continue;
+      }
       const __m512 cw = Q8    ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.f))
                         : F32 ? _mm512_loadu_ps(p + 64)
                               : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
@@ -97,15 +133,17 @@ static inline __attribute__((always_inline)) void x16_groups(
   }
 }
 
-#define X16_CASE(R)                                                                          \
-  case R:                                                                                    \
-    if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y); \
-    else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y); \
-    else x16_groups(X16_Q4_1, w, nb, q, d, s, k, r0, R, g0, g1, n, bias, y);                 \
+#define X16_CASE(R)                                                                                \
+  case R:                                                                                          \
+    if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);    \
+    else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y); \
+    else if (kind == X16_Q6) x16_groups(X16_Q6, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);   \
+    else x16_groups(X16_Q4_1, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);                    \
     break;
 
 static void x16_pass(int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
-                     int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
+                     const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n,
+                     const float* bias, float* y) {
   switch (R) {
     X16_CASE(1) X16_CASE(2) X16_CASE(3) X16_CASE(4) X16_CASE(5) X16_CASE(6) X16_CASE(7) X16_CASE(8)
   }
@@ -117,15 +155,25 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
                       const float* bias, float* y) {
   if (!gguf_gemm_x16_supported(qtype) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
   const int64_t nb = k / 32, groups = (n + 15) / 16;
-  char* scratch = gguf_act_scratch((size_t)(m * k + 8 * m * nb));
+  const int kind = x16_kind(qtype);
+  char* scratch = gguf_act_scratch((size_t)(m * k + 4) + 16 * m * nb);
   if (!scratch) return 2;
   int8_t* q = (int8_t*)scratch;
   float* d = (float*)(scratch + (m * k + 3) / 4 * 4);
   float* s = d + m * nb;
+  int32_t* o = (int32_t*)(s + m * nb);  // Q6_K: -32 sum(x) per 16 values
   const int team = m * n * k < SERIAL_WORK ? 1 : omp_get_max_threads();
   // Quantized row by row across the team: serial, it took a third of a 192-column GEMM at 512 rows.
 #pragma omp parallel for schedule(static) if (team > 1 && m * k >= 65536)
-  for (int64_t i = 0; i < m; ++i) gguf_quantize_rows32(x + i * k, 1, k, q + i * k, d + i * nb, s + i * nb);
+  for (int64_t i = 0; i < m; ++i) {
+    gguf_quantize_rows32(x + i * k, 1, k, q + i * k, d + i * nb, s + i * nb);
+    if (kind == X16_Q6)
+      for (int64_t j = 2 * i * nb; j < 2 * (i + 1) * nb; ++j) {
+        int sum = 0;
+        for (int e = 0; e < 16; ++e) sum += q[16 * j + e];
+        o[j] = -32 * sum;
+      }
+  }
   // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
   const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
   const int64_t per = (groups + claims - 1) / claims, chunks = (groups + per - 1) / per;
@@ -134,7 +182,7 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
     for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
       const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
-      x16_pass(x16_kind(qtype), w, nb, q, d, s, k, r0, R, c * per, g1, n, bias, y);
+      x16_pass(kind, w, nb, q, d, s, o, k, r0, R, c * per, g1, n, bias, y);
     }
   }
   return 0;

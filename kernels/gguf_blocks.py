@@ -195,7 +195,7 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
 X16_KEEPS_ROWS = frozenset({Q4_K})  # repacked with products of its scales: the rows cannot be rebuilt
 
 
@@ -204,6 +204,8 @@ def _x16_fields(qtype: int) -> tuple[int, int, int, int]:
     bytes of its values, bytes of one field)."""
     if qtype == Q4_K:
         return 24, 8, 16, 4  # fp32 d and m, nibbles
+    if qtype == Q6_K:
+        return 28, 4, 24, 2  # d, (sc0, sc1); low nibbles, high bits
     return (20, 4, 16, 2) if qtype in (Q4_0, Q4_1) else (34, 2, 32, 2)
 
 
@@ -216,6 +218,33 @@ def _q4_k_as_q4_f(raw: torch.Tensor, k: int) -> torch.Tensor:
     nibbles = codes[:, :16] | (codes[:, 16:] << 4)
     d, m = a.scale.reshape(-1, 1).contiguous(), a.zero.reshape(-1, 1).contiguous()
     return torch.cat([d.view(torch.uint8), m.view(torch.uint8), nibbles], dim=1).reshape(raw.shape[0], -1)
+
+
+_Q6_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+
+
+def _q6_k_as_q6_f(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """Q6_K rows as blocks of 32 values (28 bytes): the super-block's d, the two 16-value scales,
+    the low nibbles laid out as Q4_1's (value i low, i + 16 high), then 8 bytes of high 2-bit
+    fields (bits 2c of byte 4j + e: value 16j + 4c + e). A permutation of the file's bits."""
+    b = raw.reshape(-1, 210)
+    u = affine(raw, Q6_K, k).codes.reshape(-1, 8, 32)  # 0..63, value order
+    nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    high = ((u >> 4).reshape(-1, 8, 2, 4, 4) << _Q6_SHIFTS).sum(dim=3, dtype=torch.uint8).reshape(-1, 8, 8)
+    d = b[:, 208:210].unsqueeze(1).expand(-1, 8, 2)
+    return torch.cat([d, b[:, 192:208].reshape(-1, 8, 2), nibbles, high], dim=2).reshape(raw.shape[0], -1)
+
+
+def _q6_f_as_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    """_q6_k_as_q6_f undone."""
+    c = rows.reshape(-1, 8, 28)
+    nib, high = c[..., 4:20], c[..., 20:28].reshape(-1, 8, 2, 1, 4)
+    u = torch.cat([nib & 15, nib >> 4], dim=2) | (((high >> _Q6_SHIFTS) & 3).reshape(-1, 8, 32) << 4)
+    u = u.reshape(-1, 2, 4, 32)  # [block, half, run of 32, l]
+    ql = torch.cat([(u[:, :, 0] & 15) | (u[:, :, 2] << 4), (u[:, :, 1] & 15) | (u[:, :, 3] << 4)], dim=2)
+    qh = ((u >> 4) << _Q6_SHIFTS).sum(dim=2, dtype=torch.uint8)  # [block, half, 32]
+    out = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), c[:, :, 2:4].reshape(-1, 16), c[:, 0, 0:2]], dim=1)
+    return out.reshape(rows.shape[0], -1)
 
 
 def _q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:
@@ -260,6 +289,8 @@ def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
         return pack_x16(_q5_0_as_q8_0(raw), Q8_0, k)
     if qtype == Q4_K:
         raw = _q4_k_as_q4_f(raw, k)
+    elif qtype == Q6_K:
+        raw = _q6_k_as_q6_f(raw, k)
     size, head, vals, width = _x16_fields(qtype)
     n, nb = raw.shape[0], k // 32
     groups = -(-n // 16)
@@ -294,7 +325,8 @@ def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> t
     q = Q4_1 if qtype == Q4_0 else qtype
     size, head, vals, _ = _x16_fields(q)
     fields, lanes = _x16_lanes(q, k)
-    nb, m, group_bytes = k // 32, len(ids), 16 * row_bytes(q, k)
+    nb, m = k // 32, len(ids)
+    group_bytes = 16 * nb * size
     base, r = torch.div(ids, 16, rounding_mode="floor")[:, None], ids % 16
     f = packed.view(torch.int16).take(base * (group_bytes // 2) + fields[r])
     v = packed.view(torch.int32).take(base * (group_bytes // 4) + lanes[r])
@@ -303,6 +335,8 @@ def select_x16(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> t
         rows[..., head:] ^= 0x80
     elif qtype == Q4_0:  # drop the mins it was packed with
         rows = torch.cat([rows[..., :2], rows[..., 4:]], dim=2)
+    elif qtype == Q6_K:
+        return _q6_f_as_q6_k(rows)
     return rows.reshape(m, -1)
 
 
@@ -324,4 +358,5 @@ def unpack_x16(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor
         values = values ^ 0x80
     values = values.reshape(groups, nb, vals // 4, 16, 4).transpose(2, 3).reshape(groups, nb, 16, vals)
     rows = torch.cat([*fields, values], dim=3).permute(0, 2, 1, 3)  # [group, row, block, bytes]
-    return rows.reshape(groups * 16, nb * size)[:n].contiguous()
+    rows = rows.reshape(groups * 16, nb * size)[:n]
+    return _q6_f_as_q6_k(rows).contiguous() if qtype == Q6_K else rows.contiguous()

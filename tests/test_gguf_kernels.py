@@ -129,7 +129,7 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
     kernel, with output rows that fill no last group (37), enough work to run threaded
     (300 x 1024), passes of 8 rows and a partial one (17), an activation quantized across threads
     (70 rows); the repacking undone gives the rows back (Q4_K keeps its rows instead). Activations
-    are quantized per 32 values here, Q4_K's too (per 256 row by row)."""
+    are quantized per 32 values here, the K formats' too (per 256 row by row)."""
     if not gguf_native.x16_supported(qtype):
         pytest.skip("the x16 GEMM needs AVX512-VNNI")
 
@@ -139,7 +139,7 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
             assert torch.equal(gguf_blocks.unpack_x16(packed, qtype, n, k), raw)
         return gguf_native.gemm_x16(x, packed, qtype, n, k, bias)
 
-    for n, k in ((37, 256 if qtype == gguf_blocks.Q4_K else 192), (300, 1024)):
+    for n, k in ((37, 256 if gguf_blocks.FORMATS[qtype].elements == 256 else 192), (300, 1024)):
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37, act_group=32)
 
 
@@ -147,25 +147,27 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
 def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     """An embedding lookup on a tied head's repacked blocks: rows from any group, the padded last
     one included, repeated and out of order."""
-    raw = gguf_blocks.random_blocks(qtype, 37, 96, seed=5)
-    packed = gguf_blocks.pack_x16(raw, qtype, 96)
+    k = gguf_blocks.FORMATS[qtype].elements * 3  # 3 blocks (Q6_K's 256 values each)
+    raw = gguf_blocks.random_blocks(qtype, 37, k, seed=5)
+    packed = gguf_blocks.pack_x16(raw, qtype, k)
     assert packed is not None
     ids = torch.tensor([36, 0, 16, 17, 5, 5, 31, 32, 15])
-    assert torch.equal(gguf_blocks.select_x16(packed, qtype, 96, ids), raw[ids])
+    assert torch.equal(gguf_blocks.select_x16(packed, qtype, k, ids), raw[ids])
 
 
 @pytest.mark.parametrize("qtype", X16_ROWS, ids=[gguf_blocks.name(q) for q in X16_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_x16_rows_dequantize_as_the_rows(native_lib: ctypes.CDLL, qtype: int, dtype: torch.dtype) -> None:
     """The native lookup on repacked blocks equals dequantizing the original rows, bit for bit."""
-    raw = gguf_blocks.random_blocks(qtype, 37, 96, seed=7)
-    packed = gguf_blocks.pack_x16(raw, qtype, 96)
+    k = gguf_blocks.FORMATS[qtype].elements * 3  # 3 blocks (Q6_K's 256 values each)
+    raw = gguf_blocks.random_blocks(qtype, 37, k, seed=7)
+    packed = gguf_blocks.pack_x16(raw, qtype, k)
     assert packed is not None
     ids = torch.tensor([36, 0, 16, 17, 5, 5, 31, 32, 15])
-    got = gguf_native.dequantize_x16_rows(packed, qtype, 37, 96, ids, dtype)
-    assert torch.equal(got, gguf_native.dequantize(raw[ids].contiguous(), qtype, 96, dtype))
+    got = gguf_native.dequantize_x16_rows(packed, qtype, 37, k, ids, dtype)
+    assert torch.equal(got, gguf_native.dequantize(raw[ids].contiguous(), qtype, k, dtype))
     with pytest.raises(ValueError, match="out of range"):
-        gguf_native.dequantize_x16_rows(packed, qtype, 37, 96, torch.tensor([37]), dtype)
+        gguf_native.dequantize_x16_rows(packed, qtype, 37, k, torch.tensor([37]), dtype)
 
 
 def test_q4_0_packs_as_q4_1_unless_its_mins_overflow_fp16() -> None:
