@@ -292,5 +292,21 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
     finally:
         _gemm_weights.cache_clear()
         _gguf_layers.cache_clear()
+    settle_lone_floats(table, cases, dtype)
     chooser.install(table)
     return table, keys
+
+
+def settle_lone_floats(table: KernelTable, cases: list[tuple[GgufShape, bool, int]], dtype: torch.dtype) -> None:
+    """A part whose blocks won at the buckets on both sides of a "float" one keeps its blocks there
+    too: a route's time grows smoothly with the rows, so a lone win is the measurement's noise, and
+    it would keep a float copy of the part (2-4x the blocks' bytes) for that one bucket alone."""
+    by_part: dict[tuple[GgufShape, bool], list[int]] = {}
+    for shape, logits, rows in cases:
+        by_part.setdefault((shape, logits), []).append(rows)
+    for ((n, k, q), logits), buckets in by_part.items():
+        keys = [KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, logits), b) for b in buckets]
+        choices = [table.entries.get(key, {}).get("choice") for key in keys]
+        for i in range(1, len(keys) - 1):
+            if choices[i] == "float" and choices[i - 1] == choices[i + 1] == "blocks":
+                table.entries[keys[i]] = {**table.entries[keys[i]], "choice": "blocks", "settled": "lone float"}

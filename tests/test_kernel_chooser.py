@@ -230,3 +230,25 @@ def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypa
     assert route.choices == tuple(table.entries[k]["choice"] for k in keys[6:12])
     _, again = chooser.tune([lambda: None] * len(keys), keys)  # cached: nothing measured anew
     assert again == 0
+
+
+def test_a_lone_float_bucket_between_blocks_keeps_the_blocks() -> None:
+    """A float win with the blocks winning on both sides is noise that would cost a float copy of
+    the part: it is settled to the blocks; runs of float wins, and wins at an end, stay."""
+    from rill.kernels import gguf_blocks, gguf_linear
+
+    def settled(choices: list[str]) -> list[str]:
+        shape = (64, 256, gguf_blocks.Q8_0)
+        cases = [(shape, False, b) for b in chooser.ROW_BUCKETS]
+        table = KernelTable()
+        key = gguf_linear.gguf_key(64, 256, gguf_blocks.Q8_0, torch.bfloat16)
+        for b, c in zip(chooser.ROW_BUCKETS, choices, strict=True):
+            table.entries[KernelTable.key(gguf_linear.OP, key, b)] = {"choice": c, "us": {}, "dropped": []}
+        cpu_tuning.settle_lone_floats(table, cases, torch.bfloat16)
+        return [str(table.choice(gguf_linear.OP, key, b)) for b in chooser.ROW_BUCKETS]
+
+    b, f, d = "blocks", "float", "dequant"
+    assert settled([b, b, b, f, b, b]) == [b] * 6
+    assert settled([b, f, b, f, b, f]) == [b, b, b, b, b, f]
+    for kept in ([b, f, f, b, b, b], [f, b, b, b, b, b], [b, b, b, b, b, f], [b, d, f, b, b, b]):
+        assert settled(kept) == kept
