@@ -1,4 +1,4 @@
-// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights repacked 16 output rows at a time ("x16"), for
+// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights repacked 16 output rows at a time ("x16"), for
 // the GEMM of few activation rows.
 //
 // Row by row (cpu_gguf.c) each block's dot product ends in a horizontal sum and every 16 blocks
@@ -13,7 +13,8 @@
 // each block of 32 values: d[16] fp16, (Q4_1) m[16] fp16, then 4 x 64 bytes of nibbles, or (Q8_0)
 // 8 x 64 bytes of values + 128. Q4_0 is packed as Q4_1 (d (q - 8) = d q + m with m = -8 d), Q5_0
 // as Q8_0 (its codes q - 16 fit a signed byte), Q4_K as Q4_1 per 32-value sub-block with fp32 d and
-// m (d sc and -dmin m, exact in fp32; not in fp16): d[16] fp32, m[16] fp32, then the nibbles.
+// m (d sc and -dmin m, exact in fp32; not in fp16): d[16] fp32, m[16] fp32, then the nibbles;
+// Q5_K the same, then 64 bytes of fifth bits (bit u of byte e of lane r: value 4 u + e of row r).
 // Q6_K per 32 values: its super-block's d[16] fp16, its two 16-value scales (sc0, sc1 int8) per
 // row, the low nibbles as Q4_1's, then 2 x 64 bytes of the high 2 bits (bits 2c of byte e of lane
 // r in load j: value 16 j + 4 c + e of row r): the file's bits, moved, so the rows come back.
@@ -27,6 +28,7 @@
 #define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
 #define X16_BLOCK_Q8_0 544  // 32 + 512
 #define X16_BLOCK_Q4_F 384  // 64 + 64 + 256 (Q4_K)
+#define X16_BLOCK_Q5_F 448  // 64 + 64 + 256 + 64 (Q5_K)
 #define X16_BLOCK_Q6 448    // 32 + 32 + 256 + 128 (Q6_K)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -35,13 +37,20 @@
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
 
 int gguf_gemm_x16_supported(int qtype) {
-  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K;
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K ||
+         qtype == Q6_K;
 }
 
-enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q6 };  // the four layouts
+enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q5_F, X16_Q6 };  // the five layouts
 
 static int x16_kind(int qtype) {
-  return qtype == Q8_0 || qtype == Q5_0 ? X16_Q8_0 : qtype == Q4_K ? X16_Q4_F : qtype == Q6_K ? X16_Q6 : X16_Q4_1;
+  switch (qtype) {
+    case Q8_0: case Q5_0: return X16_Q8_0;
+    case Q4_K: return X16_Q4_F;
+    case Q5_K: return X16_Q5_F;
+    case Q6_K: return X16_Q6;
+    default: return X16_Q4_1;
+  }
 }
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
@@ -57,10 +66,11 @@ static inline __m512i x4(const int8_t* p) {
 static inline __attribute__((always_inline)) void x16_groups(
     const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
     const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
-  const int Q8 = kind == X16_Q8_0, F32 = kind == X16_Q4_F, Q6 = kind == X16_Q6;
-  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : F32 ? X16_BLOCK_Q4_F : Q6 ? X16_BLOCK_Q6 : X16_BLOCK_Q4_1;
+  const int Q8 = kind == X16_Q8_0, Q5 = kind == X16_Q5_F, F32 = kind == X16_Q4_F || Q5, Q6 = kind == X16_Q6;
+  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : Q5 ? X16_BLOCK_Q5_F : F32 ? X16_BLOCK_Q4_F : Q6 ? X16_BLOCK_Q6
+                                                                                      : X16_BLOCK_Q4_1;
   const int64_t values = F32 ? 128 : 64;
-  const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
+  const __m512i m15 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16), m48 = _mm512_set1_epi8(48);
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[X16_MAX_ROWS], accm[X16_MAX_ROWS];
 #pragma GCC unroll 8
@@ -76,6 +86,17 @@ static inline __attribute__((always_inline)) void x16_groups(
           v[t] = _mm512_and_si512(raw, m15);
           v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
         }
+      if (Q5) {  // the fifth bit of v[u] at bit u, moved to bit 4
+        const __m512i h = _mm512_loadu_si512(p + 384);
+        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m16));
+        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), m16));
+        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), m16));
+        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), m16));
+        v[4] = _mm512_or_si512(v[4], _mm512_and_si512(h, m16));
+        v[5] = _mm512_or_si512(v[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), m16));
+        v[6] = _mm512_or_si512(v[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), m16));
+        v[7] = _mm512_or_si512(v[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), m16));
+      }
       if (Q6) {  // the high 2 bits of v[4 j + c] at bits 2c of load j, moved to bits 4-5
         const __m512i h0 = _mm512_loadu_si512(p + 320), h1 = _mm512_loadu_si512(p + 384);
         for (int j = 0; j < 2; ++j) {
@@ -137,6 +158,7 @@ static inline __attribute__((always_inline)) void x16_groups(
   case R:                                                                                          \
     if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);    \
     else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y); \
+    else if (kind == X16_Q5_F) x16_groups(X16_Q5_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y); \
     else if (kind == X16_Q6) x16_groups(X16_Q6, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);   \
     else x16_groups(X16_Q4_1, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);                    \
     break;

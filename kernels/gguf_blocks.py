@@ -195,8 +195,8 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _AFFINE[qtype](_blocks(raw, qtype, k)).values().reshape(raw.shape[0], k)
 
 
-X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
-X16_KEEPS_ROWS = frozenset({Q4_K})  # repacked with products of its scales: the rows cannot be rebuilt
+X16_FORMATS = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})  # the formats with a 16-row repacked GEMM (cpu_gguf_x16.c)
+X16_KEEPS_ROWS = frozenset({Q4_K, Q5_K})  # repacked with products of its scales: the rows cannot be rebuilt
 
 
 def _x16_fields(qtype: int) -> tuple[int, int, int, int]:
@@ -204,20 +204,29 @@ def _x16_fields(qtype: int) -> tuple[int, int, int, int]:
     bytes of its values, bytes of one field)."""
     if qtype == Q4_K:
         return 24, 8, 16, 4  # fp32 d and m, nibbles
+    if qtype == Q5_K:
+        return 28, 8, 20, 4  # fp32 d and m, nibbles, fifth bits
     if qtype == Q6_K:
         return 28, 4, 24, 2  # d, (sc0, sc1); low nibbles, high bits
     return (20, 4, 16, 2) if qtype in (Q4_0, Q4_1) else (34, 2, 32, 2)
 
 
-def _q4_k_as_q4_f(raw: torch.Tensor, k: int) -> torch.Tensor:
-    """Q4_K rows as blocks of 32 values: fp32 d sc and -dmin m (exact), then 16 bytes of nibbles
-    laid out as Q4_1's (value i low, value i + 16 high)."""
-    a = affine(raw, Q4_K, k)
+_BIT_OF_RUN = torch.arange(8, dtype=torch.uint8).view(8, 1)
+
+
+def _k_as_f(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Q4_K / Q5_K rows as blocks of 32 values: fp32 d sc and -dmin m (exact), then 16 bytes of
+    nibbles laid out as Q4_1's (value i low, value i + 16 high); Q5_K then 4 bytes of fifth bits
+    (bit u of byte e: value 4 u + e)."""
+    a = affine(raw, qtype, k)
     codes = a.codes.reshape(-1, 32)
     assert a.zero is not None
-    nibbles = codes[:, :16] | (codes[:, 16:] << 4)
+    nibbles = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
     d, m = a.scale.reshape(-1, 1).contiguous(), a.zero.reshape(-1, 1).contiguous()
-    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), nibbles], dim=1).reshape(raw.shape[0], -1)
+    fields = [d.view(torch.uint8), m.view(torch.uint8), nibbles]
+    if qtype == Q5_K:
+        fields.append(((codes >> 4).reshape(-1, 8, 4) << _BIT_OF_RUN).sum(dim=1, dtype=torch.uint8))
+    return torch.cat(fields, dim=1).reshape(raw.shape[0], -1)
 
 
 _Q6_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
@@ -276,19 +285,19 @@ def _q8_0_as_q5_0(raw: torch.Tensor) -> torch.Tensor:
 
 
 def pack_x16(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
-    """Q4_0 / Q4_1 / Q5_0 / Q8_0 rows uint8 [n, row_bytes] -> the x16 layout (cpu_gguf_x16.c): per
-    group of 16 rows (zero rows pad the last), per block, the 16 rows' fp16 scales (and Q4_1's mins,
-    which Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is row r's next
-    4 bytes (Q8_0's + 128; Q5_0 goes as Q8_0, Q4_K as Q4_1 with fp32 fields). Flat uint8; None for
-    a Q4_0 weight whose mins fp16 cannot hold."""
+    """Rows uint8 [n, row_bytes] of an X16_FORMATS format -> the x16 layout (cpu_gguf_x16.c): per
+    group of 16 rows (zero rows pad the last), per block of 32 values, the 16 rows' scale fields (and
+    Q4_1's mins, which Q4_0 gets as -8 d), then their values as 64-byte loads whose 4-byte lane r is
+    row r's next 4 bytes (Q8_0's + 128; Q5_0 goes as Q8_0, Q4_K and Q5_K as Q4_1 with fp32 fields,
+    Q6_K per 32 values: _q6_k_as_q6_f). Flat uint8; None for a Q4_0 weight whose mins fp16 cannot hold."""
     assert qtype in X16_FORMATS and raw.dtype == torch.uint8
     if qtype == Q4_0:
         q41 = _q4_0_as_q4_1(raw)
         return None if q41 is None else pack_x16(q41, Q4_1, k)
     if qtype == Q5_0:
         return pack_x16(_q5_0_as_q8_0(raw), Q8_0, k)
-    if qtype == Q4_K:
-        raw = _q4_k_as_q4_f(raw, k)
+    if qtype in X16_KEEPS_ROWS:
+        raw = _k_as_f(raw, qtype, k)
     elif qtype == Q6_K:
         raw = _q6_k_as_q6_f(raw, k)
     size, head, vals, width = _x16_fields(qtype)

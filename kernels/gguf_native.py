@@ -59,7 +59,7 @@ def format_supported(qtype: int) -> bool:
 
 def x16_supported(qtype: int) -> bool:
     """Whether this build multiplies the format repacked 16 rows at a time (gguf_blocks.pack_x16;
-    cpu_gguf_x16.c: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K on AVX512-VNNI CPUs)."""
+    cpu_gguf_x16.c: Q4_0, Q4_1, Q5_0, Q8_0 and the K formats on AVX512-VNNI CPUs)."""
     lib = _lib()
     return lib is not None and qtype in gguf_blocks.X16_FORMATS and bool(lib.gguf_gemm_x16_supported(qtype))
 

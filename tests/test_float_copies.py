@@ -63,9 +63,9 @@ def test_no_budget_or_enough_keeps_the_table_and_unmeasured_buckets_leave_float(
     assert float_copies.fit(table, [shape], None, BF16, 1 << 30).dropped == 0
     # A head measured nowhere, in a format the x16 GEMM does not serve: its incumbent is float from
     # 16 rows; with no budget the dequant route serves there.
-    head = (49152, 256, gguf_blocks.Q5_K)
+    head = (49152, 256, gguf_blocks.Q5_1)
     fit = float_copies.fit(chooser.KernelTable(), [], head, BF16, 0)
-    float_rows = tuple(b for b in chooser.LOGIT_BUCKETS if gguf_linear.incumbent(b, gguf_blocks.Q5_K) == "float")
+    float_rows = tuple(b for b in chooser.LOGIT_BUCKETS if gguf_linear.incumbent(b, gguf_blocks.Q5_1) == "float")
     routes = [fit.table.entries[key(head, b, logits=True)]["choice"] for b in float_rows]
     assert float_rows and routes == ["dequant"] * len(float_rows)
     assert fit.kept == 0 and fit.wanted == torch_ops.copy_bytes(49152, 256, BF16, True, float_rows) >= 49152 * 256 * 2

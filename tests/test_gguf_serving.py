@@ -56,7 +56,27 @@ def smollm2_q4_0_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(resolve_model(str(requantize(src, dst, GGMLQuantizationType.Q4_0))))
 
 
-@pytest.fixture(scope="module", params=["smollm2", "smollm2_q4_0", "gemma3"])
+@pytest.fixture(scope="module")
+def smollm2_k_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2 with its down projections (1536 inputs: whole 256-value blocks) in Q5_K (even
+    layers) and Q6_K (odd ones), the rest in Q4_1: the mix of a Q5_K_M / Q4_K_M download."""
+    from gguf import GGMLQuantizationType
+    from gguf_requantize import requantize
+
+    from rill.shared.model_files import gguf_source, resolve_model
+
+    def pick(name: str, k: int) -> GGMLQuantizationType | None:
+        if "ffn_down" not in name or k % 256:
+            return None
+        return GGMLQuantizationType.Q6_K if int(name.split(".")[1]) % 2 else GGMLQuantizationType.Q5_K
+
+    src = gguf_source(None)
+    assert src is not None
+    dst = tmp_path_factory.mktemp("k") / "SmolLM2-135M-Instruct.Q5_K_M.gguf"
+    return str(resolve_model(str(requantize(src, dst, GGMLQuantizationType.Q4_1, pick))))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "smollm2_q4_0", "smollm2_k", "gemma3"])
 def pair(request: pytest.FixtureRequest) -> tuple[str, LlamaModel, LlamaModel]:
     """(model dir, its float model, the same served from its GGUF blocks)."""
     model_dir = request.getfixturevalue(f"{request.param}_dir")
