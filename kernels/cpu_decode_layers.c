@@ -46,6 +46,8 @@ int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
                   float* y);
 int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                       const float* bias, float* y);
+int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
+                  const float* bias, void* y, int bf16);
 
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -107,6 +109,11 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
           have_x32 = 1;
         }
         xin = b->x32;
+      }
+      if (whole && pt->kind == PART_X16) {  // the x16 GEMM writes the layer's dtype itself
+        const int rc = gguf_gemm_x16(xin, m, (const uint8_t*)pt->w, pt->qtype, pt->n, k, 0, y, bf16);
+        if (rc) return rc;
+        continue;
       }
       float* out = whole && !bf16 ? (float*)y : b->y32;
       const int rc = (pt->kind == PART_X16 ? gguf_gemm_x16_f32 : gguf_gemm_f32)(xin, m, (const uint8_t*)pt->w,

@@ -53,6 +53,17 @@ static int x16_kind(int qtype) {
   }
 }
 
+// 16 floats rounded to bfloat16 as torch rounds them (nearest even; NaN kept quiet), in the low
+// half of each 32-bit lane: the GEMM writes a bf16 layer's output itself, without a pass after it.
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i nearest = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i rounded = _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                                _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_srli_epi32(rounded, 16);
+}
+
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(*(const int32_t __attribute__((may_alias, aligned(1)))*)p);
@@ -65,7 +76,8 @@ static inline __m512i x4(const int8_t* p) {
 // to a local array first, they went through the stack: the 8-row passes then gained nothing).
 static inline __attribute__((always_inline)) void x16_groups(
     const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
-    const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, float* y) {
+    const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, void* y,
+    int bf16) {
   const int Q8 = kind == X16_Q8_0, Q5 = kind == X16_Q5_F, F32 = kind == X16_Q4_F || Q5, Q6 = kind == X16_Q6;
   const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : Q5 ? X16_BLOCK_Q5_F : F32 ? X16_BLOCK_Q4_F : Q6 ? X16_BLOCK_Q6
                                                                                       : X16_BLOCK_Q4_1;
@@ -149,32 +161,38 @@ static inline __attribute__((always_inline)) void x16_groups(
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + g * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_ps(y + (r0 + r) * n + g * 16, keep, _mm512_add_ps(_mm512_add_ps(acc[r], accm[r]), bv));
+    for (int r = 0; r < R; ++r) {
+      const __m512 out = _mm512_add_ps(_mm512_add_ps(acc[r], accm[r]), bv);
+      const int64_t at = (r0 + r) * n + g * 16;
+      if (bf16)
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)y + at, keep, bf16_bits(out));
+      else
+        _mm512_mask_storeu_ps((float*)y + at, keep, out);
+    }
   }
 }
 
 #define X16_CASE(R)                                                                                \
   case R:                                                                                          \
-    if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);    \
-    else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y); \
-    else if (kind == X16_Q5_F) x16_groups(X16_Q5_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y); \
-    else if (kind == X16_Q6) x16_groups(X16_Q6, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);   \
-    else x16_groups(X16_Q4_1, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y);                    \
+    if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16);    \
+    else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16); \
+    else if (kind == X16_Q5_F) x16_groups(X16_Q5_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16); \
+    else if (kind == X16_Q6) x16_groups(X16_Q6, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16);   \
+    else x16_groups(X16_Q4_1, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16);                    \
     break;
 
 static void x16_pass(int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
                      const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n,
-                     const float* bias, float* y) {
+                     const float* bias, void* y, int bf16) {
   switch (R) {
     X16_CASE(1) X16_CASE(2) X16_CASE(3) X16_CASE(4) X16_CASE(5) X16_CASE(6) X16_CASE(7) X16_CASE(8)
   }
 }
 
-// y [m, n] fp32 = x [m, k] fp32 . W^T (+ bias [n] fp32), W packed x16. 0 on success; 1 for a
-// format or shape this kernel does not take; 2 out of memory.
-int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
-                      const float* bias, float* y) {
+// y [m, n] = x [m, k] fp32 . W^T (+ bias [n] fp32), W packed x16, y fp32 or (bf16) bfloat16. 0 on
+// success; 1 for a format or shape this kernel does not take; 2 out of memory.
+int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
+                  const float* bias, void* y, int bf16) {
   if (!gguf_gemm_x16_supported(qtype) || m < 1 || n < 1 || k < 32 || k % 32) return 1;
   const int64_t nb = k / 32, groups = (n + 15) / 16;
   const int kind = x16_kind(qtype);
@@ -204,10 +222,15 @@ int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, in
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
     for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
       const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
-      x16_pass(kind, w, nb, q, d, s, o, k, r0, R, c * per, g1, n, bias, y);
+      x16_pass(kind, w, nb, q, d, s, o, k, r0, R, c * per, g1, n, bias, y, bf16);
     }
   }
   return 0;
+}
+
+int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
+                      const float* bias, float* y) {
+  return gguf_gemm_x16(x, m, w, qtype, n, k, bias, y, 0);
 }
 
 #else
@@ -217,10 +240,15 @@ int gguf_gemm_x16_supported(int qtype) {
   return 0;
 }
 
+int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
+                  const float* bias, void* y, int bf16) {
+  (void)x, (void)m, (void)w, (void)qtype, (void)n, (void)k, (void)bias, (void)y, (void)bf16;
+  return 1;
+}
+
 int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                       const float* bias, float* y) {
-  (void)x, (void)m, (void)w, (void)qtype, (void)n, (void)k, (void)bias, (void)y;
-  return 1;
+  return gguf_gemm_x16(x, m, w, qtype, n, k, bias, y, 0);
 }
 
 #endif

@@ -126,10 +126,12 @@ class BlockPart:
         assert self.packed is not None
         return gguf_blocks.select_x16(self.packed, self.qtype, k, ids)
 
-    def blocks_mm(self, x32: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The "blocks" route: x32 [m, k] fp32 @ W.T -> fp32, on the repacked copy where there is one."""
+    def blocks_mm(self, x32: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The "blocks" route: x32 [m, k] fp32 @ W.T -> fp32, on the repacked copy where there is one
+        (which writes `out_dtype`, fp32 or bf16, itself)."""
         if self.packed is not None:
-            return gguf_native.gemm_x16(x32, self.packed, self.qtype, self.n, k, bias)
+            return gguf_native.gemm_x16(x32, self.packed, self.qtype, self.n, k, bias, out_dtype)
         assert self.raw is not None
         return gguf_native.gemm(x32, self.raw, self.qtype, self.n, k, bias)
 
@@ -253,8 +255,9 @@ class QuantLinear:
         names = self._names(x2.shape[0])
         x32 = x2.to(torch.float32).contiguous() if "blocks" in names else None  # the native kernel reads fp32
         xf = x2.to(self.dtype).contiguous() if "float" in names else None  # the float copy's dtype
-        if names == ["blocks"]:
-            return self._parts[0].blocks_mm(x32, self.in_features, self.bias)
+        if names == ["blocks"]:  # a bf16 layer's output rounded by the GEMM (no pass over it after)
+            out = torch.bfloat16 if self.dtype == torch.bfloat16 and not fp32 else torch.float32
+            return self._parts[0].blocks_mm(x32, self.in_features, self.bias, out)
         if names == ["float"]:
             y = self._float_mm(self._parts[0], xf, fp32)
             if self.bias is not None:

@@ -30,6 +30,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_gemm_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
     lib.gguf_gemm_x16_f32.restype = i32
     lib.gguf_gemm_x16_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
+    lib.gguf_gemm_x16.restype = i32
+    lib.gguf_gemm_x16.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr, i32]
     lib.gguf_gemm_x16_supported.restype = i32
     lib.gguf_gemm_x16_supported.argtypes = [i32]
     lib.gguf_gemm_supported.restype = i32
@@ -65,13 +67,20 @@ def x16_supported(qtype: int) -> bool:
 
 
 def gemm_x16(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemm` on the weight as gguf_blocks.pack_x16 repacked it. The caller checks `x16_supported`."""
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`gemm` on the weight as gguf_blocks.pack_x16 repacked it, written in `out_dtype` (fp32, or
+    bf16 rounded as torch rounds). The caller checks `x16_supported`."""
     lib = _declared if _declared is not None else _lib()
     assert lib is not None and x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
     assert packed.dtype == torch.uint8 and packed.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,))
-    return _run_gemm(lib.gguf_gemm_x16_f32, x, packed, qtype, n, k, bias, "x16 GGUF GEMM")
+    assert out_dtype in (torch.float32, torch.bfloat16)
+    out = torch.empty((x.shape[0], n), dtype=out_dtype)
+    rc = lib.gguf_gemm_x16(x.data_ptr(), x.shape[0], packed.data_ptr(), qtype, n, k,
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16))
+    if rc != 0:
+        raise RuntimeError(f"native x16 GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
+    return out
 
 
 def _run_gemm(fn: Any, x: torch.Tensor, weight: torch.Tensor, qtype: int, n: int, k: int,

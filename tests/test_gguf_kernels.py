@@ -143,6 +143,23 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37, act_group=32)
 
 
+def test_x16_gemm_writes_bf16_as_torch_rounds_its_fp32(native_lib: ctypes.CDLL) -> None:
+    """A bf16 layer's output written by the GEMM equals torch's rounding of the fp32 one, bit for bit:
+    ties to even, infinities, overflow, subnormals; NaN stays NaN."""
+    if not gguf_native.x16_supported(gguf_blocks.Q4_1):
+        pytest.skip("the x16 GEMM needs AVX512-VNNI")
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3e38, -3.3e38, 1e-40])
+    for qtype in X16:
+        raw = gguf_blocks.random_blocks(qtype, 37, 512, seed=qtype)
+        packed = gguf_blocks.pack_x16(raw, qtype, 512)
+        for m, bias in ((1, None), (9, torch.randn(37)), (70, torch.cat([special, torch.randn(31)]))):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+            y = gguf_native.gemm_x16(x, packed, qtype, 37, 512, bias, torch.bfloat16)
+            want = gguf_native.gemm_x16(x, packed, qtype, 37, 512, bias).to(torch.bfloat16)
+            assert y.dtype == torch.bfloat16 and torch.equal(y.isnan(), want.isnan())
+            assert torch.equal(y[:, 1:].view(torch.int16), want[:, 1:].view(torch.int16)), gguf_blocks.name(qtype)
+
+
 @pytest.mark.parametrize("qtype", X16_ROWS, ids=[gguf_blocks.name(q) for q in X16_ROWS])
 def test_x16_rows_are_selected_as_the_rows(qtype: int) -> None:
     """An embedding lookup on a tied head's repacked blocks: rows from any group, the padded last
