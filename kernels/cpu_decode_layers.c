@@ -44,8 +44,6 @@ int small_gemm_bf16(const uint16_t* x, int64_t m, const uint16_t* wp, const uint
                     int64_t n, int64_t k);
 int gguf_gemm_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k, const float* bias,
                   float* y);
-int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
-                      const float* bias, float* y);
 int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
                   const float* bias, void* y, int bf16);
 
@@ -110,18 +108,16 @@ static int linear(const Lin* l, int bf16, const void* x, void* y, const Bufs* b,
         }
         xin = b->x32;
       }
-      if (whole && pt->kind == PART_X16) {  // the x16 GEMM writes the layer's dtype itself
-        const int rc = gguf_gemm_x16(xin, m, (const uint8_t*)pt->w, pt->qtype, pt->n, k, 0, y, bf16);
-        if (rc) return rc;
-        continue;
-      }
-      float* out = whole && !bf16 ? (float*)y : b->y32;
-      const int rc = (pt->kind == PART_X16 ? gguf_gemm_x16_f32 : gguf_gemm_f32)(xin, m, (const uint8_t*)pt->w,
-                                                                                pt->qtype, pt->n, k, 0, out);
+      // A whole layer is written in place: fp32 as it is, bf16 by the x16 GEMM (which rounds itself).
+      const int direct = whole && (!bf16 || pt->kind == PART_X16);
+      void* out = direct ? y : (void*)b->y32;
+      const uint8_t* w = (const uint8_t*)pt->w;
+      const int rc = pt->kind == PART_X16 ? gguf_gemm_x16(xin, m, w, pt->qtype, pt->n, k, 0, out, direct && bf16)
+                                          : gguf_gemm_f32(xin, m, w, pt->qtype, pt->n, k, 0, (float*)out);
       if (rc) return rc;
-      if (out != y)
+      if (!direct)
         for (int64_t i = 0; i < m; ++i) {
-          const float* src = out + i * pt->n;
+          const float* src = b->y32 + i * pt->n;
           if (bf16) {
             uint16_t* dst = (uint16_t*)y + i * n + at;
             for (int64_t j = 0; j < pt->n; ++j) dst[j] = f32_to_bf16(src[j]);

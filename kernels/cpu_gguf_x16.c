@@ -228,11 +228,6 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
   return 0;
 }
 
-int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
-                      const float* bias, float* y) {
-  return gguf_gemm_x16(x, m, w, qtype, n, k, bias, y, 0);
-}
-
 #else
 
 int gguf_gemm_x16_supported(int qtype) {
@@ -244,11 +239,6 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
                   const float* bias, void* y, int bf16) {
   (void)x, (void)m, (void)w, (void)qtype, (void)n, (void)k, (void)bias, (void)y, (void)bf16;
   return 1;
-}
-
-int gguf_gemm_x16_f32(const float* x, int64_t m, const uint8_t* w, int qtype, int64_t n, int64_t k,
-                      const float* bias, float* y) {
-  return gguf_gemm_x16(x, m, w, qtype, n, k, bias, y, 0);
 }
 
 #endif

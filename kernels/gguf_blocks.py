@@ -244,16 +244,22 @@ def _q6_k_as_q6_f(raw: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([d, b[:, 192:208].reshape(-1, 8, 2), nibbles, high], dim=2).reshape(raw.shape[0], -1)
 
 
+def q6_k_blocks(u: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks uint8 [blocks, 210] from their codes u (0..63, value order) uint8 [blocks, 256],
+    16-value scales (int8 bits) uint8 [blocks, 16] and d (fp16 bytes) uint8 [blocks, 2]: ggml's
+    layout (per 128-value half: the low nibbles of runs 0 and 2, of 1 and 3; then the high bits)."""
+    u = u.reshape(-1, 2, 4, 32)  # [block, half, run of 32, l]
+    ql = torch.cat([(u[:, :, 0] & 15) | (u[:, :, 2] << 4), (u[:, :, 1] & 15) | (u[:, :, 3] << 4)], dim=2)
+    qh = ((u >> 4) << _Q6_SHIFTS).sum(dim=2, dtype=torch.uint8)  # [block, half, 32]
+    return torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, d], dim=1)
+
+
 def _q6_f_as_q6_k(rows: torch.Tensor) -> torch.Tensor:
     """_q6_k_as_q6_f undone."""
     c = rows.reshape(-1, 8, 28)
     nib, high = c[..., 4:20], c[..., 20:28].reshape(-1, 8, 2, 1, 4)
     u = torch.cat([nib & 15, nib >> 4], dim=2) | (((high >> _Q6_SHIFTS) & 3).reshape(-1, 8, 32) << 4)
-    u = u.reshape(-1, 2, 4, 32)  # [block, half, run of 32, l]
-    ql = torch.cat([(u[:, :, 0] & 15) | (u[:, :, 2] << 4), (u[:, :, 1] & 15) | (u[:, :, 3] << 4)], dim=2)
-    qh = ((u >> 4) << _Q6_SHIFTS).sum(dim=2, dtype=torch.uint8)  # [block, half, 32]
-    out = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), c[:, :, 2:4].reshape(-1, 16), c[:, 0, 0:2]], dim=1)
-    return out.reshape(rows.shape[0], -1)
+    return q6_k_blocks(u, c[:, :, 2:4].reshape(-1, 16), c[:, 0, 0:2]).reshape(rows.shape[0], -1)
 
 
 def _q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor | None:

@@ -28,8 +28,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.gguf_gemm_f32.restype = i32
     lib.gguf_gemm_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
-    lib.gguf_gemm_x16_f32.restype = i32
-    lib.gguf_gemm_x16_f32.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr]
     lib.gguf_gemm_x16.restype = i32
     lib.gguf_gemm_x16.argtypes = [ptr, i64, ptr, i32, i64, i64, ptr, ptr, i32]
     lib.gguf_gemm_x16_supported.restype = i32
@@ -75,20 +73,18 @@ def gemm_x16(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
     assert packed.dtype == torch.uint8 and packed.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,))
     assert out_dtype in (torch.float32, torch.bfloat16)
-    out = torch.empty((x.shape[0], n), dtype=out_dtype)
-    rc = lib.gguf_gemm_x16(x.data_ptr(), x.shape[0], packed.data_ptr(), qtype, n, k,
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16))
-    if rc != 0:
-        raise RuntimeError(f"native x16 GGUF GEMM ({gguf_blocks.name(qtype)}) failed with code {rc}")
-    return out
+    return _run_gemm(lib.gguf_gemm_x16, x, packed, qtype, n, k, bias, "x16 GGUF GEMM", out_dtype,
+                     int(out_dtype == torch.bfloat16))
 
 
 def _run_gemm(fn: Any, x: torch.Tensor, weight: torch.Tensor, qtype: int, n: int, k: int,
-              bias: torch.Tensor | None, what: str) -> torch.Tensor:
-    """out [m, n] fp32 from one of the library's GEMM entry points (checked arguments)."""
-    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+              bias: torch.Tensor | None, what: str, out_dtype: torch.dtype = torch.float32,
+              *flags: int) -> torch.Tensor:
+    """out [m, n] in out_dtype from one of the library's GEMM entry points (checked arguments;
+    `flags` follow the output pointer)."""
+    out = torch.empty((x.shape[0], n), dtype=out_dtype)
     rc = fn(x.data_ptr(), x.shape[0], weight.data_ptr(), qtype, n, k, None if bias is None else bias.data_ptr(),
-            out.data_ptr())
+            out.data_ptr(), *flags)
     if rc != 0:
         raise RuntimeError(f"native {what} ({gguf_blocks.name(qtype)}) failed with code {rc}")
     return out

@@ -14,6 +14,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGUFValueType
 
+from rill.kernels.gguf_blocks import q6_k_blocks
+
 _ADD = {GGUFValueType.STRING: "add_string", GGUFValueType.BOOL: "add_bool", GGUFValueType.FLOAT32: "add_float32",
         GGUFValueType.UINT32: "add_uint32", GGUFValueType.INT32: "add_int32", GGUFValueType.UINT64: "add_uint64",
         GGUFValueType.ARRAY: "add_array"}
@@ -52,11 +54,8 @@ def q6_k(w: torch.Tensor) -> torch.Tensor:
     scale = x.abs().amax(-1) / 31.5
     d = (scale.amax(-1) / 127).half().float().clamp(min=1e-8)
     sc = (scale / d[:, None]).round().clamp(1, 127)
-    u = (x / (d[:, None] * sc).unsqueeze(-1)).round().clamp(-32, 31).add(32).to(torch.uint8).reshape(-1, 2, 4, 32)
-    ql = torch.cat([(u[:, :, 0] & 15) | (u[:, :, 2] << 4), (u[:, :, 1] & 15) | (u[:, :, 3] << 4)], dim=2)
-    qh = ((u >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)
-    blocks = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.to(torch.int8).view(torch.uint8), _fp16(d)], dim=1)
-    return blocks.reshape(w.shape[0], -1)
+    u = (x / (d[:, None] * sc).unsqueeze(-1)).round().clamp(-32, 31).add(32).to(torch.uint8)
+    return q6_k_blocks(u, sc.to(torch.int8).view(torch.uint8), _fp16(d)).reshape(w.shape[0], -1)
 
 
 K_ENCODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
