@@ -53,13 +53,14 @@ from rill.shared.model_files import cache_root
 
 log = logging.getLogger("rill.kernels")
 
-VERSION = 7  # bump when what is measured, or how, changes: every cached table is then stale
-ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
-LOGIT_BUCKETS = (1, 4, 16, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
+VERSION = 8  # bump when what is measured, or how, changes: every cached table is then stale
+ROW_BUCKETS = (1, 4, 16, 32, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
+LOGIT_BUCKETS = (1, 4, 16, 32, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
 CONTEXT_BUCKETS = (1024, 8192)  # prompt attention: longest context of the step's chunks
 MARGIN = 0.05  # a challenger replaces the incumbent only when this much faster
 BUDGET_S = 0.025  # timing budget of one entry after its first runs (at least MIN_REPEATS each)
 MIN_REPEATS = 3
+EVICT_MAX = 256 << 20  # bytes read to evict the caches before a cold probe's call
 TOTAL_S = 10.0  # past this, the rest of a table keeps its incumbents (measured at a later start)
 
 Entry = dict[str, object]  # {"choice": name, "us": {name: best µs}, "dropped": [names]}
@@ -151,6 +152,10 @@ class Probe:
     # Evict the CPU caches before each timed call: a layer's weights stream from memory when a model
     # larger than the cache serves, which is what separates a compact weight format from a wide one.
     cold: bool = False
+    # Per candidate, run between the eviction and the timed call: the same route on other (small)
+    # weights, as the layer before it would in a step. Without it a cold call also pays for waking
+    # the thread pool and reloading code (~150-200 µs on a 2-core VM), which hid the weight bytes.
+    primes: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
 def measure(probe: Probe, budget_s: float = BUDGET_S) -> Entry:
@@ -176,6 +181,8 @@ def measure(probe: Probe, budget_s: float = BUDGET_S) -> Entry:
         for name in usable:
             if probe.cold:
                 _evict_caches()
+                if name in probe.primes:
+                    probe.primes[name]()
             t = time.perf_counter()
             probe.candidates[name]()
             best[name] = min(best[name], time.perf_counter() - t)
@@ -190,14 +197,15 @@ def measure(probe: Probe, budget_s: float = BUDGET_S) -> Entry:
 
 @functools.cache
 def _eviction_buffer() -> torch.Tensor:
-    """Twice the last-level cache (sysfs; 32 MiB where it does not say), read to push it out."""
+    """Twice the last-level cache (sysfs; 32 MiB where it does not say), read to push it out; at
+    most EVICT_MAX (a VM may report its host's whole L3, 480 MiB on one, of which it gets a share)."""
     size = 32 << 20
     try:
         text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
         size = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0)
     except (OSError, ValueError):
         pass
-    return torch.ones(2 * size // 4, dtype=torch.float32)
+    return torch.ones(min(2 * size, EVICT_MAX) // 4, dtype=torch.float32)
 
 
 def _evict_caches() -> None:
@@ -277,6 +285,7 @@ def tune(probes: Iterable[Callable[[], Probe | None]], keys: Iterable[str], key:
                 break
             probe = make()
             table.entries[k] = measure(probe) if probe is not None else dict(NOTHING_TO_CHOOSE)
+        _eviction_buffer.cache_clear()  # not held for the process's life
         if todo:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"cpu": cpu_model(), "torch": torch.__version__,

@@ -216,7 +216,10 @@ def tune_model(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
 GgufShape = tuple[int, int, int]  # (out features n, in features k, ggml type id) of one weight part
 
 
-@functools.lru_cache(maxsize=2)
+WAKE_N = 64  # output features of the small layer a cold probe runs first (Probe.primes)
+
+
+@functools.lru_cache(maxsize=4)  # a shape's layers and its small ones
 def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
         -> tuple[gguf_linear.QuantLinear, gguf_linear.QuantLinear] | None:
     """A random one-part QuantLinear switched between "blocks" and "dequant", and one on the same
@@ -238,11 +241,12 @@ def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits
     the unmeasured choice of that bucket first. "float" runs the float copy's Linear with the
     routes of the installed "gemm" entries: tune_gguf measures those first."""
     layers = _gguf_layers(n, k, qtype, dtype, logits)
-    if layers is None:
+    small = _gguf_layers(WAKE_N if n != WAKE_N else 2 * WAKE_N, k, qtype, dtype, logits)
+    if layers is None or small is None:
         return None
     x = torch.randn(rows, k, generator=_gen()).to(dtype)
 
-    def run(name: str) -> Callable[[], torch.Tensor]:
+    def run(name: str, layers: tuple[gguf_linear.QuantLinear, gguf_linear.QuantLinear]) -> Callable[[], torch.Tensor]:
         lin = layers[1] if name == "float" else layers[0]
 
         def call() -> torch.Tensor:
@@ -253,8 +257,8 @@ def gguf_probe(n: int, k: int, qtype: int, dtype: torch.dtype, rows: int, logits
 
     first = gguf_linear.incumbent(rows, qtype)
     order = [first, *(r for r in gguf_linear.ROUTES if r != first)]
-    return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows, {m: run(m) for m in order},
-                 cold=True)
+    return Probe(gguf_linear.OP, gguf_linear.gguf_key(n, k, qtype, dtype, logits), rows,
+                 {m: run(m, layers) for m in order}, cold=True, primes={m: run(m, small) for m in order})
 
 
 def _gguf_cases(shapes: list[GgufShape], logits: GgufShape | None) -> list[tuple[GgufShape, bool, int]]:

@@ -46,7 +46,7 @@ def test_copies_kept_by_time_saved_per_byte_within_the_budget() -> None:
     assert fit.wanted == sum(copy.values()) and fit.kept == copy[small] + copy[big] and fit.dropped == 1
     # The shape saving least per byte lost its copy: its float buckets go to the next-fastest route.
     assert [fit.table.entries[key(useless, b)]["choice"] for b in chooser.ROW_BUCKETS] == \
-        ["blocks", "blocks", "dequant", "dequant", "dequant", "dequant"]
+        ["blocks" if b < 16 else "dequant" for b in chooser.ROW_BUCKETS]
     assert fit.table.entries[key(big, 64)]["choice"] == "float"
     assert table.entries[key(useless, 64)]["choice"] == "float", "the measured table itself is left as it was"
     # Saving per byte: small (4 µs x 2 layers over 256 rows each) beats big (5 x 2 over 1024 rows).

@@ -54,6 +54,31 @@ def test_a_candidate_with_other_results_is_dropped() -> None:
     assert entry["choice"] == "right" and entry["dropped"] == ["wrong"] and "wrong" not in entry["us"]
 
 
+def test_a_cold_probe_primes_each_candidate_after_the_eviction_and_frees_the_buffer(
+        cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the eviction and each timed call the candidate's own prime runs (its route on other
+    weights, as the layer before it in a step); the eviction buffer is not kept after tuning."""
+    events: list[str] = []
+    evict = chooser._evict_caches
+    monkeypatch.setattr(chooser, "EVICT_MAX", 1 << 20)
+    monkeypatch.setattr(chooser, "_evict_caches", lambda: (events.append("evict"), evict()))
+    a = torch.ones(8, 8)
+
+    def run(name: str) -> torch.Tensor:
+        events.append(name)
+        return a * 2
+
+    probe = Probe("toy", (8,), 1, {"x": lambda: run("x"), "y": lambda: run("y")}, cold=True,
+                  primes={"x": lambda: events.append("prime x"), "y": lambda: events.append("prime y")})
+    _, measured = chooser.tune([lambda: probe], ["toy|8|1"])
+    assert measured == 1
+    timed = events[2:]  # after the two set-up calls
+    assert timed[:6] == ["evict", "prime x", "x", "evict", "prime y", "y"]
+    assert len(timed) % 3 == 0 and all(timed[i:i + 3] in (["evict", "prime x", "x"], ["evict", "prime y", "y"])
+                                       for i in range(0, len(timed), 3))
+    assert chooser._eviction_buffer.cache_info().currsize == 0
+
+
 def test_real_kernels_the_choice_is_the_fastest_measured() -> None:
     """On whatever CPU this runs: decode attention has a native kernel and a torch path several
     times apart; the chooser must not pick the slow one, and its pick is its own fastest."""
@@ -227,7 +252,7 @@ def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypa
     # The float copies' own GEMM entries were measured first, so "float" was timed as it serves.
     assert "gemm|40x64xbfloat16|16" in table.entries and "gemm|200x64xbfloat16xlogits|128" in table.entries
     route = gguf_linear.installed_route(40, 64, gguf_blocks.Q8_0, torch.bfloat16)
-    assert route.choices == tuple(table.entries[k]["choice"] for k in keys[6:12])
+    assert route.choices == tuple(table.entries[k]["choice"] for k in keys[len(chooser.ROW_BUCKETS):2 * len(chooser.ROW_BUCKETS)])
     _, again = chooser.tune([lambda: None] * len(keys), keys)  # cached: nothing measured anew
     assert again == 0
 
@@ -248,7 +273,12 @@ def test_a_lone_float_bucket_between_blocks_keeps_the_blocks() -> None:
         return [str(table.choice(gguf_linear.OP, key, b)) for b in chooser.ROW_BUCKETS]
 
     b, f, d = "blocks", "float", "dequant"
-    assert settled([b, b, b, f, b, b]) == [b] * 6
-    assert settled([b, f, b, f, b, f]) == [b, b, b, b, b, f]
-    for kept in ([b, f, f, b, b, b], [f, b, b, b, b, b], [b, b, b, b, b, f], [b, d, f, b, b, b]):
+    n = len(chooser.ROW_BUCKETS)
+
+    def at(i: int, choice: str, rest: str = b) -> list[str]:
+        return [choice if j == i else rest for j in range(n)]
+
+    assert settled(at(3, f)) == [b] * n
+    assert settled([f if j % 2 and j < n - 2 else b for j in range(n - 1)] + [f]) == at(n - 1, f)
+    for kept in ([b, f, f] + [b] * (n - 3), at(0, f), at(n - 1, f), [b, d, f] + [b] * (n - 3)):
         assert settled(kept) == kept
