@@ -140,6 +140,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     method: str = "ngram"
     model: str = ""
+    # No drafts in a step while the engine runs at least this many requests (vLLM's field): a
+    # large batch already keeps the cores busy, and verifying drafts there costs more than it saves.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -154,7 +157,7 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-config method {method!r} is not supported (supported: "
                              f"{', '.join(SPECULATIVE_METHODS)})")
-        known = {"method", "num_speculative_tokens"} | (
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size"} | (
             {"model"} if method == "draft_model" else {"prompt_lookup_max", "prompt_lookup_min"})
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -163,7 +166,8 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config needs num_speculative_tokens")
         if method == "draft_model" and not (isinstance(raw.get("model"), str) and raw["model"]):
             raise ValueError("--speculative-config method 'draft_model' needs model: a checkpoint folder or .gguf")
-        fields = {k: raw[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in raw}
+        fields = {k: raw[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                                      "disable_by_batch_size") if k in raw}
         for name, value in fields.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--speculative-config {name} must be a positive integer, got {value!r}")

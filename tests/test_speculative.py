@@ -72,6 +72,7 @@ def test_ngram_matches_whole_tokens_only() -> None:
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}', "disable_by_batch_size"),
     ("[3]", "object"),
     ("ngram", "JSON"),
 ])
@@ -149,6 +150,22 @@ def test_drafts_respect_max_tokens_budget_and_free_blocks() -> None:
     _step(sched, {"c": [5]})
     plan = sched.schedule()
     assert plan.spec_token_ids == [] and plan.num_scheduled_tokens == [1]
+
+
+def test_no_drafts_while_the_batch_reaches_disable_by_batch_size() -> None:
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2}')
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), Speculator(cfg))
+    prompt = [5, 6, 7, 8] * 3
+    sched.add(_request("a", prompt))
+    sched.add(_request("b", prompt))
+    _step(sched, {"a": [5], "b": [5]})
+    plan = sched.schedule()  # two running: plain decode rows, and the next plan may be built ahead
+    assert plan.spec_token_ids == [] and plan.num_scheduled_tokens == [1, 1]
+    assert sched.may_plan_ahead(2)
+    sched.update(StepResult(step_id=plan.step_id, request_ids=["a", "b"], token_ids=[6, 0], num_tokens=[1, 1]))
+    plan = sched.schedule()  # b stopped: one running, it speculates again
+    assert plan.scheduled_request_ids == ["a"] and plan.spec_token_ids == [[7, 8, 5]]
+    assert not sched.may_plan_ahead(2)
 
 
 def test_penalties_and_grammars_are_speculated() -> None:

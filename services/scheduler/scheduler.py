@@ -98,7 +98,7 @@ class Scheduler(RequestStates):
         if not in_flight:
             return True
         last = in_flight[-1]
-        if self.speculator is not None and last.reqs:
+        if self.speculator is not None and self.speculator.active(len(self.running)) and last.reqs:
             return False  # its next drafts come from the tokens this step samples
         return all(n == 1 for n in last.plan.num_scheduled_tokens)
 
@@ -195,7 +195,7 @@ class Scheduler(RequestStates):
     def _draft(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative drafts for a decode row, if blocks for them are free: drafts never
         preempt anyone."""
-        if self.speculator is None or n != 1:
+        if self.speculator is None or n != 1 or not self.speculator.active(len(self.running)):
             return []
         draft = self.speculator.drafts(req, budget, self.config.max_model_len)
         if draft and self.kv.allocate(req.request_id, req.num_planned_tokens + 1 + len(draft)) is None:

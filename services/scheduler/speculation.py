@@ -59,6 +59,11 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
+    def active(self, running: int) -> bool:
+        """Whether a step of an engine running `running` requests speculates at all."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or running < limit
+
     def drafts(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts to run after the request's last token this step, within the step's `budget`
         (its last token included) and its length limits; [] when it is not speculated."""
