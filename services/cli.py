@@ -72,7 +72,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "rill serve: a free local port)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, ...}; '
+                        '"disable_by_batch_size": N drafts nothing while N or more requests run')
     p.add_argument("--engine-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20,
