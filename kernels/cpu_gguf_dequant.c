@@ -206,7 +206,8 @@ static void dq_q6_f(const uint8_t* b, float* y) {
 // as gguf_dequant writes them: each block of a row gathered back into its (converted) layout, then
 // dequantized. Equal to dequantizing the original rows (Q4_0's d q - 8 d and Q5_0's d (q - 16) are
 // exact products either way; Q6_K's the same operations). For an embedding lookup on a tied head's
-// repacked blocks. 0 on success; 1 for a format, shape or id this does not take.
+// repacked blocks, and the dequant route's tiles of a repacked weight (no unpacked copy of them
+// first). 0 on success; 1 for a format, shape or id this does not take.
 int gguf_dequant_x16_rows(const uint8_t* packed, int qtype, int64_t n, int64_t k, const int64_t* ids, int64_t m,
                           void* out, int bf16) {
   const int q41 = qtype == Q4_0 || qtype == Q4_1, q80 = qtype == Q5_0 || qtype == Q8_0, q6 = qtype == Q6_K;
@@ -216,6 +217,7 @@ int gguf_dequant_x16_rows(const uint8_t* packed, int qtype, int64_t n, int64_t k
   const int size = q41 ? 20 : q6 ? 28 : 34, head = q80 ? 2 : 4, lanes = (size - head) / 4;
   const block_fn fn = q41 ? dq_q4_1 : q6 ? dq_q6_f : dq_q8_0;
   const int64_t nb = k / 32, group = nb * 16 * size;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)  // a dequant-route tile; a lookup stays serial
   for (int64_t i = 0; i < m; ++i) {
     const int64_t g = ids[i] / 16, r = ids[i] % 16;
     for (int64_t b = 0; b < nb; ++b) {

@@ -229,7 +229,9 @@ def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
     if not (gguf_native.format_supported(qtype) and gguf_native.dequant_supported(qtype)):
         return None
     raw = gguf_blocks.random_blocks(qtype, n, k, scale=0.01)
-    blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits, keep_rows=True)
+    # The rows only where serving keeps them too: elsewhere "dequant" reads the x16 copy, as it serves.
+    blocks = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits,
+                                     keep_rows=qtype in gguf_blocks.X16_KEEPS_ROWS)
     blocks.force("blocks")  # drops a float copy the table may have asked for
     floats = gguf_linear.QuantLinear([(qtype, raw)], k, None, dtype, logits, keep_rows=True)
     floats.force("float")

@@ -109,15 +109,13 @@ class BlockPart:
         assert self.packed is not None
         return gguf_blocks.unpack_x16(self.packed, self.qtype, self.n, k)
 
-    def tile(self, r0: int, r1: int, k: int) -> torch.Tensor:
-        """Rows r0:r1 of the blocks (from the x16 copy, only the groups that hold them)."""
-        if self.raw is not None or not self.has_rows:
-            return self.rows(k)[r0:r1]
-        assert self.packed is not None
-        g0, g1 = r0 // 16, -(-r1 // 16)
-        group_bytes = self.packed.numel() // -(-self.n // 16)
-        rows = gguf_blocks.unpack_x16(self.packed[g0 * group_bytes:g1 * group_bytes], self.qtype, 16 * (g1 - g0), k)
-        return rows[r0 - 16 * g0:r1 - 16 * g0]
+    def dequantized(self, r0: int, r1: int, k: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+        """Rows r0:r1 of the weight dequantized into `out` [r1 - r0, k]: straight from the x16 copy
+        where that is what is kept (unpacking it to rows first cost more than the dequantizing)."""
+        if self.raw is None and self.has_rows:
+            assert self.packed is not None
+            return gguf_native.dequantize_x16_rows(self.packed, self.qtype, self.n, k, torch.arange(r0, r1), dtype, out)
+        return gguf_native.dequantize(self.rows(k)[r0:r1], self.qtype, k, dtype, out)
 
     def select(self, ids: torch.Tensor, k: int) -> torch.Tensor:
         """Rows `ids` of the blocks (an embedding lookup sharing a tied head's blocks)."""
@@ -238,7 +236,7 @@ class QuantLinear:
         direct = y.dtype == x.dtype
         for r0 in range(0, part.n, rows):
             r1 = min(r0 + rows, part.n)
-            w = gguf_native.dequantize(part.tile(r0, r1, k), part.qtype, k, x.dtype, _tile(r1 - r0, k, x.dtype))
+            w = part.dequantized(r0, r1, k, x.dtype, _tile(r1 - r0, k, x.dtype))
             if direct:
                 torch.mm(x, w.t(), out=y[:, r0:r1])  # a strided slice: BLAS writes it in place
             else:

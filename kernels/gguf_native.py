@@ -138,13 +138,16 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
 
 
 def dequantize_x16_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` of a weight of n rows as gguf_blocks.pack_x16 repacked it, dequantized to [len(ids), k]
-    in dtype (equal to `dequantize` of the original rows): an embedding lookup on a tied head's blocks."""
+    in dtype (equal to `dequantize` of the original rows), into `out` when given (contiguous, of that
+    shape and dtype): an embedding lookup on a tied head's blocks, a dequant-route tile."""
     lib = _lib()
     assert lib is not None and dtype in DEQUANT_DTYPES and packed.dtype == torch.uint8 and packed.is_contiguous()
     ids = ids.to(torch.int64).contiguous()
-    out = torch.empty((ids.numel(), k), dtype=dtype)
+    if out is None:
+        out = torch.empty((ids.numel(), k), dtype=dtype)
+    assert out.dtype == dtype and tuple(out.shape) == (ids.numel(), k) and out.is_contiguous()
     rc = lib.gguf_dequant_x16_rows(packed.data_ptr(), qtype, n, k, ids.data_ptr(), ids.numel(), out.data_ptr(),
                                    int(dtype == torch.bfloat16))
     if rc != 0:

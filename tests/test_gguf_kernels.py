@@ -296,7 +296,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Calls of the three routes' functions, counted (dequantizing a float copy counts as "dequant")."""
     calls = {"blocks": 0, "dequant": 0, "float": 0}
     for name, owner, fn in (("blocks", gguf_native, "gemm"), ("blocks", gguf_native, "gemm_x16"),
-                            ("dequant", gguf_native, "dequantize"),
+                            ("dequant", gguf_native, "dequantize"), ("dequant", gguf_native, "dequantize_x16_rows"),
                             ("float", gguf_linear.QuantLinear, "_float_mm")):
         real = getattr(owner, fn)
 
