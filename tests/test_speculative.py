@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+import msgspec
 import openai
 import pytest
 import torch
@@ -422,6 +423,29 @@ def test_draft_model_greedy_output_is_unchanged(smol, smollm2_dir: str, random_d
         assert sched.counters.preemptions > 0
         assert _assert_same_greedy(reference, run, msgs) >= len(msgs) - 1
         assert sched.kv.num_free_blocks == sched.kv.num_blocks and not small.draft.seen
+
+
+def test_drafting_paused_by_batch_size_resumes_with_the_draft_caught_up(smol, smollm2_dir: str) -> None:
+    """disable_by_batch_size 3 with four requests of different lengths: no drafts while three or
+    more run, then drafts again, the draft model first computing the tokens it missed; greedy
+    output is the target's throughout."""
+    tok, runner = smol
+    drafted = ModelRunner(smollm2_dir, dtype="float32", device="cpu", num_blocks=256, block_size=8,
+                          model=runner.model, draft_model=smollm2_dir)
+    # EOS ignored: the lengths, and so the batch sizes, as planned.
+    msgs = [msgspec.structs.replace(m, params=msgspec.structs.replace(m.params, ignore_eos=True), eos_token_ids=[])
+            for m in (greedy(f"q{i}", chat(tok, p), 8 + 8 * i) for i, p in enumerate(PROMPTS[:4]))]
+    reference = drive(runner, make_sched(num_blocks=1024, block_size=8, budget=512), msgs)
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model=smollm2_dir,
+                                              disable_by_batch_size=3))
+    sched = make_sched(num_blocks=256, block_size=8, budget=512, speculator=speculator)
+    run = drive(drafted, sched, msgs)
+    assert _assert_same_greedy(reference, run, msgs) >= len(msgs) - 1
+    # Only the two longest drafted, once the two shortest had ended (at 8 and 16 tokens): q2's last 8
+    # and q3's last 16 tokens, 4 a step, about 6 drafting rows (about 20 without the limit).
+    assert 0 < speculator.num_drafts <= 8, speculator.num_drafts
+    assert speculator.num_accepted_tokens / speculator.num_draft_tokens > 0.9
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks and not drafted.draft.seen
 
 
 def test_sampled_drafts_from_the_target_itself_all_stand(smol, smollm2_dir: str) -> None:
