@@ -8,8 +8,8 @@
 // Layout, as kernels/ops.py documents: q / out [rows, heads, head_dim] (q's rows may be strided,
 // e.g. a slice of the fused qkv output; out is contiguous); K and V caches
 // [num_blocks, block_size, kv_heads, head_dim]; block_tables [seqs, table_stride] int32.
-// Work is split over (sequence, kv head) pairs: the query heads of one GQA group share every K/V
-// row they load, which is what makes few-kv-head models cheap here.
+// Work is split over sequences (or, with few of them, (sequence, kv head) pairs): the query heads of
+// one GQA group share every K/V row they load, which is what makes few-kv-head models cheap here.
 
 #include <math.h>
 #include <omp.h>
@@ -313,10 +313,14 @@ DEFINE_PAIR64(pair64_f32, float, row64_f32, F32_STORE, kpass64_f32)
     const int threads = omp_get_max_threads();                                                   \
     float* scratch = (float*)malloc(sizeof(float) * (size_t)threads * group * max_len);          \
     if (!scratch) return 2;                                                                      \
+    /* Enough sequences: one item takes all of a sequence's kv heads, whose rows share its cache  \
+       lines (a token's heads sit side by side); few: (sequence, kv head) pairs, for the threads. */ \
+    const int whole = num_seqs >= 4 * threads;                                                   \
+    const int64_t items = whole ? (int64_t)num_seqs : (int64_t)num_seqs * num_kv_heads;          \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                        \
-    for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; ++pair) {                    \
-      const int64_t s = pair / num_kv_heads;                                                     \
-      const int h = (int)(pair % num_kv_heads);                                                  \
+    for (int64_t item = 0; item < items; ++item)                                                 \
+    for (int h = whole ? 0 : (int)(item % num_kv_heads), h_end = whole ? num_kv_heads : h + 1; h < h_end; ++h) { \
+      const int64_t s = whole ? item : item / num_kv_heads;                                      \
       int64_t len = seq_lens[s], skip = 0;                                                       \
       const int32_t* table = block_tables + s * table_stride;                                    \
       if (window > 0 && len > window) {                                                          \

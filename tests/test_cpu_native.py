@@ -48,6 +48,18 @@ def test_native_decode_matches_reference(block_size: int, head_dim: int, group: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_native_decode_of_many_sequences_matches_reference(group: int, dtype: torch.dtype) -> None:
+    """Enough sequences that one work item takes all of a sequence's kv heads (the kernel splits
+    few sequences by (sequence, kv head) instead): every row still matches the reference."""
+    lens = (decode_lengths(16) * 8)[: 4 * torch.get_num_threads() + 3]
+    case = PagedCase(lens, [1] * len(lens), 16, kv_heads_for(group), group, 64, dtype, seed=500 + group)
+    out, plan = run_step(case, [n - 1 for n in lens], [1] * len(lens))
+    assert plan.native is not None
+    close(out, case.reference(), *TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_register_path_agrees_with_the_generic_loop(group: int, dtype: torch.dtype) -> None:
     """head_dim 64 with a group of up to 4 takes the AVX-512 register path where the CPU has it;
