@@ -149,20 +149,23 @@ static void norm_rows(int bf16, const void* x, const void* res, const void* w, v
 
 // tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
 // the GELU in fp32 rounded to the model dtype, then the product.
+// libm's tanhf per value (it keeps bf16 logits bit for bit the per-op path's) is a scalar call:
+// the values are split over the threads.
 static void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
   const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < f; ++j) {
-      const int64_t g = i * 2 * f + j, u = g + f;
-      const float x = bf16 ? bf16_to_f32(((const uint16_t*)gu)[g]) : ((const float*)gu)[g];
-      const float y = 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
-      if (bf16) {
-        const float up = bf16_to_f32(((const uint16_t*)gu)[u]);
-        ((uint16_t*)out)[i * f + j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * up);
-      } else {
-        ((float*)out)[i * f + j] = y * ((const float*)gu)[u];
-      }
+#pragma omp parallel for schedule(static) if (m * f >= 4096)
+  for (int64_t e = 0; e < m * f; ++e) {
+    const int64_t i = e / f, j = e % f;
+    const int64_t g = i * 2 * f + j, u = g + f;
+    const float x = bf16 ? bf16_to_f32(((const uint16_t*)gu)[g]) : ((const float*)gu)[g];
+    const float y = 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
+    if (bf16) {
+      const float up = bf16_to_f32(((const uint16_t*)gu)[u]);
+      ((uint16_t*)out)[e] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * up);
+    } else {
+      ((float*)out)[e] = y * ((const float*)gu)[u];
     }
+  }
 }
 
 // The step's q, k and v with the per-head norms applied to q and k, into one buffer of uniform
