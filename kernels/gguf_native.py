@@ -145,13 +145,20 @@ def dequantize_x16_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: t
     lib = _lib()
     assert lib is not None and dtype in DEQUANT_DTYPES and packed.dtype == torch.uint8 and packed.is_contiguous()
     ids = ids.to(torch.int64).contiguous()
-    if out is None:
-        out = torch.empty((ids.numel(), k), dtype=dtype)
-    assert out.dtype == dtype and tuple(out.shape) == (ids.numel(), k) and out.is_contiguous()
+    out = _dequant_out(out, ids.numel(), k, dtype)
     rc = lib.gguf_dequant_x16_rows(packed.data_ptr(), qtype, n, k, ids.data_ptr(), ids.numel(), out.data_ptr(),
                                    int(dtype == torch.bfloat16))
     if rc != 0:
         raise ValueError(f"x16 {gguf_blocks.name(qtype)} rows of {n} x {k}: a format, shape or id out of range")
+    return out
+
+
+def _dequant_out(out: torch.Tensor | None, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [n, k] dtype tensor a dequantizer writes: `out` checked, or a new one."""
+    if out is None:
+        return torch.empty((n, k), dtype=dtype)
+    if out.dtype != dtype or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"dequantize into {out.dtype} {list(out.shape)}: want contiguous {dtype} [{n}, {k}]")
     return out
 
 
@@ -164,10 +171,7 @@ def dequantize_with(lib: ctypes.CDLL | None, raw: torch.Tensor, qtype: int, k: i
         raise ValueError(f"{gguf_blocks.name(qtype)} weight: want contiguous uint8 [n, {rb}], "
                          f"got {raw.dtype} {list(raw.shape)}")
     n = raw.shape[0]
-    if out is None:
-        out = torch.empty((n, k), dtype=dtype)
-    elif out.dtype != dtype or tuple(out.shape) != (n, k) or not out.is_contiguous():
-        raise ValueError(f"dequantize into {out.dtype} {list(out.shape)}: want contiguous {dtype} [{n}, {k}]")
+    out = _dequant_out(out, n, k, dtype)
     rc = lib.gguf_dequant(raw.data_ptr(), qtype, n, k, out.data_ptr(), int(dtype == torch.bfloat16))
     if rc != 0:
         raise RuntimeError(f"native GGUF dequantizer ({gguf_blocks.name(qtype)}) failed with code {rc}")
