@@ -224,6 +224,35 @@ def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -
         assert_bit_equal(gguf_native.dequantize_with(lib, raw, qtype, k, torch.float32, None), reference(raw, qtype))
 
 
+def test_activation_quantizer_matches_plain_c(native_lib: ctypes.CDLL, tmp_path: Path) -> None:
+    """The 8-bit activation blocks (scale, codes, scaled sums) of this CPU's build equal the plain-C
+    build's bit for bit: rounding ties to even, zero blocks, signs, a lone maximum."""
+    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
+    so = tmp_path / "gguf_plain.so"
+    flags = [f for f in native_build.FLAGS if f != "-march=native"]
+    proc = subprocess.run(["gcc", *flags, "-march=x86-64", "-o", str(so), *srcs], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"gcc cannot build for -march=x86-64: {proc.stderr[-200:]}")
+    plain = ctypes.CDLL(str(so))
+    m, k = 5, 256
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 3
+    x[1, :32] = 0  # a zero block
+    x[2, :32] = torch.arange(32) - 15.5  # x * 127 / 16.5 ties nowhere; the next block ties
+    x[2, 32:64] = torch.tensor([127.0] + [i + 0.5 for i in range(-15, 16)])  # scale 1: every other value a tie
+    x[3, 64:96] = -x[3, 64:96].abs()
+
+    def quantize(lib: ctypes.CDLL) -> tuple[torch.Tensor, ...]:
+        q = torch.empty(m, k, dtype=torch.int8)
+        d, sums = torch.empty(m, k // 32), torch.empty(m, k // 32)
+        lib.gguf_quantize_rows32(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(m), ctypes.c_int64(k),
+                                 ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(d.data_ptr()),
+                                 ctypes.c_void_p(sums.data_ptr()))
+        return q, d, sums
+
+    for got, want in zip(quantize(native_lib), quantize(plain), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
 def test_native_dequantize_bit_equal(native_lib: ctypes.CDLL, qtype: int) -> None:
     """fp32 equal to gguf's dequantizer, bf16 equal to that rounded by torch; 300 x 1024 values
