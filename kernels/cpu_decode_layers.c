@@ -147,25 +147,82 @@ static void norm_rows(int bf16, const void* x, const void* res, const void* w, v
   else rms_norm_f32(x, res, w, out, sum, m, k, eps);
 }
 
-// tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
-// the GELU in fp32 rounded to the model dtype, then the product.
-// libm's tanhf per value (it keeps bf16 logits bit for bit the per-op path's) is a scalar call:
-// the values are split over the threads.
-static void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
-  const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
-#pragma omp parallel for schedule(static) if (m * f >= 4096)
-  for (int64_t e = 0; e < m * f; ++e) {
-    const int64_t i = e / f, j = e % f;
+// tanh-GELU as torch computes it (ATen's GELU kernel, fp32 math for bf16 too): cube = x x x,
+// inner = beta (x + kappa cube) with the sum fused as torch's build fuses it, 0.5 x (1 + tanh).
+#define GELU_BETA 0.7978845608028654f  // sqrt(2 / pi)
+#define GELU_KAPPA 0.044715f
+
+static inline float gelu1(float x) {  // torch's scalar tail: libm's tanhf
+  const float cube = x * x * x;
+  return 0.5f * x * (1.f + tanhf(GELU_BETA * fmaf(GELU_KAPPA, cube, x)));
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// torch's vector tanh (Sleef's, which libtorch_cpu exports; set by cpu_native.py at load), so that
+// the driver's GELU is torch's bit for bit, 16 values a call. NULL: libm's tanhf per value.
+typedef __m512 (*tanh16_fn)(__m512);
+static tanh16_fn torch_tanh16;
+
+void decode_layers_set_tanh16(void* fn) { torch_tanh16 = (tanh16_fn)fn; }
+
+// 16 floats rounded to bf16 and back as f32_to_bf16 rounds (nearest even, NaN quieted, denormals
+// kept as torch keeps them: the AVX512-BF16 instruction would flush them).
+static inline __m512 bf16_exact16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i nearest = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i r = _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                          _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __m512 gelu16(__m512 x) {
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(GELU_BETA), _mm512_fmadd_ps(_mm512_set1_ps(GELU_KAPPA), cube, x));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), torch_tanh16(inner)));
+}
+
+// One row's GELU(gate) * up for the values torch's vector loop takes (two vectors a turn: 64 bf16
+// or 32 fp32); returns where its scalar tail starts.
+static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {
+  if (!torch_tanh16) return 0;
+  const int64_t vec = f - f % (bf16 ? 64 : 32);
+  for (int64_t j = 0; j < vec; j += 16) {
     const int64_t g = i * 2 * f + j, u = g + f;
-    const float x = bf16 ? bf16_to_f32(((const uint16_t*)gu)[g]) : ((const float*)gu)[g];
-    const float y = 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
     if (bf16) {
-      const float up = bf16_to_f32(((const uint16_t*)gu)[u]);
-      ((uint16_t*)out)[e] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * up);
+      const __m512 y = bf16_exact16(gelu16(bf16_load16((const uint16_t*)gu + g)));
+      const __m512 r = bf16_exact16(_mm512_mul_ps(y, bf16_load16((const uint16_t*)gu + u)));
+      _mm256_storeu_si256((__m256i*)((uint16_t*)out + i * f + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
     } else {
-      ((float*)out)[e] = y * ((const float*)gu)[u];
+      const __m512 y = gelu16(_mm512_loadu_ps((const float*)gu + g));
+      _mm512_storeu_ps((float*)out + i * f + j, _mm512_mul_ps(y, _mm512_loadu_ps((const float*)gu + u)));
     }
   }
+  return vec;
+}
+#else
+void decode_layers_set_tanh16(void* fn) { (void)fn; }
+
+static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {
+  (void)bf16, (void)gu, (void)out, (void)i, (void)f;
+  return 0;
+}
+#endif
+
+// tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
+// the GELU in fp32 rounded to the model dtype, then the product. Exported for the tests.
+void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
+#pragma omp parallel for schedule(static) if (m * f >= (torch_tanh16 ? 16384 : 4096))
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = gelu_mul_vec(bf16, gu, out, i, f); j < f; ++j) {
+      const int64_t g = i * 2 * f + j, u = g + f, e = i * f + j;
+      const float y = gelu1(bf16 ? bf16_to_f32(((const uint16_t*)gu)[g]) : ((const float*)gu)[g]);
+      if (bf16)
+        ((uint16_t*)out)[e] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * bf16_to_f32(((const uint16_t*)gu)[u]));
+      else
+        ((float*)out)[e] = y * ((const float*)gu)[u];
+    }
 }
 
 // The step's q, k and v with the per-head norms applied to q and k, into one buffer of uniform

@@ -125,7 +125,22 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.apply_token_bitmask_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.gelu_mul.restype = None
+    lib.gelu_mul.argtypes = [i32, ptr, ptr, i64, i64]
+    lib.decode_layers_set_tanh16.restype = None
+    lib.decode_layers_set_tanh16.argtypes = [ptr]
+    lib.decode_layers_set_tanh16(torch_tanh16())
     return lib
+
+
+def torch_tanh16() -> int | None:
+    """Address of torch's 16-lane tanh (Sleef's, exported by libtorch_cpu): the layer driver's GELU
+    then equals torch's bit for bit at vector speed. None where this torch build lacks it."""
+    try:
+        return ctypes.cast(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_tanhf16_u10,
+                           ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 _DECODE = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
