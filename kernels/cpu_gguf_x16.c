@@ -35,6 +35,9 @@
 #include <immintrin.h>
 
 #define X16_MAX_ROWS 8  // activation rows per pass over a weight block (their sums stay in registers)
+#ifndef X16_TILE_BYTES
+#define X16_TILE_BYTES (512 << 10)  // weights every pass of a tile reads again (half an L2; measured)
+#endif
 
 int gguf_gemm_x16_supported(int qtype) {
   return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K ||
@@ -42,6 +45,16 @@ int gguf_gemm_x16_supported(int qtype) {
 }
 
 enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q5_F, X16_Q6 };  // the five layouts
+
+static int64_t x16_block_bytes(int kind) {
+  switch (kind) {
+    case X16_Q8_0: return X16_BLOCK_Q8_0;
+    case X16_Q4_F: return X16_BLOCK_Q4_F;
+    case X16_Q5_F: return X16_BLOCK_Q5_F;
+    case X16_Q6: return X16_BLOCK_Q6;
+    default: return X16_BLOCK_Q4_1;
+  }
+}
 
 static int x16_kind(int qtype) {
   switch (qtype) {
@@ -215,12 +228,18 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
   // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
   const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
   const int64_t per = (groups + claims - 1) / claims, chunks = (groups + per - 1) / per;
+  const int64_t tile = X16_TILE_BYTES / (nb * x16_block_bytes(kind)) > 1 ? X16_TILE_BYTES / (nb * x16_block_bytes(kind)) : 1;
 #pragma omp parallel for schedule(dynamic, 1) if (team > 1 && chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
-    for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
-      const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
-      x16_pass(kind, w, nb, q, d, s, o, k, r0, R, c * per, g1, n, bias, y, bf16);
+    // Every pass of X16_MAX_ROWS rows over a tile of groups that stays in L2: a pass over a whole
+    // chunk (an LM head's is megabytes) read its weights from memory once per pass.
+    for (int64_t t0 = c * per; t0 < g1; t0 += tile) {
+      const int64_t t1 = t0 + tile < g1 ? t0 + tile : g1;
+      for (int64_t r0 = 0; r0 < m; r0 += X16_MAX_ROWS) {
+        const int R = (int)(m - r0 < X16_MAX_ROWS ? m - r0 : X16_MAX_ROWS);
+        x16_pass(kind, w, nb, q, d, s, o, k, r0, R, t0, t1, n, bias, y, bf16);
+      }
     }
   }
   return 0;

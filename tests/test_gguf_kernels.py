@@ -143,6 +143,27 @@ def test_x16_gemm_matches_float(native_lib: ctypes.CDLL, qtype: int, m: int) -> 
         check_gemm(gemm, gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, m, bias=n == 37, act_group=32)
 
 
+def test_x16_gemm_tiles_give_the_same_outputs(native_lib: ctypes.CDLL, tmp_path: Path) -> None:
+    """A build whose tiles of weights hold one to three groups (a real one's hold hundreds, so only
+    an LM head spans several) computes the same outputs bit for bit: passes of 8 rows, partial
+    tiles and chunks included."""
+    if not gguf_native.x16_supported(gguf_blocks.Q8_0):
+        pytest.skip("the x16 GEMM needs AVX512-VNNI")
+    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
+    so = tmp_path / "gguf_tiny_tiles.so"
+    proc = subprocess.run(["gcc", *native_build.FLAGS, "-DX16_TILE_BYTES=4000", "-o", str(so), *srcs],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-500:]
+    tiny = gguf_native.declare(ctypes.CDLL(str(so)))
+    for qtype, n, k in ((gguf_blocks.Q8_0, 1000, 64), (gguf_blocks.Q4_1, 700, 128), (gguf_blocks.Q6_K, 300, 256)):
+        packed = gguf_blocks.pack_x16(gguf_blocks.random_blocks(qtype, n, k, seed=n), qtype, k)
+        for m in (1, 9, 17):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            want = gguf_native.gemm_x16(x, packed, qtype, n, k)
+            got = gguf_native._run_gemm(tiny.gguf_gemm_x16, x, packed, qtype, n, k, None, "x16", torch.float32, 0)
+            assert torch.equal(got, want), (gguf_blocks.name(qtype), m)
+
+
 def test_x16_gemm_writes_bf16_as_torch_rounds_its_fp32(native_lib: ctypes.CDLL) -> None:
     """A bf16 layer's output written by the GEMM equals torch's rounding of the fp32 one, bit for bit:
     ties to even, infinities, overflow, subnormals; NaN stays NaN."""
