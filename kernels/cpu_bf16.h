@@ -7,6 +7,17 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+
+// 16 floats rounded to bfloat16 as torch rounds them (nearest even, NaN quieted, denormals kept:
+// the AVX512-BF16 instruction would flush them), each in the top half of its 32-bit lane.
+static inline __m512i bf16_round_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i nearest = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i r = _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                          _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
 #endif
 
 static inline float bf16_to_f32(uint16_t x) {

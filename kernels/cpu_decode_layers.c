@@ -166,16 +166,7 @@ static tanh16_fn torch_tanh16;
 
 void decode_layers_set_tanh16(void* fn) { torch_tanh16 = (tanh16_fn)fn; }
 
-// 16 floats rounded to bf16 and back as f32_to_bf16 rounds (nearest even, NaN quieted, denormals
-// kept as torch keeps them: the AVX512-BF16 instruction would flush them).
-static inline __m512 bf16_exact16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i nearest = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  const __m512i r = _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                          _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
+static inline __m512 bf16_exact16(__m512 v) { return _mm512_castsi512_ps(bf16_round_bits16(v)); }
 
 static inline __m512 gelu16(__m512 x) {
   const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);

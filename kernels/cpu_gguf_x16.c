@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include "cpu_bf16.h"
 #include "cpu_gguf_simd.h"
 
 #define X16_BLOCK_Q4_1 320  // bytes of one block of 16 rows: 32 + 32 + 256
@@ -66,16 +67,8 @@ static int x16_kind(int qtype) {
   }
 }
 
-// 16 floats rounded to bfloat16 as torch rounds them (nearest even; NaN kept quiet), in the low
-// half of each 32-bit lane: the GEMM writes a bf16 layer's output itself, without a pass after it.
-static inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i nearest = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  const __m512i rounded = _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                                _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  return _mm512_srli_epi32(rounded, 16);
-}
+// A bf16 layer's output rounded in the GEMM's store (no pass after it): the bits in each lane's low half.
+static inline __m512i bf16_bits(__m512 v) { return _mm512_srli_epi32(bf16_round_bits16(v), 16); }
 
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
