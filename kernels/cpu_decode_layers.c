@@ -193,6 +193,8 @@ static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int6
   return vec;
 }
 #else
+static const void* const torch_tanh16 = NULL;
+
 void decode_layers_set_tanh16(void* fn) { (void)fn; }
 
 static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {

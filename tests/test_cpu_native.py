@@ -4,6 +4,8 @@ through the kernel interface the model calls, and its fallback when it cannot be
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -244,6 +246,20 @@ def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setattr(native_build, "SOURCES", [*native_build.SOURCES[:-1], changed])
     second = cpu_native._build()
     assert second != first and second.exists()
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
+def test_every_source_compiles_without_avx512(march: str) -> None:
+    """The library is built for the serving CPU: on one without AVX-512 every source must still
+    compile (the AVX-512 paths behind their #ifs), or that machine silently serves on torch's
+    kernels alone (the failed-build fallback above)."""
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    flags = [f for f in native_build.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    proc = subprocess.run([cc, *flags, f"-march={march}", "-fsyntax-only", "-I", str(native_build.HEADERS[0].parent),
+                           *map(str, native_build.SOURCES)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-800:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
