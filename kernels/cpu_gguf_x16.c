@@ -47,7 +47,7 @@ int gguf_gemm_x16_supported(int qtype) {
 
 enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q5_F, X16_Q6 };  // the five layouts
 
-static int64_t x16_block_bytes(int kind) {
+static inline int64_t x16_block_bytes(int kind) {
   switch (kind) {
     case X16_Q8_0: return X16_BLOCK_Q8_0;
     case X16_Q4_F: return X16_BLOCK_Q4_F;
@@ -85,8 +85,7 @@ static inline __attribute__((always_inline)) void x16_groups(
     const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, void* y,
     int bf16) {
   const int Q8 = kind == X16_Q8_0, Q5 = kind == X16_Q5_F, F32 = kind == X16_Q4_F || Q5, Q6 = kind == X16_Q6;
-  const int64_t bytes = Q8 ? X16_BLOCK_Q8_0 : Q5 ? X16_BLOCK_Q5_F : F32 ? X16_BLOCK_Q4_F : Q6 ? X16_BLOCK_Q6
-                                                                                      : X16_BLOCK_Q4_1;
+  const int64_t bytes = x16_block_bytes(kind);
   const int64_t values = F32 ? 128 : 64;
   const __m512i m15 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16), m48 = _mm512_set1_epi8(48);
   for (int64_t g = g0; g < g1; ++g) {
@@ -221,7 +220,7 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
   // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
   const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
   const int64_t per = (groups + claims - 1) / claims, chunks = (groups + per - 1) / per;
-  const int64_t tile = X16_TILE_BYTES / (nb * x16_block_bytes(kind)) > 1 ? X16_TILE_BYTES / (nb * x16_block_bytes(kind)) : 1;
+  const int64_t fit = X16_TILE_BYTES / (nb * x16_block_bytes(kind)), tile = fit > 1 ? fit : 1;  // groups
 #pragma omp parallel for schedule(dynamic, 1) if (team > 1 && chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
