@@ -23,11 +23,13 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, ui
                    int64_t m, int64_t k, float eps);
 void rms_norm_f32(const float* x, const float* res, const float* w, float* out, float* sum, int64_t m, int64_t k,
                   float eps);
-void rope_write_kv_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row_stride,
+void rope_write_kv_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride,
+                        int64_t k_stride, int64_t v_stride,
                         const int64_t* positions, const int64_t* slots, const float* cos_sin, uint16_t* q_out,
                         uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int64_t t, int64_t hq, int64_t hkv,
                         int64_t d);
-void rope_write_kv_f32(const float* q, const float* k, const float* v, int64_t row_stride, const int64_t* positions,
+void rope_write_kv_f32(const float* q, const float* k, const float* v, int64_t q_stride, int64_t k_stride,
+                       int64_t v_stride, const int64_t* positions,
                        const int64_t* slots, const float* cos_sin, float* q_out, float* k_out, float* k_cache,
                        float* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d);
 int paged_decode_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -218,8 +220,8 @@ void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
     }
 }
 
-// The step's q, k and v with the per-head norms applied to q and k, into one buffer of uniform
-// row stride (what RoPE + the cache write take).
+// The step's q, k and v with the per-head norms applied to q and k, into one buffer laid out as
+// the qkv output (so RoPE + the cache write read it as they read that).
 static void qk_norms(const Stack* s, const Layer* L, const void* qkv, void* out, int64_t m) {
   const int64_t es = s->bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hkv = s->kv_heads;
   const int64_t row = (hq + 2 * hkv) * hd * es;
@@ -285,14 +287,14 @@ int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int6
     }
     if (bf16) {
       rope_write_kv_bf16((const uint16_t*)qkv, (const uint16_t*)(qkv + hq * hd * es),
-                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, positions, slots, L->cos_sin, b.q, b.k,
+                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, nqkv, nqkv, positions, slots, L->cos_sin, b.q, b.k,
                          L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_bf16(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                              (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
                              s->generic_attention, L->window, 0.f);
     } else {
       rope_write_kv_f32((const float*)qkv, (const float*)(qkv + hq * hd * es), (const float*)(qkv + (hq + hkv) * hd * es),
-                        nqkv, positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
+                        nqkv, nqkv, nqkv, positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_f32(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                             (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
                             s->generic_attention, L->window, 0.f);

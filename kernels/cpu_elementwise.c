@@ -75,7 +75,8 @@ DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, f32)
 // torch code exactly: the pair (x_i, x_{i+D/2}) is rotated in fp32 as x*cos + partner*(+/-sin),
 // two separate multiplies and an add (contraction off), and rounded once to T; so results are
 // bit-identical (with AVX512-BF16, short of denormals, which it flushes to zero: cpu_bf16.h).
-// q, k, v rows may be strided (slices of the fused qkv output); q_out [T, Hq, D]
+// q, k, v rows may be strided, each its own way (slices of the fused qkv output; q and k normed
+// per head apart from it, v still a slice); q_out [T, Hq, D]
 // and k_out [T, Hkv, D] are contiguous; the caches are [slots, Hkv, D] and slots < 0 are skipped.
 #define DEFINE_ROPE_KV(NAME, T, LOAD, STORE, V)                                                    \
   __attribute__((optimize("fp-contract=off"))) static inline void NAME##_head(                     \
@@ -96,30 +97,30 @@ DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, f32)
       out[t + half] = STORE(b * cosv[t] + a * sinv[t]);                                            \
     }                                                                                              \
   }                                                                                                \
-  static inline void NAME##_token(const T* q, const T* k, const T* v, int64_t row, int64_t pos,    \
-                                  int64_t slot, const float* cos_sin, T* q_out, T* k_out,          \
-                                  T* k_cache, T* v_cache, int64_t hq, int64_t hkv, int64_t d) {    \
+  static inline void NAME##_token(const T* q, const T* k, const T* v, int64_t pos, int64_t slot,    \
+                                  const float* cos_sin, T* q_out, T* k_out, T* k_cache,            \
+                                  T* v_cache, int64_t hq, int64_t hkv, int64_t d) {                \
     const float* cs = cos_sin + pos * d;                                                           \
-    for (int64_t h = 0; h < hq; ++h) NAME##_head(q + row + h * d, q_out + h * d, cs, d / 2);       \
-    for (int64_t h = 0; h < hkv; ++h) NAME##_head(k + row + h * d, k_out + h * d, cs, d / 2);      \
+    for (int64_t h = 0; h < hq; ++h) NAME##_head(q + h * d, q_out + h * d, cs, d / 2);             \
+    for (int64_t h = 0; h < hkv; ++h) NAME##_head(k + h * d, k_out + h * d, cs, d / 2);            \
     if (slot < 0) return;                                                                          \
     memcpy(k_cache + slot * hkv * d, k_out, (size_t)(hkv * d) * sizeof(T));                        \
     for (int64_t h = 0; h < hkv; ++h)                                                              \
-      memcpy(v_cache + (slot * hkv + h) * d, v + row + h * d, (size_t)d * sizeof(T));              \
+      memcpy(v_cache + (slot * hkv + h) * d, v + h * d, (size_t)d * sizeof(T));                    \
   }                                                                                                \
-  void NAME(const T* q, const T* k, const T* v, int64_t row_stride, const int64_t* positions,      \
-            const int64_t* slots, const float* cos_sin, T* q_out, T* k_out, T* k_cache,            \
-            T* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d) {                           \
+  void NAME(const T* q, const T* k, const T* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, \
+            const int64_t* positions, const int64_t* slots, const float* cos_sin, T* q_out,        \
+            T* k_out, T* k_cache, T* v_cache, int64_t t, int64_t hq, int64_t hkv, int64_t d) {     \
     if (t * (hq + hkv) * d <= SERIAL_ELEMENTS) {                                                   \
       for (int64_t i = 0; i < t; ++i)                                                              \
-        NAME##_token(q, k, v, i * row_stride, positions[i], slots[i], cos_sin, q_out + i * hq * d, \
-                     k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                           \
+        NAME##_token(q + i * q_stride, k + i * k_stride, v + i * v_stride, positions[i], slots[i], \
+                     cos_sin, q_out + i * hq * d, k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d); \
       return;                                                                                      \
     }                                                                                              \
     _Pragma("omp parallel for schedule(static)")                                                   \
     for (int64_t i = 0; i < t; ++i)                                                                \
-      NAME##_token(q, k, v, i * row_stride, positions[i], slots[i], cos_sin, q_out + i * hq * d,   \
-                   k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d);                             \
+      NAME##_token(q + i * q_stride, k + i * k_stride, v + i * v_stride, positions[i], slots[i],   \
+                   cos_sin, q_out + i * hq * d, k_out + i * hkv * d, k_cache, v_cache, hq, hkv, d); \
   }
 
 DEFINE_ROPE_KV(rope_write_kv_bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16)

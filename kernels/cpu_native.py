@@ -109,7 +109,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
     for fn in (lib.rope_write_kv_bf16, lib.rope_write_kv_f32):
         fn.restype = None
-        fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     for fn in (lib.silu_mul_bf16, lib.silu_mul_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, i64, i64]
@@ -316,15 +316,14 @@ _ROPE_KV = {torch.bfloat16: "rope_write_kv_bf16", torch.float32: "rope_write_kv_
 def rope_kv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Whether `rope_and_write_kv` can take these: q [T, Hq, D], k and v [T, Hkv, D] of one dtype
-    with contiguous heads and one row stride (e.g. slices of a fused qkv output), int64 positions
+    with contiguous heads, each with its own row stride (slices of a fused qkv output, or q and k
+    normed apart from it), int64 positions
     and slots, an fp32 [max_pos, D] cos|sin table and contiguous caches of the same dtype."""
     def heads_contiguous(x: torch.Tensor) -> bool:
         return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
     return (q.device.type == "cpu" and q.dtype in _ROPE_KV and k.dtype == q.dtype and v.dtype == q.dtype
             and k_cache.dtype == q.dtype and heads_contiguous(q) and heads_contiguous(k) and heads_contiguous(v)
-            # One row stride for the three (a single token's view may report any stride(0): unused)
-            and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))
             and k.shape == v.shape and q.shape[2] == k.shape[2]
             and q.shape[2] % 2 == 0 and k_cache.is_contiguous() and k_cache.shape[-2:] == k.shape[1:]
             and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
@@ -346,9 +345,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype)
     k_out = torch.empty((t, hkv, d), dtype=q.dtype)
-    getattr(lib, _ROPE_KV[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), positions.data_ptr(),
-                                    slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(),
-                                    k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, hq, hkv, d)
+    getattr(lib, _ROPE_KV[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                                    positions.data_ptr(), slot_mapping.data_ptr(), cos_sin_cache.data_ptr(),
+                                    q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    t, hq, hkv, d)
     return q_out, k_out
 
 

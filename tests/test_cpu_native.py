@@ -355,9 +355,12 @@ def test_model_step_uses_the_native_rms_norm(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 5, 600])  # decode sizes run serially, prefill sizes in parallel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("normed", [False, True], ids=["slices", "qk-normed"])
 def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, tokens: int, heads: int,
-                                              kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    """RoPE on q/k slices of a fused qkv output plus the cache write: bit-identical to the torch
+                                              kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                              normed: bool) -> None:
+    """RoPE on q/k slices of a fused qkv output (or, as Gemma 3 and Qwen3 have them, q and k normed
+    into tensors of their own, three row strides) plus the cache write: bit-identical to the torch
     ops (same rounding), every slot written by exactly the torch path's values, slots < 0 left alone."""
     from rill.services.worker.rope import cos_sin_cache
 
@@ -367,6 +370,8 @@ def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, t
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    if normed:
+        q, k = q.contiguous(), k.contiguous()
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     num_slots = 2 * tokens + 8
     slots = torch.randperm(num_slots, generator=g)[:tokens]
@@ -400,7 +405,9 @@ def test_model_step_uses_the_native_rope(monkeypatch: pytest.MonkeyPatch, tokens
     cache = torch.zeros(4, 4, 1, 16)
     ops.rope_and_write_kv(q, k, v, torch.arange(tokens), torch.randn(8, 16), cache, cache.clone(),
                           torch.arange(tokens))
-    assert calls == [1]
+    ops.rope_and_write_kv(q.contiguous(), k.contiguous(), v, torch.arange(tokens), torch.randn(8, 16), cache,
+                          cache.clone(), torch.arange(tokens))  # q and k normed per head: three strides
+    assert calls == [1, 1]
 
 
 needs_silu_mul = pytest.mark.skipif(not cpu_native.silu_mul_supported(torch.zeros(1, 2)),

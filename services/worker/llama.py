@@ -202,10 +202,6 @@ class LlamaModel:
             if layer.q_norm is not None:  # Qwen3: each head normed on its own, before RoPE
                 q = ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
                 k = ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
-                if t > 1 and q.device.type == "cpu":  # one row stride again: the native RoPE + write takes that
-                    q, k, v = torch.cat([q.view(t, -1), k.view(t, -1), v.reshape(t, -1)], 1).split(
-                        [self.q_size, self.kv_size, self.kv_size], dim=-1)
-                    v = v.view(t, c.num_key_value_heads, c.head_dim)
             # RoPE and the cache write in one op (one fused kernel on the Triton backend).
             q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
