@@ -44,9 +44,23 @@ def valkey_binary() -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports: every socket is held until all are bound, so none repeats."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class PortTaken(RuntimeError):
+    """valkey-server could not bind its port (taken between choosing it and starting)."""
 
 
 class EmbeddedBroker:
@@ -58,38 +72,59 @@ class EmbeddedBroker:
         in a private folder, never on a command line (any local user can list those).
         `maxmemory`: bytes of data before writes are refused (0: no limit).
         `args`: more server options (cluster mode: shared/local_cluster.py)."""
-        self.port = port or free_port()
+        self.chosen_port = port is None  # then a port taken before valkey binds it is replaced
         self.password = password
         self.maxmemory = maxmemory
         self.args = args
-        auth = f":{quote(password, safe='')}@" if password else ""
-        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        self._use_port(port or free_port())
         self.proc: subprocess.Popen[bytes] | None = None
         self.workdir = tempfile.mkdtemp(prefix="rill-valkey-")  # mode 0700
 
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        self.url = f"redis://{auth}127.0.0.1:{port}/0"
+
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
+        for attempt in range(3 if self.chosen_port else 1):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if attempt == 2 or not self.chosen_port:
+                    raise
+                self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedBroker:
         binary = valkey_binary()
         conf = Path(self.workdir, "valkey.conf")
         conf.write_text((f"requirepass {self.password}\n" if self.password else "")
                         + f"maxmemory {self.maxmemory}\nmaxmemory-policy noeviction\n")
         conf.chmod(0o600)
+        logfile = Path(self.workdir, "valkey.log")  # a failed start says why there
         self.proc = subprocess.Popen(
             [str(binary), str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning",
-             "--protected-mode", "yes", *self.args],
+             "--logfile", str(logfile), "--protected-mode", "yes", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"valkey-server exited at start: {err.strip()}")
+                err += logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
+                self.proc = None
+                kind = PortTaken if "address already in use" in err.lower() else RuntimeError
+                raise kind(f"valkey-server exited at start: {err.strip()}")
             try:
-                client.ping()
+                # The pid, not a ping: another server may hold the port this one failed to bind.
+                if int(client.info("server")["process_id"]) != self.proc.pid:
+                    time.sleep(0.05)
+                    continue
                 client.close()
                 log.info("embedded broker valkey-server listening on %s", self.url)
                 return self
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError("valkey-server did not answer in time")

@@ -14,7 +14,7 @@ import time
 
 import redis
 
-from rill.shared.broker import EmbeddedBroker, free_port
+from rill.shared.broker import EmbeddedBroker, PortTaken, free_ports
 
 SLOTS = 16384
 
@@ -23,13 +23,18 @@ class LocalCluster:
     """`masters` masters, each with `replicas` replicas; `url` reaches the whole cluster."""
 
     def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000) -> None:
-        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
-                "--shutdown-on-sigterm", "now")  # a master would wait for its replicas to catch up
+        self.args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
+                     "--shutdown-on-sigterm", "now")  # a master would wait for its replicas to catch up
+        n = masters * (1 + replicas)
+        ports = free_ports(2 * n)
         # The cluster bus's port is given: its default, port + 10000, can be past 65535.
-        self.bus_ports = [free_port() for _ in range(masters * (1 + replicas))]
-        self.nodes = [EmbeddedBroker(args=(*args, "--cluster-port", str(bus))) for bus in self.bus_ports]
+        self.bus_ports = ports[n:]
+        self.nodes = [self._node(port, bus) for port, bus in zip(ports[:n], self.bus_ports, strict=True)]
         self.masters = masters
+
+    def _node(self, port: int, bus: int) -> EmbeddedBroker:
+        return EmbeddedBroker(port, args=(*self.args, "--cluster-port", str(bus)))
 
     @property
     def url(self) -> str:
@@ -43,8 +48,19 @@ class LocalCluster:
             raise
 
     def _form(self, timeout: float) -> LocalCluster:
-        for node in self.nodes:
-            node.start()
+        for i in range(len(self.nodes)):
+            for attempt in range(3):  # another process may bind a chosen port before valkey does
+                try:
+                    self.nodes[i].start()
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    self.nodes[i].stop()
+                    taken = {n.port for n in self.nodes} | set(self.bus_ports)
+                    port, bus = [p for p in free_ports(len(taken) + 2) if p not in taken][:2]
+                    self.bus_ports[i] = bus
+                    self.nodes[i] = self._node(port, bus)
         clients = [redis.Redis(port=n.port) for n in self.nodes]
         first = clients[0]
         for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):

@@ -20,7 +20,7 @@ import pytest
 import redis
 from service_stack import ServiceStack, fast_flags, rill_executable
 
-from rill.shared.broker import free_port
+from rill.shared.broker import EmbeddedBroker, PortTaken, free_port, free_ports
 from rill.shared.bus import Bus, connect
 from rill.shared.local_cluster import LocalCluster
 from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode, stats_decoder
@@ -45,6 +45,25 @@ def master_of(cluster: LocalCluster, key: str) -> int:
         if "master" in node["flags"] and any(int(a) <= slot <= int(b) for a, b, *_ in node["slots"]):
             return int(addr.rsplit(":", 1)[1].split("@")[0])
     raise AssertionError(f"no master serves slot {slot}")
+
+
+def test_a_node_whose_port_was_taken_says_so_or_moves() -> None:
+    """A port chosen and then bound by someone else before valkey starts: a broker pinned to it
+    fails naming the cause (valkey's log, not an empty reason), one whose port was chosen for it
+    moves to another and does not answer for the server already there."""
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    with EmbeddedBroker() as first:
+        pinned = EmbeddedBroker(first.port)
+        with pytest.raises(PortTaken, match="(?i)address already in use"):
+            pinned.start()
+        pinned.stop()
+        moved = EmbeddedBroker()
+        moved._use_port(first.port)
+        with moved:
+            assert moved.port != first.port
+            redis.Redis.from_url(moved.url).set("k", "moved")
+            assert redis.Redis.from_url(first.url).get("k") is None
 
 
 def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluster) -> None:
