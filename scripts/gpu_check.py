@@ -16,8 +16,9 @@ On a CUDA machine it
       1 / 32 / 256 and context 1k / 4k, eager and from CUDA graphs, against the roofline
       (weights + KV bytes at the measured bandwidth),
   (e) with two GPUs or more, tensor parallelism: TP=2 over NCCL (tests/tp_case.py) against
-      TP=1 on a tiny random Llama (fp32 logits through chunked prefill and decode), and the time
-      of one NCCL all-reduce of a decode step's activations ([32, 4096] bf16),
+      TP=1 on a tiny random Llama (fp32 logits through chunked prefill and decode; the decode
+      step also through CUDA graphs captured on both ranks, their all-reduces inside), and the
+      time of one NCCL all-reduce of a decode step's activations ([32, 4096] bf16),
 and prints a compact table last.
 
 On a CPU machine it runs what a CPU can check: (b) on tiny shapes under the Triton interpreter
@@ -763,7 +764,7 @@ def check_tensor_parallel() -> None:
             s.bind(("127.0.0.1", 0))
             address = f"127.0.0.1:{s.getsockname()[1]}"
         procs = [subprocess.Popen([sys.executable, str(root / "tests" / "tp_case.py"), str(r), "2", address, tmp,
-                                   "cuda", tmp]) for r in range(2)]
+                                   "cuda", tmp, f"triton:{tmp}"]) for r in range(2)]
         codes = [p.wait(240) for p in procs]
         if any(codes):
             add("tp", "TP=2 over NCCL", f"ranks exited {codes}", "", "FAIL")
@@ -772,6 +773,14 @@ def check_tensor_parallel() -> None:
         got = torch.load(Path(tmp) / "logits-0.pt")
         err = float((got - want).abs().max())
         add("tp", "TP=2 logits vs TP=1 (fp32)", f"max abs err {err:.2e}", "(< 1e-3)", "ok" if err < 1e-3 else "FAIL")
+        ops.set_backend("triton")
+        try:  # the decode step through CUDA graphs captured on both ranks, all-reduces inside
+            want = steps(LlamaModel.load(tmp, torch.float32, device="cuda")).cpu()[-2:]
+        finally:
+            ops.set_backend(None)
+        err = float((torch.load(Path(tmp) / "graph-1.pt") - want).abs().max())
+        add("tp", "TP=2 decode CUDA graphs vs TP=1 (fp32)", f"max abs err {err:.2e}", "(< 1e-3)",
+            "ok" if err < 1e-3 else "FAIL")
         us = (Path(tmp) / "allreduce_us.txt").read_text()
         add("tp", "NCCL all-reduce [32, 4096] bf16", f"{us} us")
 

@@ -2,7 +2,7 @@
 `steps` runs a chunked prefill of two sequences and a decode step through a LlamaModel; run as a
 script, it is one rank of a group (gloo on cpu, NCCL on cuda) that runs `steps` on each model
 folder given (`triton:` before a folder: through the Triton kernels, interpreted on CPU) and
-saves rank 0's logits; on cuda it also times an all-reduce of a decode step's activations.
+saves rank 0's logits (and, for Triton runs, those of a decode step through DecodeGraphs); on cuda it also times an all-reduce of a decode step's activations.
 
     python tests/tp_case.py RANK SIZE ADDRESS OUT_DIR DEVICE MODEL_DIR...
 """
@@ -40,6 +40,28 @@ def steps(model) -> torch.Tensor:
     return torch.cat(out)
 
 
+def graph_decode(model) -> torch.Tensor:
+    """Logits [2, vocab] (rank 0; [2, 0] on the others) of the same two prompts' last tokens as
+    `steps`' last rows, decoded through DecodeGraphs' padded step (2 lanes padded to 4): on CPU
+    it runs eagerly the forward a CUDA graph captures, then the gather; on CUDA from the graphs."""
+    from rill.services.worker.cuda_graphs import DecodeGraphs
+
+    caches = model.allocate_kv_cache(16, BLOCK)
+    dev = model.device
+    vocab = model.cfg.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(8)], [(11 * i + 5) % vocab for i in range(13)]]
+    tables = [[3, 1, 7], [0, 9, 2, 5]]
+    with torch.inference_mode():
+        lens = [len(p) - 1 for p in prompts]
+        positions, meta = make_attention_metadata(tables, [0, 0], lens, BLOCK, dev)
+        ids = torch.tensor([t for p, n in zip(prompts, lens, strict=True) for t in p[:n]], device=dev)
+        model.final_hidden(ids, positions, meta, caches, torch.tensor([0], device=dev))
+    graphs = DecodeGraphs(model, caches, BLOCK, max_model_len=64, sizes=[1, 4])
+    if dev.type == "cuda":  # every rank captures, the layers' all-reduces inside the graphs
+        graphs.capture()
+    return graphs.run([p[-1] for p in prompts], lens, tables).clone()
+
+
 def main(argv: list[str]) -> None:
     from rill.kernels import ops
     from rill.services.worker.llama import LlamaModel
@@ -51,9 +73,13 @@ def main(argv: list[str]) -> None:
     for i, model_dir in enumerate(argv[5:]):
         triton = model_dir.startswith("triton:")
         ops.set_backend("triton" if triton else None)
-        logits = steps(LlamaModel.load(model_dir.removeprefix("triton:"), torch.float32, device=device, tp=group))
+        model = LlamaModel.load(model_dir.removeprefix("triton:"), torch.float32, device=device, tp=group)
+        logits = steps(model)
+        graphed = graph_decode(model) if triton else None
         if rank == 0:
             torch.save(logits.cpu(), out / f"logits-{i}.pt")
+            if graphed is not None:
+                torch.save(graphed.cpu(), out / f"graph-{i}.pt")
     if device == "cuda":  # one decode step's activations of a Llama-3-8B at batch 32
         import time
 

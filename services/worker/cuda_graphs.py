@@ -14,6 +14,11 @@ the device); no op syncs with the host. The torch backend is not capturable (it 
 lists), so graphs are only used with the Triton kernels, and never on CPU: there `run` executes
 the same padded step eagerly, which lets the CPU tests check the padding logic.
 
+With tensor parallelism every rank captures the same sizes in the same order, its layers'
+all-reduces included (NCCL collectives are capturable once the communicator exists, which the
+eager run before each capture ensures); the logits' gather on rank 0 runs after the replay, since
+its result has a different shape on each rank.
+
 RILL_CUDA_GRAPHS=0 turns graphs off; RILL_CUDA_GRAPH_MAX_BATCH (default 256) caps the sizes.
 """
 
@@ -96,8 +101,11 @@ class DecodeGraphs:
             query_start_loc_host=list(range(n + 1)), seq_lens_host=[1] * n)
 
     def _forward(self, n: int) -> torch.Tensor:
-        return self.model.forward(self.ids[:n], self.positions[:n], self._meta(n), self.kv_caches,
-                                  self.logits_indices[:n])
+        """This rank's logits of n lanes; the cross-rank gather of tensor parallelism is left to
+        `run`, after the replay (the all-reduces inside the layers are captured)."""
+        hidden = self.model.final_hidden(self.ids[:n], self.positions[:n], self._meta(n), self.kv_caches,
+                                         self.logits_indices[:n])
+        return self.model.local_logits(hidden)
 
     def capture(self) -> None:
         """Capture every size (largest first, one shared memory pool). CUDA only."""
@@ -178,6 +186,6 @@ class DecodeGraphs:
         if self.captured:
             graph, out = self.graphs[size]
             graph.replay()
-            return out[:n]
+            return self.model.gather_logits(out[:n])
         with torch.inference_mode():
-            return self._forward(size)[:n]
+            return self.model.gather_logits(self._forward(size)[:n])

@@ -162,11 +162,22 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (see final_hidden)."""
+        return self.gather_logits(self.local_logits(hidden))
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's logits: all of them, or with tensor parallelism its vocabulary slice (padded),
+        which gather_logits joins; soft-capping is per value, so it is done before the join."""
         if self.lm_head is None:
             raise RuntimeError("a headless model (built for calibration) has no logits")
-        logits = self.lm_head.float_out(hidden)
+        head = self.lm_head
+        logits = head.local(hidden) if isinstance(head, tensor_parallel.GatheredHead) else head.float_out(hidden)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """local_logits joined over the ranks (on rank 0; the others get [rows, 0])."""
+        head = self.lm_head
+        return head.gather(local) if isinstance(head, tensor_parallel.GatheredHead) else local
 
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:

@@ -426,6 +426,6 @@ class ModelRunner:
         self.last_logits = None
         if result.error:
             raise RuntimeError(f"warm-up step failed: {result.error}")
-        if self.graphs is None and self.tp is None and graphs_wanted(self.device, self.model):
+        if self.graphs is None and graphs_wanted(self.device, self.model):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len)
             self.graphs.capture()

@@ -271,10 +271,16 @@ class GatheredHead:
         self.group = group
 
     def float_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.gather(self.local(hidden))
+
+    def local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, padded to the common width (no collective: a CUDA
+        graph captures this part, and the gather runs after its replay)."""
         logits = self.head.float_out(hidden)
-        if self.pad:
-            logits = F.pad(logits, (0, self.pad))
-        return self.group.gather_columns(logits, self.vocab_size)
+        return F.pad(logits, (0, self.pad)) if self.pad else logits
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return self.group.gather_columns(local, self.vocab_size)
 
 
 def shard_model(model: Any, shard: Shard, full_cfg: ModelConfig, group: TPGroup) -> None:
