@@ -103,6 +103,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self._cursor = b"0-0"  # last entry read from our reply stream
         self.engine_live = True  # as of the last watch; only consulted with watch_engine
+        self._engine_seen = False  # whether any watch found an engine live
         self.broker_ok = True
         self._server: str | None = None  # the broker's run_id
         self._engine_gone = Absence()
@@ -252,7 +253,11 @@ class Gateway:
             self._cursor = b"0-0"  # our reply stream starts afresh
         self._server = server
         if live != self.engine_live:
-            log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
+            if self._engine_seen:
+                log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
+            else:  # starting beside the engines: waiting for their first beat is no fault
+                log.info("engine %s", "live" if live else "not live yet (no scheduler/worker heartbeat)")
+        self._engine_seen = self._engine_seen or live
         self.engine_live = live
         for e in lost if live else ():  # with none live, every request fails below
             self.fail_engine_requests(e)
