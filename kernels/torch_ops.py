@@ -21,6 +21,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is None and x.dim() == 2 and x.stride(-1) == 1 and not x.is_contiguous():
+        # Rows of a wider tensor (one kv head's k, sliced from the fused qkv output): normed from
+        # a copy by the native pass, as every other row is, not by the ops below (other bits).
+        x = x.contiguous()
     if cpu_native.rms_norm_supported(x, weight, residual):
         return cpu_native.rms_norm(x, weight, eps, residual)  # one pass instead of six ops
     if residual is not None:

@@ -1,9 +1,9 @@
 """Every layer of a step of few rows in one native call (kernels/cpu_decode_layers.c).
 
 At one decode row the per-op path spends more time dispatching ~12 kernel calls a layer from
-Python than the kernels take; the native driver runs the same kernels in the same order, so a
-SwiGLU model's decode logits are bit for bit those of the per-op path (a GeGLU model's GELU is
-the driver's own, equal to torch's up to the last bit of tanh). It serves a step when the model
+Python than the kernels take; the native driver runs the same kernels in the same order, so its
+decode logits are bit for bit those of the per-op path (a GeGLU model's GELU is the driver's own,
+built on torch's vector tanh to give torch's bits). It serves a step when the model
 is a Llama-style stack (per-head q/k norms, Gemma's output norms, sliding windows and local RoPE
 included; no experts, attention soft-capping or biases, not tensor-parallel), on the CPU in bf16
 or fp32, and every linear layer's measured route for the step's row count is one the driver has:
