@@ -108,23 +108,21 @@ class EmbeddedBroker:
              "--logfile", str(logfile), "--protected-mode", "yes", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
-        client = redis.Redis.from_url(self.url)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                err += logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
-                self.proc = None
-                kind = PortTaken if "address already in use" in err.lower() else RuntimeError
-                raise kind(f"valkey-server exited at start: {err.strip()}")
-            try:
-                # The pid, not a ping: another server may hold the port this one failed to bind.
-                if int(client.info("server")["process_id"]) != self.proc.pid:
-                    time.sleep(0.05)
-                    continue
-                client.close()
-                log.info("embedded broker valkey-server listening on %s", self.url)
-                return self
-            except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
+        with redis.Redis.from_url(self.url) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    err += logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
+                    self.proc = None
+                    kind = PortTaken if "address already in use" in err.lower() else RuntimeError
+                    raise kind(f"valkey-server exited at start: {err.strip()}")
+                try:
+                    # The pid, not a ping: another server may hold the port this one failed to bind.
+                    if int(client.info("server")["process_id"]) == self.proc.pid:
+                        log.info("embedded broker valkey-server listening on %s", self.url)
+                        return self
+                except (redis.ConnectionError, redis.ResponseError):  # not up yet, or not ours
+                    pass
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError("valkey-server did not answer in time")
