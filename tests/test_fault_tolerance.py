@@ -153,33 +153,38 @@ class Stack:
         if sig == signal.SIGKILL:
             self.procs[name].wait(10)
 
-    def stop_while_blocked(self, name: str, timeout: float = 30.0) -> None:
-        """SIGSTOP a replica at a moment its XREADGROUP is parked in the broker (CLIENT LIST shows
-        its connection blocked): the broker then hands it the next entry, which it holds unacked."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.procs[name].send_signal(signal.SIGSTOP)
-            time.sleep(0.05)  # a command it was sending lands first
-            if any(c.get("name") == name and "b" in c["flags"] and c["cmd"] == "xreadgroup"
-                   for c in self.redis.client_list()):
-                return
-            self.procs[name].send_signal(signal.SIGCONT)
-            assert time.monotonic() < deadline, f"{name} never blocked in XREADGROUP"
-            time.sleep(0.02)
+    def _stopped_blocked(self, name: str) -> bool:
+        """SIGSTOP a replica; keep it stopped if its XREADGROUP is parked in the broker (CLIENT LIST
+        shows its connection blocked): the broker then hands it the next entry, which it holds."""
+        self.procs[name].send_signal(signal.SIGSTOP)
+        time.sleep(0.05)  # a command it was sending lands first
+        if any(c.get("name") == name and "b" in c["flags"] and c["cmd"] == "xreadgroup"
+               for c in self.redis.client_list()):
+            return True
+        self.procs[name].send_signal(signal.SIGCONT)
+        return False
 
     def stop_holding(self, name: str, stream: str | list[str], group: str, timeout: float = 30.0) -> None:
-        """Stop a replica so that it sits on unacked work: stopped while blocked, it gets the next
-        entry unless its BLOCK (POLL_MS) runs out first; then it is resumed and tried again."""
+        """Stop a replica so that it sits on unacked work: caught between a read and its ack (a
+        busy replica), or stopped while parked in a read, which gets it the next entry unless
+        its BLOCK (POLL_MS) runs out first (an idle one); else resumed and tried again."""
         deadline = time.monotonic() + timeout
         while True:
-            self.stop_while_blocked(name)
-            until = time.monotonic() + 0.7
-            while time.monotonic() < until:
+            if self.pending(stream, group).get(name):
+                self.procs[name].send_signal(signal.SIGSTOP)
+                time.sleep(0.05)  # an ack it was sending lands first
                 if self.pending(stream, group).get(name):
                     return
-                time.sleep(0.02)
-            self.procs[name].send_signal(signal.SIGCONT)
+                self.procs[name].send_signal(signal.SIGCONT)
+            elif self._stopped_blocked(name):
+                until = time.monotonic() + 0.7
+                while time.monotonic() < until:
+                    if self.pending(stream, group).get(name):
+                        return
+                    time.sleep(0.02)
+                self.procs[name].send_signal(signal.SIGCONT)
             assert time.monotonic() < deadline, f"{name} never took an entry"
+            time.sleep(0.01)
 
     def dead(self) -> dict[str, int | None]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -351,7 +356,7 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
     """32 greedy streams; one tokenizer and one detokenizer are SIGKILLed holding unacked work,
     another of each stalls long enough to have its work claimed and then resumes (so that work
     is done twice). Every stream must equal the fault-free run, chunk for chunk."""
-    max_tokens = 80  # long enough that steps keep coming while the faults wait for stalled replicas
+    max_tokens = 80
 
     async def load(faults: Callable[[list[Outcome]], Awaitable[None]] | None) -> list[Outcome]:
         outcomes = [Outcome() for _ in PROMPTS]
@@ -362,9 +367,26 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
                                                       on_chunk=lambda o, i=i: outcomes.__setitem__(i, o))
             tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
             if faults is not None:
-                await faults(outcomes)
+                # Short requests one after another while the faults wait for stalled replicas, so
+                # that new requests and steps keep coming however soon the compared ones end (a fast
+                # engine could finish them before a detokenizer stalled holding a step).
+                filling = asyncio.Event()
+                filling.set()
+
+                async def filler() -> None:
+                    while filling.is_set():
+                        fillers.append(await stream_completion(client, "A list of colours:", 8))
+
+                fill = asyncio.create_task(filler())
+                try:
+                    await faults(outcomes)
+                finally:
+                    filling.clear()
+                    await fill
             await asyncio.gather(*tasks)
         return outcomes
+
+    fillers: list[Outcome] = []
 
     reference = run(load(None))
     assert all(o.finish == "length" and o.error is None for o in reference), [o.error for o in reference]
@@ -409,6 +431,7 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
     before = stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10,
                               "the reference load did not finish")
     faulty = run(load(faults))
+    assert fillers and all(f.error is None and f.finish == "length" for f in fillers), [f.error for f in fillers]
     for ref, got, prompt in zip(reference, faulty, PROMPTS, strict=True):
         assert got.error is None, (prompt, got.error)
         assert got.finish == "length", prompt
@@ -419,7 +442,7 @@ def test_replicas_die_mid_stream_nothing_lost_or_duplicated(stack: Stack) -> Non
     after = stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10,
                              "KV blocks not all free after the load")
     # Redone requests reached the engine once: a second copy would have run (and finished) too.
-    assert after.finished_requests - before.finished_requests == len(PROMPTS)
+    assert after.finished_requests - before.finished_requests == len(PROMPTS) + len(fillers)
     assert after.aborted_requests == before.aborted_requests
 
 
