@@ -220,16 +220,16 @@ void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
     }
 }
 
-// The step's q, k and v with the per-head norms applied to q and k, into one buffer laid out as
-// the qkv output (so RoPE + the cache write read it as they read that).
+// The per-head norms of q and k, from the qkv output into `out`, laid out as that output (its v
+// part unused: RoPE + the cache write read v from the qkv output itself).
 static void qk_norms(const Stack* s, const Layer* L, const void* qkv, void* out, int64_t m) {
   const int64_t es = s->bf16 ? 2 : 4, hd = s->head_dim, hq = s->heads, hkv = s->kv_heads;
   const int64_t row = (hq + 2 * hkv) * hd * es;
-  memcpy(out, qkv, (size_t)(m * row));
   for (int64_t i = 0; i < m; ++i) {
-    char* r = (char*)out + i * row;
-    norm_rows(s->bf16, r, 0, L->q_norm, r, 0, hq, hd, s->eps);
-    norm_rows(s->bf16, r + hq * hd * es, 0, L->k_norm, r + hq * hd * es, 0, hkv, hd, s->eps);
+    const char* r = (const char*)qkv + i * row;
+    char* o = (char*)out + i * row;
+    norm_rows(s->bf16, r, 0, L->q_norm, o, 0, hq, hd, s->eps);
+    norm_rows(s->bf16, r + hq * hd * es, 0, L->k_norm, o + hq * hd * es, 0, hkv, hd, s->eps);
   }
 }
 
@@ -280,21 +280,21 @@ int decode_layers(const Stack* s, int64_t m, void* h, void* residual, const int6
       norm_rows(bf16, h, residual, L->input_norm, b.x, residual, m, hidden, s->eps);
     }
     if ((rc = linear(&L->qkv, bf16, b.x, b.qkv, &b, m))) return rc;
-    const char* qkv = (const char*)b.qkv;
+    const char* qk = (const char*)b.qkv;  // q and k as RoPE takes them: normed per head, if the model does
     if (L->q_norm) {
       qk_norms(s, L, b.qkv, b.t, m);
-      qkv = (const char*)b.t;
+      qk = (const char*)b.t;
     }
+    const char* v = (const char*)b.qkv + (hq + hkv) * hd * es;
     if (bf16) {
-      rope_write_kv_bf16((const uint16_t*)qkv, (const uint16_t*)(qkv + hq * hd * es),
-                         (const uint16_t*)(qkv + (hq + hkv) * hd * es), nqkv, nqkv, nqkv, positions, slots, L->cos_sin, b.q, b.k,
-                         L->k_cache, L->v_cache, m, hq, hkv, hd);
+      rope_write_kv_bf16((const uint16_t*)qk, (const uint16_t*)(qk + hq * hd * es), (const uint16_t*)v, nqkv, nqkv,
+                         nqkv, positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_bf16(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                              (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
                              s->generic_attention, L->window, 0.f);
     } else {
-      rope_write_kv_f32((const float*)qkv, (const float*)(qkv + hq * hd * es), (const float*)(qkv + (hq + hkv) * hd * es),
-                        nqkv, nqkv, nqkv, positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
+      rope_write_kv_f32((const float*)qk, (const float*)(qk + hq * hd * es), (const float*)v, nqkv, nqkv, nqkv,
+                        positions, slots, L->cos_sin, b.q, b.k, L->k_cache, L->v_cache, m, hq, hkv, hd);
       rc = paged_decode_f32(b.q, hq * hd, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, rows, b.attn,
                             (int)m, (int)hq, (int)hkv, (int)hd, (int)s->block_size, max_len, s->scale,
                             s->generic_attention, L->window, 0.f);
