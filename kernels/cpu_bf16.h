@@ -18,6 +18,9 @@ static inline __m512i bf16_round_bits16(__m512 v) {
                                           _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
   return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
+
+// The same rounding, the bf16 bits in each lane's low half (what a store of 16 bf16 values takes).
+static inline __m512i bf16_bits16(__m512 v) { return _mm512_srli_epi32(bf16_round_bits16(v), 16); }
 #endif
 
 static inline float bf16_to_f32(uint16_t x) {

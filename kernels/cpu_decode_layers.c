@@ -185,8 +185,8 @@ static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int6
     const int64_t g = i * 2 * f + j, u = g + f;
     if (bf16) {
       const __m512 y = bf16_exact16(gelu16(bf16_load16((const uint16_t*)gu + g)));
-      const __m512 r = bf16_exact16(_mm512_mul_ps(y, bf16_load16((const uint16_t*)gu + u)));
-      _mm256_storeu_si256((__m256i*)((uint16_t*)out + i * f + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
+      const __m512i r = bf16_bits16(_mm512_mul_ps(y, bf16_load16((const uint16_t*)gu + u)));
+      _mm256_storeu_si256((__m256i*)((uint16_t*)out + i * f + j), _mm512_cvtepi32_epi16(r));
     } else {
       const __m512 y = gelu16(_mm512_loadu_ps((const float*)gu + g));
       _mm512_storeu_ps((float*)out + i * f + j, _mm512_mul_ps(y, _mm512_loadu_ps((const float*)gu + u)));

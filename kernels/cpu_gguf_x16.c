@@ -67,9 +67,6 @@ static int x16_kind(int qtype) {
   }
 }
 
-// A bf16 layer's output rounded in the GEMM's store (no pass after it): the bits in each lane's low half.
-static inline __m512i bf16_bits(__m512 v) { return _mm512_srli_epi32(bf16_round_bits16(v), 16); }
-
 // 4 activation bytes broadcast to the 16 lanes (an unaligned, aliasing load).
 static inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(*(const int32_t __attribute__((may_alias, aligned(1)))*)p);
@@ -170,7 +167,7 @@ static inline __attribute__((always_inline)) void x16_groups(
       const __m512 out = _mm512_add_ps(_mm512_add_ps(acc[r], accm[r]), bv);
       const int64_t at = (r0 + r) * n + g * 16;
       if (bf16)
-        _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)y + at, keep, bf16_bits(out));
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)y + at, keep, bf16_bits16(out));
       else
         _mm512_mask_storeu_ps((float*)y + at, keep, out);
     }
