@@ -99,6 +99,14 @@ def check_gemm(gemm, raw: torch.Tensor, qtype: int, m: int, bias: bool, seed: in
     assert rel < 0.02, rel  # ~0.6 % expected for Gaussian rows (a step of max|x| / 127 ~ 2.5 sigma / 127)
 
 
+def build_gguf(so: Path, march: str = "native", *defines: str) -> subprocess.CompletedProcess[str]:
+    """The GGUF kernels alone, built into `so` for -march=`march` (with -D `defines`)."""
+    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
+    flags = [f for f in native_build.FLAGS if f != "-march=native"]
+    return subprocess.run(["gcc", *flags, f"-march={march}", *defines, "-o", str(so), *srcs],
+                          capture_output=True, text=True)
+
+
 @pytest.fixture(scope="module")
 def native_lib() -> ctypes.CDLL:
     if cpu_native.library() is None or not gguf_native.format_supported(gguf_blocks.Q8_0):
@@ -149,10 +157,8 @@ def test_x16_gemm_tiles_give_the_same_outputs(native_lib: ctypes.CDLL, tmp_path:
     tiles and chunks included."""
     if not gguf_native.x16_supported(gguf_blocks.Q8_0):
         pytest.skip("the x16 GEMM needs AVX512-VNNI")
-    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
     so = tmp_path / "gguf_tiny_tiles.so"
-    proc = subprocess.run(["gcc", *native_build.FLAGS, "-DX16_TILE_BYTES=4000", "-o", str(so), *srcs],
-                          capture_output=True, text=True)
+    proc = build_gguf(so, "native", "-DX16_TILE_BYTES=4000")
     assert proc.returncode == 0, proc.stderr[-500:]
     tiny = gguf_native.declare(ctypes.CDLL(str(so)))
     for qtype, n, k in ((gguf_blocks.Q8_0, 1000, 64), (gguf_blocks.Q4_1, 700, 128), (gguf_blocks.Q6_K, 300, 256)):
@@ -226,10 +232,8 @@ def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
 def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -> None:
     """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone (with the
     dequantizer: its portable fp16 conversion where the CPU has no F16C)."""
-    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
     so = tmp_path / f"gguf_{march}.so"
-    flags = [f for f in native_build.FLAGS if f != "-march=native"]
-    proc = subprocess.run(["gcc", *flags, f"-march={march}", "-o", str(so), *srcs], capture_output=True, text=True)
+    proc = build_gguf(so, march)
     if proc.returncode != 0:
         pytest.skip(f"gcc cannot build for -march={march}: {proc.stderr[-200:]}")
     lib = gguf_native.declare(ctypes.CDLL(str(so)))
@@ -248,10 +252,8 @@ def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -
 def test_activation_quantizer_matches_plain_c(native_lib: ctypes.CDLL, tmp_path: Path) -> None:
     """The 8-bit activation blocks (scale, codes, scaled sums) of this CPU's build equal the plain-C
     build's bit for bit: rounding ties to even, zero blocks, signs, a lone maximum."""
-    srcs = [str(Path(gguf_native.__file__).with_name(n)) for n in ("cpu_gguf.c", "cpu_gguf_dequant.c", "cpu_gguf_x16.c")]
     so = tmp_path / "gguf_plain.so"
-    flags = [f for f in native_build.FLAGS if f != "-march=native"]
-    proc = subprocess.run(["gcc", *flags, "-march=x86-64", "-o", str(so), *srcs], capture_output=True, text=True)
+    proc = build_gguf(so, "x86-64")
     if proc.returncode != 0:
         pytest.skip(f"gcc cannot build for -march=x86-64: {proc.stderr[-200:]}")
     plain = ctypes.CDLL(str(so))
