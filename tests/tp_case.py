@@ -17,6 +17,11 @@ import torch
 from rill.kernels.ops import make_attention_metadata
 
 BLOCK = 4
+TABLES = [[3, 1, 7], [0, 9, 2, 5]]  # the two sequences' KV blocks
+
+
+def prompts_of(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3) % vocab for i in range(8)], [(11 * i + 5) % vocab for i in range(13)]]
 
 
 def steps(model) -> torch.Tensor:
@@ -24,9 +29,7 @@ def steps(model) -> torch.Tensor:
     second chunk reading the first's KV from the cache), then one decode step of both."""
     caches = model.allocate_kv_cache(16, BLOCK)
     dev = model.device
-    vocab = model.cfg.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(8)], [(11 * i + 5) % vocab for i in range(13)]]
-    tables = [[3, 1, 7], [0, 9, 2, 5]]
+    prompts, tables = prompts_of(model.cfg.vocab_size), TABLES
     done = [0, 0]
     out = []
     with torch.inference_mode():
@@ -48,9 +51,7 @@ def graph_decode(model) -> torch.Tensor:
 
     caches = model.allocate_kv_cache(16, BLOCK)
     dev = model.device
-    vocab = model.cfg.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(8)], [(11 * i + 5) % vocab for i in range(13)]]
-    tables = [[3, 1, 7], [0, 9, 2, 5]]
+    prompts, tables = prompts_of(model.cfg.vocab_size), TABLES
     with torch.inference_mode():
         lens = [len(p) - 1 for p in prompts]
         positions, meta = make_attention_metadata(tables, [0, 0], lens, BLOCK, dev)
