@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import msgspec
 import redis
@@ -32,6 +33,7 @@ from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.memory import resident_bytes, weight_bytes
 from rill.services.worker.model_runner import ModelRunner
+from rill.services.worker.step_threads import StepThreads
 from rill.services.worker.tensor_parallel import TensorParallelError, TPGroup
 from rill.shared import envs
 from rill.shared.bus import Backoff, Bus, hot_connection
@@ -189,6 +191,10 @@ class _PlanLoop:
         self.results = self.bus.hot  # results are posted here; their replies are taken with the next post
         self.unconfirmed: list[StepResult] = []  # results whose XADD reply was not taken yet
         self.reconnected = False
+        # CPU, one process: a step may leave a core to the pipeline's other services (ranks of a
+        # tensor-parallel group keep theirs: they step in lock-step).
+        timed = runner.device == "cpu" and tp is None and envs.RILL_STEP_THREADS
+        self.threads = StepThreads(torch.get_num_threads() if timed else 1)
 
     def run(self, stop: StopFlag) -> None:
         while not stop:
@@ -261,7 +267,7 @@ class _PlanLoop:
             return True
         if isinstance(msg, StepPlan):
             self._post_read()  # the next plan's read waits in the socket while this step runs
-            result = self.runner.execute(msg)
+            result = self._execute(msg)
             if self.lead:
                 self.transfers.run(msg, result)
                 self._post_result(result)
@@ -275,6 +281,15 @@ class _PlanLoop:
             log.info("shutdown requested: %s", msg.reason or "no reason given")
             return False
         return True
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        threads = self.threads.choose(plan)
+        if len(self.threads.options) > 1 and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        result = self.runner.execute(plan)
+        self.threads.record(plan, threads, time.perf_counter() - start)
+        return result
 
     def _post_read(self) -> None:
         self.plans.post([Bus.xread(self.plan_stream, self.last_id, POLL_MS, count=1)])  # type: ignore[arg-type]
