@@ -195,21 +195,25 @@ class _Server:
     def __init__(self, prompts: list[list[int]], out_len: int) -> None:
         self.prompts, self.out_len = prompts, out_len
 
-    def measure(self, conc: int | None, prompts: list[list[int]] | None = None) -> Row:
+    def measure(self, conc: int | None, prompts: list[list[int]] | None = None,
+                warm: list[list[int]] | None = None) -> Row:
+        """`prompts` (default: the shared workload) after the warm-up requests `warm` (default:
+        its first two)."""
         import argparse as ap
         import asyncio
 
         import rill.services.clients.bench_serve as bs
 
         prompts = prompts or self.prompts
+        warm = prompts[:2] if warm is None else warm
         parser = ap.ArgumentParser()
         bs.add_arguments(parser)  # its defaults for whatever this run does not set
         args = parser.parse_args(["--base-url", f"http://127.0.0.1:{self.port}", "--num-prompts", str(len(prompts)),
                                   "--output-len", str(self.out_len), "--ignore-eos", "--temperature", "0",
                                   "--timeout", "1200", "--quiet"]
                                  + ([] if conc is None else ["--max-concurrency", str(conc)]))
-        # The shared workload, after two warm-up requests.
-        dataset = [bs.Prompt(p, len(p), self.out_len) for p in prompts[:2] + prompts]
+        args.warmup = len(warm)
+        dataset = [bs.Prompt(p, len(p), self.out_len) for p in warm + prompts]
         before, t0, c0 = tree_cpu(self.proc.pid, self.root_role), time.perf_counter(), time.process_time()
         r = asyncio.run(bs.run_benchmark(args, dataset))
         split = cpu_split(before, tree_cpu(self.proc.pid, self.root_role), time.process_time() - c0,
@@ -282,20 +286,27 @@ class LlamaServer(_Server):
 def compare_llama_server(args: argparse.Namespace, model_dir: str, dtype: str, prompts: list[list[int]], out: int,
                          budget: int) -> None:
     """Rill's pipeline against llama-server, same GGUF, same prompts, in alternating turns: 1, 8
-    and 32 streams, then a single-stream section (one 155-token prompt at a time)."""
+    and 32 streams, then a single-stream section (one 155-token prompt at a time).
+
+    Every phase, warm-ups included, sends prompts neither server has seen: llama-server keeps
+    each slot's last prompt and computes only the tokens after the longest match, so a prompt
+    sent again cost it one token of prefill, while Rill (prefix caching off, for the in-process
+    comparison) computed all of it."""
     gguf = gguf_source(args.model)
     if gguf is None:
         raise SystemExit("--llama-server compares on a .gguf model; give one (or none: the default GGUF)")
-    single = workload(4, 155, 155, seed=1)
+    lo, hi = (int(x) for x in args.input_range.split(":"))
+    phases = [("1 stream", 1, workload(8 + 2, lo, hi, seed=11)), ("8 streams", 8, workload(len(prompts) + 2, lo, hi, seed=12)),
+              ("32 streams", 32, workload(len(prompts) + 2, lo, hi, seed=13)),
+              ("single stream", 1, workload(4 + 2, 155, 155, seed=14))]
     extra = ["--speculative-config", args.rill_speculative_config] if args.rill_speculative_config else []
     servers = [Pipeline(model_dir, dtype, prompts, out, args.quantization, budget, extra),
                LlamaServer(args.llama_server, gguf, prompts, out, slots=32)]
     rows: dict[tuple[str, str], Row] = {}
     try:
-        for i, (name, conc, subset) in enumerate([("1 stream", 1, prompts[:8]), ("8 streams", 8, None),
-                                                  ("32 streams", 32, None), ("single stream", 1, single)]):
+        for i, (name, conc, fresh) in enumerate(phases):
             for server in servers if i % 2 == 0 else servers[::-1]:
-                rows[(name, server.label)] = server.measure(conc, subset)
+                rows[(name, server.label)] = server.measure(conc, fresh[2:], warm=fresh[:2])
     finally:
         for server in servers:
             server.close()
