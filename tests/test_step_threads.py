@@ -61,3 +61,12 @@ def test_prompt_steps_and_single_thread_workers_take_every_thread() -> None:
     assert threads.summary() == {}
     lone = StepThreads(1)
     assert lone.options == (1,) and serve(lone, plan(1), {1: 0.1}, 3) == [1, 1, 1]
+
+
+def test_a_size_settled_on_fewer_threads_is_logged_once(caplog) -> None:
+    threads = StepThreads(2)
+    with caplog.at_level("INFO", logger="rill.worker"):
+        serve(threads, plan(1), {2: 0.009, 1: 0.005}, 3 * RETRY_STEPS)
+        serve(threads, plan(*[1] * 8), {2: 0.010, 1: 0.015}, 10)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(lines) == 1 and lines[0].startswith("decode batches of 1 rows run on 1 threads"), lines

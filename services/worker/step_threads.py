@@ -14,6 +14,7 @@ whole step's worth (a 512-token step took 1.8x as long on one of two cores).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from rill.shared.schema import StepPlan
@@ -21,6 +22,8 @@ from rill.shared.schema import StepPlan
 SMOOTHING = 0.25  # weight of the newest step time in a count's running mean
 RETRY_STEPS = 64  # steps of a shape before the slower count is timed again, doubled per loss
 MAX_BACKOFF = 6  # at most 64 x 2^6 steps between tries
+
+log = logging.getLogger("rill.worker")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class StepThreads:
     def __init__(self, most: int) -> None:
         self.options = (most, most - 1) if most > 1 else (most,)
         self._shapes: dict[int, tuple[int, dict[int, _Timing]]] = {}
+        self._told: dict[int, int] = {}  # the count last logged per batch size
 
     @staticmethod
     def shape(plan: StepPlan) -> int | None:
@@ -73,6 +77,20 @@ class StepThreads:
         others = [o.mean_s for n, o in timings.items() if n != threads and o.mean_s is not None]
         t.losses = t.losses + 1 if others and t.mean_s > min(others) else 0
         self._shapes[key] = (steps + 1, timings)
+        self._tell(key, timings)
+
+    def _tell(self, rows: int, timings: dict[int, _Timing]) -> None:
+        """Log a batch size's count when it changes; at info the first time one settles on fewer
+        threads than the worker has (the decision a reader of the log would not guess)."""
+        if any(t.mean_s is None for t in timings.values()):
+            return
+        best = min(timings, key=lambda n: timings[n].mean_s or 0.0)
+        if self._told.get(rows) != best:
+            level = logging.INFO if rows not in self._told and best < self.options[0] else logging.DEBUG
+            size = f"{rows // 2 + 1}-{rows}" if rows > 2 else str(rows)
+            log.log(level, "decode batches of %s rows run on %d threads (%s)", size, best,
+                    ", ".join(f"{n}: {(t.mean_s or 0.0) * 1e3:.1f} ms" for n, t in sorted(timings.items())))
+            self._told[rows] = best
 
     def summary(self) -> dict[int, int]:
         """The count each timed batch size runs on now, e.g. {1: 1, 8: 2}."""
