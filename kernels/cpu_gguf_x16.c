@@ -45,7 +45,8 @@ int gguf_gemm_x16_supported(int qtype) {
          qtype == Q6_K;
 }
 
-enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q5_F, X16_Q6 };  // the five layouts
+// The five layouts, and Q4_0 in Q4_1's: its mins (-8 d) are left out for an integer offset.
+enum { X16_Q4_1, X16_Q8_0, X16_Q4_F, X16_Q5_F, X16_Q6, X16_Q4_0 };
 
 static inline int64_t x16_block_bytes(int kind) {
   switch (kind) {
@@ -60,6 +61,7 @@ static inline int64_t x16_block_bytes(int kind) {
 static int x16_kind(int qtype) {
   switch (qtype) {
     case Q8_0: case Q5_0: return X16_Q8_0;
+    case Q4_0: return X16_Q4_0;
     case Q4_K: return X16_Q4_F;
     case Q5_K: return X16_Q5_F;
     case Q6_K: return X16_Q6;
@@ -73,8 +75,9 @@ static inline __m512i x4(const int8_t* p) {
 }
 
 // Output rows of groups g0..g1-1 for activation rows r0..r0+R-1. Q4_1: w = d q + m, q unsigned
-// nibbles; Q8_0: w = d q, q stored + 128 (vpdpbusd wants one unsigned operand), which takes back
-// 128 d sum(x) through the activation sums s = d_x sum(q_x). Inlined with R a constant (x16_pass)
+// nibbles; Q8_0: w = d q, q stored + 128 (vpdpbusd wants one unsigned operand): each dot starts
+// at -128 sum(q_x), an integer, so the sum is exact and no min term (a multiply, on the ports the
+// dot products use) is needed; Q4_0 (nibbles, w = d (q - 8)) the same from -8 sum(q_x). Inlined with R a constant (x16_pass)
 // so acc[] and accm[] stay in registers, the activation bytes broadcast from the row itself (copied
 // to a local array first, they went through the stack: the 8-row passes then gained nothing).
 static inline __attribute__((always_inline)) void x16_groups(
@@ -82,6 +85,7 @@ static inline __attribute__((always_inline)) void x16_groups(
     const int32_t* o, int64_t k, int64_t r0, int R, int64_t g0, int64_t g1, int64_t n, const float* bias, void* y,
     int bf16) {
   const int Q8 = kind == X16_Q8_0, Q5 = kind == X16_Q5_F, F32 = kind == X16_Q4_F || Q5, Q6 = kind == X16_Q6;
+  const int offset = Q8 || kind == X16_Q4_0;  // w = d (q - c): the dots start at -c sum(x) (o)
   const int64_t bytes = x16_block_bytes(kind);
   const int64_t values = F32 ? 128 : 64;
   const __m512i m15 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16), m48 = _mm512_set1_epi8(48);
@@ -141,9 +145,23 @@ static inline __attribute__((always_inline)) void x16_groups(
         }
         continue;
       }
-      const __m512 cw = Q8    ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.f))
-                        : F32 ? _mm512_loadu_ps(p + 64)
-                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+      if (offset) {  // exact integer sums, no min term
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* xq = q + row * k + b * 32;  // 4 activation bytes broadcast per vpdpbusd
+          __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(o[row * nb + b]), v[0], x4(xq));
+          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], x4(xq + 16));
+          for (int t = 1; t < 4; ++t) {
+            s0 = _mm512_dpbusd_epi32(s0, v[t], x4(xq + 4 * t));
+            s1 = _mm512_dpbusd_epi32(s1, v[4 + t], x4(xq + 16 + 4 * t));
+          }
+          const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(d[row * nb + b]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sc, acc[r]);
+        }
+        continue;
+      }
+      const __m512 cw = F32 ? _mm512_loadu_ps(p + 64) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -177,6 +195,7 @@ static inline __attribute__((always_inline)) void x16_groups(
 #define X16_CASE(R)                                                                                \
   case R:                                                                                          \
     if (kind == X16_Q8_0) x16_groups(X16_Q8_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16);    \
+    else if (kind == X16_Q4_0) x16_groups(X16_Q4_0, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16); \
     else if (kind == X16_Q4_F) x16_groups(X16_Q4_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16); \
     else if (kind == X16_Q5_F) x16_groups(X16_Q5_F, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16); \
     else if (kind == X16_Q6) x16_groups(X16_Q6, w, nb, q, d, s, o, k, r0, R, g0, g1, n, bias, y, bf16);   \
@@ -203,7 +222,7 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
   int8_t* q = (int8_t*)scratch;
   float* d = (float*)(scratch + (m * k + 3) / 4 * 4);
   float* s = d + m * nb;
-  int32_t* o = (int32_t*)(s + m * nb);  // Q6_K: -32 sum(x) per 16 values
+  int32_t* o = (int32_t*)(s + m * nb);  // Q6_K: -32 sum(x) per 16 values; Q8_0 / Q4_0: -128 / -8 sum(x) per 32
   const int team = m * n * k < SERIAL_WORK ? 1 : omp_get_max_threads();
   // Quantized row by row across the team from a few rows up: serial, it took a third of a 192-column
   // GEMM at 512 rows and a sixth of a 576 x 1536 one at 32.
@@ -213,6 +232,11 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
     if (kind == X16_Q6)
       for (int64_t j = 2 * i * nb; j < 2 * (i + 1) * nb; ++j)
         o[j] = -32 * _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j))));
+    else if (kind == X16_Q8_0 || kind == X16_Q4_0)
+      for (int64_t j = i * nb; j < (i + 1) * nb; ++j)
+        o[j] = (kind == X16_Q8_0 ? -128 : -8) * _mm512_reduce_add_epi32(_mm512_add_epi32(
+                          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * j))),
+                          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * j + 16)))));
   }
   // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
   const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
