@@ -145,28 +145,16 @@ static inline __attribute__((always_inline)) void x16_groups(
         }
         continue;
       }
-      if (offset) {  // exact integer sums, no min term
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const int64_t row = r0 + r;
-          const int8_t* xq = q + row * k + b * 32;  // 4 activation bytes broadcast per vpdpbusd
-          __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(o[row * nb + b]), v[0], x4(xq));
-          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], x4(xq + 16));
-          for (int t = 1; t < 4; ++t) {
-            s0 = _mm512_dpbusd_epi32(s0, v[t], x4(xq + 4 * t));
-            s1 = _mm512_dpbusd_epi32(s1, v[4 + t], x4(xq + 16 + 4 * t));
-          }
-          const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(d[row * nb + b]));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sc, acc[r]);
-        }
-        continue;
-      }
-      const __m512 cw = F32 ? _mm512_loadu_ps(p + 64) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+      // The mins (Q4_1, the K formats); with an offset (Q8_0, Q4_0) the sums are exact without them.
+      const __m512 cw = offset ? _mm512_setzero_ps()
+                        : F32  ? _mm512_loadu_ps(p + 64)
+                               : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = q + row * k + b * 32;  // 4 activation bytes broadcast per vpdpbusd
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x4(xq));
+        const __m512i start = offset ? _mm512_set1_epi32(o[row * nb + b]) : _mm512_setzero_si512();
+        __m512i s0 = _mm512_dpbusd_epi32(start, v[0], x4(xq));
         __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], x4(xq + 16));
         for (int t = 1; t < 4; ++t) {
           s0 = _mm512_dpbusd_epi32(s0, v[t], x4(xq + 4 * t));
@@ -174,7 +162,7 @@ static inline __attribute__((always_inline)) void x16_groups(
         }
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(d[row * nb + b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sc, acc[r]);
-        accm[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(s[row * nb + b]), accm[r]);
+        if (!offset) accm[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(s[row * nb + b]), accm[r]);
       }
     }
     const int64_t cols = n - g * 16 < 16 ? n - g * 16 : 16;
