@@ -194,7 +194,7 @@ class _PlanLoop:
         # CPU, one process: a step may leave a core to the pipeline's other services (ranks of a
         # tensor-parallel group keep theirs: they step in lock-step).
         timed = runner.device == "cpu" and tp is None and envs.RILL_STEP_THREADS
-        self.threads = StepThreads(torch.get_num_threads() if timed else 1)
+        self.threads = StepThreads(torch.get_num_threads()) if timed else None
 
     def run(self, stop: StopFlag) -> None:
         while not stop:
@@ -283,8 +283,10 @@ class _PlanLoop:
         return True
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        if self.threads is None:
+            return self.runner.execute(plan)
         threads = self.threads.choose(plan)
-        if len(self.threads.options) > 1 and threads != torch.get_num_threads():
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         start = time.perf_counter()
         result = self.runner.execute(plan)

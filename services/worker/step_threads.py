@@ -1,5 +1,5 @@
 """How many threads each CPU step runs on: all of the worker's, or one fewer, whichever its steps
-of that shape took less time on while serving.
+of that batch size took less time on while serving.
 
 On a machine the worker shares with the rest of the pipeline (scheduler, broker, detokenizer,
 gateway: `rill serve` on one host), each slice those take from a core stalls the worker's
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from rill.shared.schema import StepPlan
 
 SMOOTHING = 0.25  # weight of the newest step time in a count's running mean
-RETRY_STEPS = 64  # steps of a shape before the slower count is timed again, doubled per loss
+RETRY_STEPS = 64  # steps of a batch size before its slower count is timed again, doubled per loss
 MAX_BACKOFF = 6  # at most 64 x 2^6 steps between tries
 
 log = logging.getLogger("rill.worker")
@@ -29,7 +29,7 @@ log = logging.getLogger("rill.worker")
 @dataclass
 class _Timing:
     mean_s: float | None = None
-    last_tried: int = 0  # the shape's step count when this count last ran
+    last_tried: int = 0  # the size's step count when this count last ran
     losses: int = 0  # tries in a row that left it slower
 
 
@@ -38,11 +38,11 @@ class StepThreads:
 
     def __init__(self, most: int) -> None:
         self.options = (most, most - 1) if most > 1 else (most,)
-        self._shapes: dict[int, tuple[int, dict[int, _Timing]]] = {}
+        self._sizes: dict[int, tuple[int, dict[int, _Timing]]] = {}
         self._told: dict[int, int] = {}  # the count last logged per batch size
 
     @staticmethod
-    def shape(plan: StepPlan) -> int | None:
+    def batch_size(plan: StepPlan) -> int | None:
         """A decode-only step's rows rounded up to a power of two; None for any other step."""
         counts = plan.num_scheduled_tokens
         if not counts or any(n != 1 for n in counts):
@@ -50,10 +50,10 @@ class StepThreads:
         return 1 << (len(counts) - 1).bit_length()
 
     def choose(self, plan: StepPlan) -> int:
-        key = self.shape(plan)
+        key = self.batch_size(plan)
         if len(self.options) == 1 or key is None:
             return self.options[0]
-        steps, timings = self._shapes.setdefault(key, (0, {n: _Timing() for n in self.options}))
+        steps, timings = self._sizes.setdefault(key, (0, {n: _Timing() for n in self.options}))
         untried = [n for n in self.options if timings[n].mean_s is None]
         if untried:
             return untried[0]
@@ -65,10 +65,10 @@ class StepThreads:
         return best
 
     def record(self, plan: StepPlan, threads: int, seconds: float) -> None:
-        key = self.shape(plan)
+        key = self.batch_size(plan)
         if len(self.options) == 1 or key is None:
             return
-        steps, timings = self._shapes[key]
+        steps, timings = self._sizes[key]
         t = timings[threads]
         # A count timed long ago starts over: the load it was timed under has moved on.
         fresh = t.mean_s is None or steps - t.last_tried >= RETRY_STEPS
@@ -76,7 +76,7 @@ class StepThreads:
         t.last_tried = steps + 1
         others = [o.mean_s for n, o in timings.items() if n != threads and o.mean_s is not None]
         t.losses = t.losses + 1 if others and t.mean_s > min(others) else 0
-        self._shapes[key] = (steps + 1, timings)
+        self._sizes[key] = (steps + 1, timings)
         self._tell(key, timings)
 
     def _tell(self, rows: int, timings: dict[int, _Timing]) -> None:
@@ -95,5 +95,5 @@ class StepThreads:
     def summary(self) -> dict[int, int]:
         """The count each timed batch size runs on now, e.g. {1: 1, 8: 2}."""
         return {rows: min(timings, key=lambda n: timings[n].mean_s or 0.0)
-                for rows, (_, timings) in sorted(self._shapes.items())
+                for rows, (_, timings) in sorted(self._sizes.items())
                 if all(t.mean_s is not None for t in timings.values())}
