@@ -7,7 +7,9 @@
   a worker. Requests that arrive meanwhile fail the same way within seconds; the restarted
   worker's WorkerReady makes the scheduler start over with it (see SchedulerService).
 - Dead gateways: requests whose gateway (its reply stream) announced itself and then stopped
-  beating are aborted, freeing their KV blocks; the dead gateway's reply stream is left to expire.
+  beating are aborted, freeing their KV blocks, each with an error reply (a gateway that only
+  looked dead passes it on); the dead gateway's reply stream is left to expire. One that beats
+  and announces itself again is alive again.
 - Broker restarts: the broker's run_id is compared every second; a new one raises
   BrokerRestarted, so the loop starts over (the restarted broker lost plans, results, groups).
 - Trimming: entries of the engine's input stream that were read and acked are trimmed away.
@@ -33,6 +35,8 @@ BROKER_CHECK_S = 1.0
 TRIM_EVERY_S = 2.0
 WORKER_LOST = ("the engine is not available: its worker stopped (no heartbeat); "
                "the request was not completed, retry once the engine is back")
+GATEWAY_LOST = ("the engine lost its gateway's heartbeat and dropped this request; "
+                "the request was not completed, please retry")
 
 
 class EngineGuard:
@@ -136,6 +140,12 @@ class EngineGuard:
         registered = {m.decode() if isinstance(m, bytes) else m for m in registered_raw}
         dead: list[str] = []
         for t, beating in zip(targets, alive, strict=True):
+            if t in self.dead and beating and t in registered:
+                # Declared dead while its key was out of reach (a broker failover, a stalled
+                # beat), yet beating and announced again: alive, and its new requests are served.
+                del self.dead[t]
+                self.gateways.pop(t, None)
+                log.warning("gateway %s is beating again: serving its requests", t)
             if t in self.dead:
                 dead.append(t)  # a late request of a gateway already declared dead
             elif t not in registered:
@@ -145,16 +155,21 @@ class EngineGuard:
         if not dead:
             return
         doomed = set(dead)
-        ids = [req.request_id for req in sched.requests.values() if req.reply_to in doomed]
+        reqs = [req for req in sched.requests.values() if req.reply_to in doomed]
+        ids = [req.request_id for req in reqs]
         for rid in ids:
             sched.abort(rid)
+        # Each also gets an error reply: a gateway that only looked dead tells its client at once
+        # instead of leaving it waiting; a dead one's stream expires with it unread (below).
+        for req in reqs:
+            self.send_error(req, GATEWAY_LOST, 503)
         pipe = self.bus.r.pipeline(transaction=False)
         for t in dead:
+            pipe.expire(t, REPLY_TTL_S)  # also recreated by an error reply after it had expired
             if t not in self.dead:
                 log.warning("gateway %s stopped beating: aborted its requests", t)
                 pipe.srem(s.gateways_key(), t)
-                pipe.expire(t, REPLY_TTL_S)  # nobody reads it any more
-                pipe.expire(s.requests_for(t), REPLY_TTL_S)  # nor writes this one
+                pipe.expire(s.requests_for(t), REPLY_TTL_S)  # nobody writes this one any more
                 self.dead[t] = None
                 self.gateways.pop(t, None)
         while len(self.dead) > 4096:
