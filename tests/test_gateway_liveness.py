@@ -9,18 +9,15 @@ a word, and its clients waited until their own timeouts.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import pytest
 import test_plan_timing
-from test_plan_timing import SlowWorker
+from test_plan_timing import slow_engine
 
-from rill.services.scheduler.service import SchedulerService
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
-from rill.shared.lifecycle import StopFlag
 from rill.shared.request_params import SamplingParams
 from rill.shared.schema import ErrorReply, TokenizedRequest, gateway_input_decoder
 
@@ -47,32 +44,23 @@ def wait_for(check, timeout: float, what: str):  # noqa: ANN001, ANN201
 def test_a_gateway_that_beats_again_is_served_again(redis_url: str, prefix: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(test_plan_timing, "STEP_S", 0.05)  # 240 tokens: 12 s a request
-    worker_bus, sched_bus, client = (Bus(redis_url, prefix, name=f"{n}-{uuid.uuid4().hex[:6]}")
-                                     for n in ("worker", "scheduler", "client"))
-    worker = SlowWorker(worker_bus)
-    stop = StopFlag(install=False)
-    service = SchedulerService(sched_bus, EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64,
-                                                     enable_prefix_caching=False), stop)
-    s = client.streams
-    gateway = s.reply(f"gw-{uuid.uuid4().hex[:6]}")
-    beat = s.heartbeat("gateway", gateway)
+    args = EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    with slow_engine(redis_url, prefix, args) as (client, worker, _):
+        s = client.streams
+        gateway = s.reply(f"gw-{uuid.uuid4().hex[:6]}")
+        beat = s.heartbeat("gateway", gateway)
 
-    def announce() -> None:  # what the gateway's heartbeat thread does every second
-        client.r.set(beat, b"1", ex=120)
-        client.r.sadd(s.gateways_key(), gateway)
+        def announce() -> None:  # what the gateway's heartbeat thread does every second
+            client.r.set(beat, b"1", ex=120)
+            client.r.sadd(s.gateways_key(), gateway)
 
-    def submit(rid: str) -> None:
-        client.send(s.engine_in(0), TokenizedRequest(
-            request_id=rid, reply_to=gateway, prompt_token_ids=list(range(3, 8)),
-            params=SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True), eos_token_ids=[2],
-            arrival_time=time.time()))
+        def submit(rid: str) -> None:
+            client.send(s.engine_in(0), TokenizedRequest(
+                request_id=rid, reply_to=gateway, prompt_token_ids=list(range(3, 8)),
+                params=SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True), eos_token_ids=[2],
+                arrival_time=time.time()))
 
-    client.r.set(service.guard.worker_key, b"1", ex=120)  # the worker's heartbeat
-    announce()
-    worker.start()
-    loop = threading.Thread(target=service.run, daemon=True)
-    loop.start()
-    try:
+        announce()
         submit("a")
         worker.first_step_with("a")
         client.r.delete(beat)  # its key went with a failed master; the gateway itself lives on
@@ -86,10 +74,3 @@ def test_a_gateway_that_beats_again_is_served_again(redis_url: str, prefix: str,
         time.sleep(4)  # four reaping passes later b still runs: it was neither dropped nor failed
         assert "b" in worker.plans[-1].scheduled_request_ids
         assert errors_for(client, gateway, "b") == []
-    finally:
-        stop.set()
-        worker.stop.set()
-        loop.join(10)
-        worker.join(10)
-        for bus in (worker_bus, sched_bus, client):
-            bus.close()

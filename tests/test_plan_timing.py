@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -186,6 +188,30 @@ class SlowWorker(threading.Thread):
         raise AssertionError(f"{rid} was never scheduled")
 
 
+@contextmanager
+def slow_engine(redis_url: str, prefix: str, args: EngineArgs) -> Iterator[tuple[Bus, SlowWorker, SchedulerService]]:
+    """A real scheduler over the broker with a SlowWorker behind it, both running: (a client's
+    bus, the worker, the service); stopped and closed after."""
+    worker_bus, sched_bus, client = (Bus(redis_url, prefix, name=f"{n}-{uuid.uuid4().hex[:6]}")
+                                     for n in ("worker", "scheduler", "client"))
+    worker = SlowWorker(worker_bus)
+    stop = StopFlag(install=False)
+    service = SchedulerService(sched_bus, args, stop)
+    client.r.set(service.guard.worker_key, b"1", ex=120)  # the worker's heartbeat
+    worker.start()
+    loop = threading.Thread(target=service.run, daemon=True)
+    loop.start()
+    try:
+        yield client, worker, service
+    finally:
+        stop.set()
+        worker.stop.set()
+        loop.join(10)
+        worker.join(10)
+        for bus in (worker_bus, sched_bus, client):
+            bus.close()
+
+
 def submit(bus: Bus, rid: str, prompt_len: int) -> None:
     bus.send(bus.streams.engine_in(0), TokenizedRequest(
         request_id=rid, reply_to=f"{bus.streams.prefix}:reply:test", prompt_token_ids=list(range(3, 3 + prompt_len)),
@@ -200,17 +226,8 @@ def test_a_request_arriving_early_in_a_decode_step_joins_the_next_plan(
     right after it. Sending plans ahead as soon as the step starts (lead 1.0: the behaviour
     before the timer) puts it one step later: the check can tell the two apart."""
     monkeypatch.setattr(plan_timing, "LEAD", lead)
-    worker_bus, sched_bus, client = (Bus(redis_url, prefix, name=f"{n}-{uuid.uuid4().hex[:6]}")
-                                     for n in ("worker", "scheduler", "client"))
-    worker = SlowWorker(worker_bus)
-    stop = StopFlag(install=False)
-    service = SchedulerService(sched_bus, EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64,
-                                                     enable_prefix_caching=False), stop)
-    client.r.set(service.guard.worker_key, b"1", ex=120)  # the worker's heartbeat
-    worker.start()
-    loop = threading.Thread(target=service.run, daemon=True)
-    loop.start()
-    try:
+    args = EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    with slow_engine(redis_url, prefix, args) as (client, worker, service):
         submit(client, "a", 5)
         worker.wait_step(6)  # a's prompt, then decode steps to measure
         with worker.step_started:
@@ -221,10 +238,3 @@ def test_a_request_arriving_early_in_a_decode_step_joins_the_next_plan(
         joined = worker.first_step_with("b")
         assert joined == running + 1 + steps_later, f"b arrived during step {running + 1}, ran first in {joined}"
         assert service.timer.decode_step_s == pytest.approx(STEP_S, rel=0.5)
-    finally:
-        stop.set()
-        worker.stop.set()
-        loop.join(10)
-        worker.join(10)
-        for bus in (worker_bus, sched_bus, client):
-            bus.close()

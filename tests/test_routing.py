@@ -3,24 +3,20 @@ and prefix summaries written by hand for fake engines; and a real scheduler's su
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
 import test_plan_timing
-from test_plan_timing import SlowWorker, submit
+from test_plan_timing import slow_engine, submit
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.prefix_summary import PrefixSummary, summary_bytes
-from rill.services.scheduler.service import SchedulerService
 from rill.services.tokenizer.router import BALANCE_ABS, Router
 from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, pack_summary, parse_summary
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.heartbeat import engine_beat_keys
-from rill.shared.lifecycle import StopFlag
 from rill.shared.schema import EngineStats, encode
 
 BS = 16
@@ -142,17 +138,8 @@ def test_a_real_scheduler_publishes_its_served_prompt_blocks(redis_url: str, pre
     """A scheduler (real, over the broker; the worker a stand-in) serves a prompt: its summary
     then holds the short hash of each of the prompt's full blocks."""
     monkeypatch.setattr(test_plan_timing, "STEP_S", 0.01)
-    worker_bus, sched_bus, client = (Bus(redis_url, prefix, name=f"{n}-{uuid.uuid4().hex[:6]}")
-                                     for n in ("worker", "scheduler", "client"))
-    worker = SlowWorker(worker_bus)
-    stop = StopFlag(install=False)
-    service = SchedulerService(sched_bus, EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64,
-                                                     block_size=BS), stop)
-    client.r.set(service.guard.worker_key, b"1", ex=120)  # the worker's heartbeat
-    worker.start()
-    loop = threading.Thread(target=service.run, daemon=True)
-    loop.start()
-    try:
+    args = EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64, block_size=BS)
+    with slow_engine(redis_url, prefix, args) as (client, _, _):
         submit(client, "a", 3 * BS + 3)  # token ids 3, 4, ...: three full blocks (+ 200 tokens: max_model_len)
         want = {h[:SHORT_HASH_BYTES] for h in block_hashes(list(range(3, 3 + 3 * BS + 3)), BS)}
         deadline = time.monotonic() + 20
@@ -162,13 +149,6 @@ def test_a_real_scheduler_publishes_its_served_prompt_blocks(redis_url: str, pre
                 break
             time.sleep(0.05)
         assert len(want) == 3 and want <= got
-    finally:
-        stop.set()
-        loop.join(10)
-        worker.stop.set()
-        worker.join(5)
-        for b in (worker_bus, sched_bus, client):
-            b.close()
 
 
 def test_serve_starts_data_parallel_engines_and_hands_the_tokenizer_its_policy() -> None:
