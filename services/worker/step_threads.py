@@ -33,12 +33,24 @@ class _Timing:
     losses: int = 0  # tries in a row that left it slower
 
 
+@dataclass
+class _Size:
+    steps: int  # decode steps of this batch size so far
+    timings: dict[int, _Timing]  # per thread count
+
+    def best(self) -> int | None:
+        """The count with the lower running mean; None while one is untimed."""
+        if any(t.mean_s is None for t in self.timings.values()):
+            return None
+        return min(self.timings, key=lambda n: self.timings[n].mean_s or 0.0)
+
+
 class StepThreads:
     """Chooses a step's thread count (`choose`) and learns from its time (`record`)."""
 
     def __init__(self, most: int) -> None:
         self.options = (most, most - 1) if most > 1 else (most,)
-        self._sizes: dict[int, tuple[int, dict[int, _Timing]]] = {}
+        self._sizes: dict[int, _Size] = {}
         self._told: dict[int, int] = {}  # the count last logged per batch size
 
     @staticmethod
@@ -53,14 +65,12 @@ class StepThreads:
         key = self.batch_size(plan)
         if len(self.options) == 1 or key is None:
             return self.options[0]
-        steps, timings = self._sizes.setdefault(key, (0, {n: _Timing() for n in self.options}))
-        untried = [n for n in self.options if timings[n].mean_s is None]
-        if untried:
-            return untried[0]
-        best = min(self.options, key=lambda n: timings[n].mean_s or 0.0)
-        for n in self.options:
-            t = timings[n]
-            if n != best and steps - t.last_tried >= RETRY_STEPS << min(max(t.losses - 1, 0), MAX_BACKOFF):
+        size = self._sizes.setdefault(key, _Size(0, {n: _Timing() for n in self.options}))
+        best = size.best()
+        if best is None:
+            return next(n for n, t in size.timings.items() if t.mean_s is None)
+        for n, t in size.timings.items():
+            if n != best and size.steps - t.last_tried >= RETRY_STEPS << min(max(t.losses - 1, 0), MAX_BACKOFF):
                 return n
         return best
 
@@ -68,32 +78,28 @@ class StepThreads:
         key = self.batch_size(plan)
         if len(self.options) == 1 or key is None:
             return
-        steps, timings = self._sizes[key]
-        t = timings[threads]
+        size = self._sizes[key]
+        t = size.timings[threads]
         # A count timed long ago starts over: the load it was timed under has moved on.
-        fresh = t.mean_s is None or steps - t.last_tried >= RETRY_STEPS
+        fresh = t.mean_s is None or size.steps - t.last_tried >= RETRY_STEPS
         t.mean_s = seconds if fresh else SMOOTHING * seconds + (1 - SMOOTHING) * (t.mean_s or seconds)
-        t.last_tried = steps + 1
-        others = [o.mean_s for n, o in timings.items() if n != threads and o.mean_s is not None]
+        size.steps += 1
+        t.last_tried = size.steps
+        others = [o.mean_s for n, o in size.timings.items() if n != threads and o.mean_s is not None]
         t.losses = t.losses + 1 if others and t.mean_s > min(others) else 0
-        self._sizes[key] = (steps + 1, timings)
-        self._tell(key, timings)
+        self._tell(key, size)
 
-    def _tell(self, rows: int, timings: dict[int, _Timing]) -> None:
+    def _tell(self, rows: int, size: _Size) -> None:
         """Log a batch size's count when it changes; at info the first time one settles on fewer
         threads than the worker has (the decision a reader of the log would not guess)."""
-        if any(t.mean_s is None for t in timings.values()):
-            return
-        best = min(timings, key=lambda n: timings[n].mean_s or 0.0)
-        if self._told.get(rows) != best:
+        best = size.best()
+        if best is not None and self._told.get(rows) != best:
             level = logging.INFO if rows not in self._told and best < self.options[0] else logging.DEBUG
-            size = f"{rows // 2 + 1}-{rows}" if rows > 2 else str(rows)
-            log.log(level, "decode batches of %s rows run on %d threads (%s)", size, best,
-                    ", ".join(f"{n}: {(t.mean_s or 0.0) * 1e3:.1f} ms" for n, t in sorted(timings.items())))
+            span = f"{rows // 2 + 1}-{rows}" if rows > 2 else str(rows)
+            log.log(level, "decode batches of %s rows run on %d threads (%s)", span, best,
+                    ", ".join(f"{n}: {(t.mean_s or 0.0) * 1e3:.1f} ms" for n, t in sorted(size.timings.items())))
             self._told[rows] = best
 
     def summary(self) -> dict[int, int]:
         """The count each timed batch size runs on now, e.g. {1: 1, 8: 2}."""
-        return {rows: min(timings, key=lambda n: timings[n].mean_s or 0.0)
-                for rows, (_, timings) in sorted(self._sizes.items())
-                if all(t.mean_s is not None for t in timings.values())}
+        return {rows: best for rows, size in sorted(self._sizes.items()) if (best := size.best()) is not None}
