@@ -77,8 +77,8 @@ static inline __m512i x4(const int8_t* p) {
 // Output rows of groups g0..g1-1 for activation rows r0..r0+R-1. Q4_1: w = d q + m, q unsigned
 // nibbles; Q8_0: w = d q, q stored + 128 (vpdpbusd wants one unsigned operand): each dot starts
 // at -128 sum(q_x), an integer, so the sum is exact and no min term (a multiply, on the ports the
-// dot products use) is needed; Q4_0 (nibbles, w = d (q - 8)) the same from -8 sum(q_x). Inlined with R a constant (x16_pass)
-// so acc[] and accm[] stay in registers, the activation bytes broadcast from the row itself (copied
+// dot products use) is needed; Q4_0 (nibbles, w = d (q - 8)) the same from -8 sum(q_x). Inlined
+// with R a constant (x16_pass) so acc[] and accm[] stay in registers, the activation bytes broadcast from the row itself (copied
 // to a local array first, they went through the stack: the 8-row passes then gained nothing).
 static inline __attribute__((always_inline)) void x16_groups(
     const int kind, const uint8_t* w, int64_t nb, const int8_t* q, const float* d, const float* s,
@@ -217,14 +217,15 @@ int gguf_gemm_x16(const float* x, int64_t m, const uint8_t* w, int qtype, int64_
 #pragma omp parallel for schedule(static) if (team > 1 && m * k >= 4096)
   for (int64_t i = 0; i < m; ++i) {
     gguf_quantize_rows32(x + i * k, 1, k, q + i * k, d + i * nb, s + i * nb);
-    if (kind == X16_Q6)
-      for (int64_t j = 2 * i * nb; j < 2 * (i + 1) * nb; ++j)
-        o[j] = -32 * _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j))));
-    else if (kind == X16_Q8_0 || kind == X16_Q4_0)
-      for (int64_t j = i * nb; j < (i + 1) * nb; ++j)
-        o[j] = (kind == X16_Q8_0 ? -128 : -8) * _mm512_reduce_add_epi32(_mm512_add_epi32(
-                          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * j))),
-                          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * j + 16)))));
+    // The integer offsets the dots start from: c sum(q_x) per run of `len` activation bytes.
+    const int c = kind == X16_Q6 ? -32 : kind == X16_Q8_0 ? -128 : kind == X16_Q4_0 ? -8 : 0;
+    const int64_t len = kind == X16_Q6 ? 16 : 32;
+    for (int64_t j = i * k / len; c && j < (i + 1) * k / len; ++j) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t at = 0; at < len; at += 16)
+        sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + len * j + at))));
+      o[j] = c * _mm512_reduce_add_epi32(sum);
+    }
   }
   // Several claims a thread: a thread preempted on a shared machine leaves its groups to the others.
   const int64_t claims = (int64_t)team * CHUNKS_PER_THREAD;
