@@ -69,6 +69,10 @@ class Streams:
         routing (services/scheduler/prefix_summary.py has the format)."""
         return f"{self.prefix}:{{engine:{engine}}}:prefixes"
 
+    def held_key(self, engine: int) -> str:
+        """The requests the engine's scheduler holds (services/scheduler/held_requests.py)."""
+        return f"{self.prefix}:{{engine:{engine}}}:held"
+
     def reply(self, gateway_id: str) -> str:
         return f"{self.prefix}:reply:{gateway_id}"
 

@@ -539,6 +539,36 @@ def test_worker_death_fails_requests_then_recovers(stack: Stack) -> None:
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
 
 
+def test_scheduler_restarted_at_once_fails_what_it_held(stack: Stack) -> None:
+    """A scheduler SIGKILLed and started again at once (as Kubernetes restarts a container) is
+    back before the gateways' heartbeat grace runs out, so no gateway sees the engine missing:
+    the new scheduler answers the requests the dead one held, each with a clear error, and
+    the engine serves again. Without its record they would wait for the progress deadline."""
+    async def in_flight() -> tuple[list[Outcome], float]:
+        outcomes = [Outcome() for _ in range(4)]
+        async with client_for(stack) as client:
+            async def one(i: int) -> None:
+                outcomes[i] = await stream_completion(client, PROMPTS[i], 400, ignore_eos=True, n=1 + i % 2,
+                                                      on_chunk=lambda o, i=i: outcomes.__setitem__(i, o))
+            tasks = [asyncio.create_task(one(i)) for i in range(len(outcomes))]
+            await started(outcomes, len(outcomes))
+            killed_at = time.monotonic()
+            stack.signal("scheduler", signal.SIGKILL)
+            stack.start("scheduler")
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return outcomes, killed_at
+
+    outcomes, killed_at = run(in_flight())
+    for o in outcomes:
+        assert o.finish is None and o.error is not None and "scheduler stopped and started again" in o.error, o
+        assert o.ended_at - killed_at < 10, f"the error came {o.ended_at - killed_at:.1f}s after the kill"
+    stack.wait_health(200, 60)
+    ok = run(_one_completion(stack))
+    assert ok.error is None and ok.finish == "length", ok
+    stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
+    assert not stack.redis.hlen(stack.streams.held_key(0)), "requests left on record"
+
+
 def test_garbage_on_every_stream_loses_nothing(stack: Stack) -> None:
     """Undecodable, mistyped and wrong-field entries on every stream (requests, engine input, plan,
     result, detok, the gateway's replies) while requests stream: each service drops them (the

@@ -32,6 +32,7 @@ import redis
 
 from rill.services.scheduler.disagg import Disaggregation
 from rill.services.scheduler.guard import WORKER_LOST, EngineGuard
+from rill.services.scheduler.held_requests import HeldRequests
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.plan_timing import PlanTimer
 from rill.services.scheduler.prefix_summary import PrefixSummary
@@ -90,6 +91,7 @@ class SchedulerService:
         self.stats_due = False  # the stats changed: they go with the next exchange, once
         self.inputs_fresh = False  # the inputs were read just now, with the result
         self.summary = PrefixSummary(s.prefix_summary_key(self.e))  # cached blocks, for cache-aware routers
+        self.held = HeldRequests(s.held_key(self.e))  # answered by the next scheduler if this one dies
         self.sched: Scheduler | None = None
         # Heartbeat, lost worker, dead gateways, broker restarts; and the prefill/decode hand-offs.
         self.guard = EngineGuard(bus, self.e, lambda: self.sched, self.send_error, self.publish_stats)
@@ -140,6 +142,7 @@ class SchedulerService:
     # ------------------------------------------------------------------------- main loop
 
     def run(self) -> None:
+        self.held.answer_left_over(self.bus)  # before the worker answers: it may be loading for minutes
         ready = self.handshake()
         if ready is None:
             return
@@ -205,6 +208,9 @@ class SchedulerService:
             # Built now, after everything queued: one SET however often they changed since.
             stats = EngineStats(engine_id=self.e, updated_at=time.time(), **self.sched.stats(), **self.disagg.stats())
             sends.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
+            # The held requests change only where the stats do (admit, finish, abort, fail).
+            held, gone = self.held.commands(self.sched.requests)
+            sends = held + sends + gone
         self.stats_due = False
         summary = self.summary.command(self.sched.kv) if self.sched is not None else None
         if summary is not None:

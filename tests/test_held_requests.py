@@ -1,0 +1,47 @@
+"""The scheduler's record of the requests it holds (services/scheduler/held_requests.py), on a
+real broker: it follows the held requests, and a scheduler started after one that died answers
+what that one left, once per client request, to live gateways only."""
+
+from __future__ import annotations
+
+import msgspec
+
+from rill.services.scheduler.held_requests import SCHEDULER_RESTARTED, HeldRequests
+from rill.services.scheduler.request import Request
+from rill.shared.bus import Bus
+from rill.shared.request_params import SamplingParams
+from rill.shared.schema import ErrorReply
+
+
+def held(rid: str, reply_to: str, group: str = "") -> Request:
+    return Request(request_id=rid, reply_to=reply_to, prompt_token_ids=[1, 2], params=SamplingParams(),
+                   eos_token_ids=frozenset(), arrival_time=0.0, max_tokens=4, group_id=group)
+
+
+def test_record_follows_the_requests_and_the_next_scheduler_answers_the_rest(redis_url: str, prefix: str) -> None:
+    bus = Bus(redis_url, prefix, name="test")
+    key = bus.streams.held_key(0)
+    live, dead = bus.streams.reply("gw-live"), bus.streams.reply("gw-dead")
+    bus.r.set(bus.streams.heartbeat("gateway", live), b"1", ex=60)
+    reqs = {r.request_id: r for r in (held("a", live), held("b-0", live, "b"), held("b-1", live, "b"),
+                                      held("c", dead))}
+    old = HeldRequests(key)
+    before, after = old.commands(reqs)
+    assert before and not after
+    bus.exchange(before)
+    assert old.commands(reqs) == ([], [])  # nothing changed, nothing sent
+    del reqs["a"]
+    before, after = old.commands(reqs)
+    assert not before and after
+    bus.exchange(after)
+    assert sorted(bus.r.hkeys(key)) == [b"b-0", b"b-1", b"c"]
+
+    new = HeldRequests(key)  # the old scheduler died; its successor already holds "d"
+    bus.exchange(new.commands({"d": held("d", live)})[0])
+    assert new.answer_left_over(bus) == 2  # "b" (two samples, one client request) and "c"
+    replies = [msgspec.msgpack.decode(f[b"m"], type=ErrorReply) for _, f in bus.r.xrange(live)]
+    assert [(r.request_id, r.status, r.message) for r in replies] == [("b", 503, SCHEDULER_RESTARTED)]
+    assert not bus.r.exists(dead), "a dead gateway's reply stream was written"
+    assert bus.r.hkeys(key) == [b"d"]
+    assert new.answer_left_over(bus) == 0  # its own requests are not left over
+    bus.close()
