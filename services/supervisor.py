@@ -1,11 +1,12 @@
 """Starts every service as a child process, watches them, and stops them all together.
 
-A stateless child (gateway, tokenizer, detokenizer) or the worker that dies is reported and
-restarted with backoff: the broker redelivers what it had not acked, and a restarted worker
-is re-fed by its scheduler. The scheduler owns the engine's request state, so its death is
-reported and ends the whole server with a non-zero status rather than limping on. So does a
-child that keeps dying: more than `max_restarts` restarts within RESTART_WINDOW_S (a child
-killed now and then, as chaos testing does, is restarted for ever). Children of one `group` (the
+A child that dies is reported and restarted with backoff: the broker redelivers what a
+stateless one (gateway, tokenizer, detokenizer) had not acked, a restarted worker is re-fed by
+its scheduler, and a restarted scheduler fails with a clear error the requests its predecessor
+held (scheduler/held_requests.py) while the engine's other processes and every other engine
+serve on. A child that keeps dying, more than `max_restarts` restarts within RESTART_WINDOW_S,
+ends the whole server with a non-zero status (a child killed now and then, as chaos testing
+does, is restarted for ever). Children of one `group` (the
 ranks of a tensor-parallel worker) live and die together: when one exits, the others are killed
 and all of them start again together.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 log = logging.getLogger("rill.supervisor")
 
-RESTARTABLE = {"gateway", "tokenizer", "detokenizer", "worker"}
+RESTARTABLE = {"gateway", "tokenizer", "detokenizer", "worker", "scheduler"}
 STOP_ORDER = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 RESTART_WINDOW_S = 60.0
 

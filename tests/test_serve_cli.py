@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import psutil
 import pytest
 import redis
@@ -80,6 +81,26 @@ def test_serve_supervises_children_and_stops_them(smollm2_dir: str) -> None:
         again = post(f"{base}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0},
                      timeout=120)
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+        # So is a dead scheduler: the request it held ends with a clear error, the next one is served.
+        sched_pid = next(p for p, c in children_of(proc.pid).items() if " service scheduler " in c)
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        error, killed_at = None, 0.0
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                error = json.loads(line[6:]).get("error", {}).get("message", error)
+                if not killed_at:
+                    os.kill(sched_pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert error is not None and "engine is not available" in error, error
+        assert time.monotonic() - killed_at < 10
+        again = post(f"{base}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0},
+                     timeout=120)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert proc.poll() is None
         kids = children_of(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
