@@ -334,6 +334,11 @@ class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
     deltas: list[TextDelta]
 
 
+# An ErrorReply (status 503) whose message starts with this says the engine holding the request
+# was lost with it: a gateway may send a request that released nothing yet once more.
+ENGINE_LOST_PREFIX = "the engine is not available"
+
+
 class ErrorReply(Struct, tag_field="_t", tag="error", array_like=True, omit_defaults=True):
     """Any service -> gateway: the request failed; the message is shown to the client."""
 

@@ -1,8 +1,9 @@
 """One engine dies among live ones: two engines (scheduler + worker each), a tokenizer, a
 detokenizer and a gateway as separate processes; engine 1's scheduler and worker are SIGKILLed
 with requests running on both engines. Engine 1's requests must end with a clear error within
-10 s, engine 0's must finish untouched, new requests must succeed on engine 0, and engine 1,
-restarted, must serve again."""
+10 s (or, if no token of theirs was out yet, be sent again and finish on engine 0), engine 0's must
+finish untouched, new requests must succeed on engine 0, and engine 1, restarted, must serve
+again."""
 
 from __future__ import annotations
 
@@ -121,16 +122,19 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
         prompts = [f"Story number {i} begins like this:" for i in range(6)]
         outcomes, killed_at = asyncio.run(load(prompts, LONG, kill=True))
         on = {e: routed(stack, e) for e in (0, 1)}
-        failed = 0
+        lost = 0
         for o in outcomes:
             assert o.max_tokens in on[0] | on[1], o
             if o.max_tokens in on[1] and o.ended_at > killed_at:  # not finished before the kill
-                assert o.error is not None and "engine 1" in o.error, o
+                lost += 1
+                if o.error is None:  # no token out yet: the gateway sent it again, to engine 0
+                    assert o.max_tokens in on[0] and o.completion_tokens == o.max_tokens, o
+                    continue
+                assert "engine 1" in o.error, o
                 assert o.ended_at - killed_at <= DETECT_S, f"failed {o.ended_at - killed_at:.1f} s after the kill"
-                failed += 1
             else:
                 assert o.error is None and o.finish == "length" and o.completion_tokens == o.max_tokens, o
-        assert failed and len(on[0]) >= 1, (on, outcomes)
+        assert lost and len(on[0]) >= 1, (on, outcomes)
 
         # New requests go to the live engine, and succeed, even when the dead engine's last stats
         # (its key outlives it) say it is idle, as they do when an idle engine dies.

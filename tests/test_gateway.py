@@ -34,6 +34,7 @@ from rill.services.gateway.app import create_app
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
 from rill.shared.bus import FIELD
 from rill.shared.schema import (
+    ENGINE_LOST_PREFIX,
     EngineStats,
     ErrorReply,
     GenerateRequest,
@@ -524,6 +525,53 @@ async def test_error_reply_becomes_http_error(server: LiveServer, down: Downstre
     assert json.loads(events[-2]) == {"error": {"message": "engine failed", "type": "invalid_request_error",
                                                 "param": None, "code": None}}
     assert json.loads(events[1])["choices"][0]["delta"] == {"content": "a"}
+
+
+def completion_text(raw: str) -> str:
+    return "".join(c.get("text", "") for e in sse_events(raw) if e != "[DONE]" for c in json.loads(e).get("choices", []))
+
+
+async def test_request_lost_with_its_engine_before_a_token_is_sent_again_once(server: LiveServer,
+                                                                             down: Downstream) -> None:
+    """An engine-lost error (503, ENGINE_LOST_PREFIX) before anything was released: the gateway
+    sends the request again under a new engine id, aborts the old id, drops what the old id still
+    brings, and the client sees only the new answer. Lost twice, lost after a token, or any other
+    error: the client gets the error and nothing is sent again."""
+    await down.r.sadd(Streams(server.prefix).engines_key(), 0)
+    lost = f"{ENGINE_LOST_PREFIX}: engine 1 stopped while it ran this request"
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+        post = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "stream": True}))
+        req = await down.next_request()
+        await down.error(req, lost, status=503)
+        again = await down.next_request()
+        assert again.request_id != req.request_id and (again.prompt, again.reply_to) == (req.prompt, req.reply_to)
+        assert await down.aborted_ids(0) == [req.request_id]
+        await down.reply(req.reply_to, make_deltas(req.request_id, ["stale"], finish="length"))
+        await send_scrambled(down, again, seed=3)
+        r = await post
+        assert r.status_code == 200 and completion_text(r.text) == EXPECTED
+
+        twice = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"}))
+        req = await down.next_request()
+        await down.error(req, lost, status=503)
+        await down.error(await down.next_request(), lost, status=503)
+        r = await twice
+        assert r.status_code == 503 and r.json()["error"]["message"] == lost
+
+        started = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "stream": True}))
+        req = await down.next_request()
+        await down.reply(req.reply_to, make_deltas(req.request_id, ["a", "b"])[:1])
+        await asyncio.sleep(0.1)
+        await down.error(req, lost, status=503)
+        r = await started
+        assert completion_text(r.text) == "a" and json.loads(sse_events(r.text)[-2])["error"]["message"] == lost
+
+        other = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"}))
+        await down.error(await down.next_request(), "the server is overloaded", status=503)
+        assert (await other).status_code == 503
+    await asyncio.sleep(0.2)
+    assert await down.num_requests() == 6  # 2 + 2 + 1 + 1: only the first two were sent again
+    assert 'rill:requests_resent_total{model_name="test-model"} 2.0' in httpx.get(f"{server.url}/metrics").text
 
 
 async def test_disconnect_aborts(server: LiveServer, down: Downstream) -> None:

@@ -21,7 +21,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from redis.exceptions import OutOfMemoryError
@@ -42,6 +44,7 @@ from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat, engine_beat_k
 from rill.shared.kinds import AbortReason
 from rill.shared.lifecycle import POLL_MS
 from rill.shared.schema import (
+    ENGINE_LOST_PREFIX,
     AbortRequest,
     DetokenizeRequest,
     EngineStats,
@@ -63,15 +66,16 @@ WATCH_S = 0.5  # how often the watch task looks at the broker and the engine hea
 BROKER_GRACE_S = 2.0  # the broker unreachable this long fails the requests in flight
 TRIM_EVERY_S = 2.0  # trimming what we already read from our reply stream
 ENGINE_UNAVAILABLE = "the engine is not available: no scheduler and worker are running; retry later"
-ENGINE_LOST = ("the engine is not available: its scheduler or worker stopped (no heartbeat) while this "
+ENGINE_LOST = (f"{ENGINE_LOST_PREFIX}: its scheduler or worker stopped (no heartbeat) while this "
                "request was in flight; the request was not completed")
-ONE_ENGINE_LOST = ("the engine is not available: engine {engine} stopped (no scheduler or worker heartbeat) "
+ONE_ENGINE_LOST = (f"{ENGINE_LOST_PREFIX}: engine {{engine}} stopped (no scheduler or worker heartbeat) "
                    "while it ran this request; the request was not completed; retry: new requests go to the "
                    "engines still running")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
 BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
 REPLICA_ROLES = ("tokenizer", "detokenizer")  # /health needs a live replica of each
+MAX_RESENDS = 1  # times a request that released nothing is sent again after its engine was lost
 CALL_TIMEOUT_S = 30.0  # a /tokenize or /detokenize answer; tokenizer replicas answer in milliseconds
 
 
@@ -97,6 +101,7 @@ class Gateway:
         self.bus: AsyncBus | None = None
         self.metrics = GatewayMetrics(self.model_name)  # this gateway's own registry (/metrics)
         self.tracker = RequestTracker(self.metrics)
+        self.tracker.resend = self.resend
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._heartbeat: Heartbeat | None = None
@@ -270,7 +275,7 @@ class Gateway:
             return
         log.warning("%d requests made no progress for %g s: ending them", len(ids), self.progress_timeout_s)
         for rid in ids:
-            self.tracker.dispatch(timed_out(rid, self.progress_timeout_s))
+            self.tracker.fail(rid, timed_out(rid, self.progress_timeout_s))
         self.abort_soon(ids)  # frees their engine blocks
 
     @property
@@ -281,11 +286,36 @@ class Gateway:
     def fail_in_flight(self, message: str, ids: list[str] | None = None) -> None:
         """End the requests in flight (`ids`, else all) with a 503 error, and tell the engines to drop them."""
         ids = self.tracker.ids() if ids is None else ids
-        if not ids:
-            return
-        for rid in ids:
-            self.tracker.dispatch(ErrorReply(request_id=rid, message=message, status=503, type="server_error"))
-        self.abort_soon(ids)
+        ended = [rid for rid in ids
+                 if self.tracker.fail(rid, ErrorReply(request_id=rid, message=message, status=503, type="server_error"))]
+        if ended:
+            self.abort_soon(ended)
+
+    def resend(self, stream: RequestStream, err: ErrorReply) -> bool:
+        """Whether a request whose engine was lost before it released anything goes to the
+        tokenizers once more, under a new engine id (their router picks a live engine), rather
+        than failing: the client sees nothing of it but the wait. Not while draining, with no
+        engine live, or for any other error."""
+        if (stream.sent is None or stream.resent >= MAX_RESENDS or err.status != 503
+                or not err.message.startswith(ENGINE_LOST_PREFIX) or self.draining or self.bus is None
+                or (self.watch_engine and not self.engine_live)):
+            return False
+        lost = stream.engine_request_id
+        self.tracker.renew(stream, f"{stream.request_id}~{stream.resent + 1}")
+        log.debug("request %s lost with its engine before its first token: sent again", lost)
+        self.metrics.resent.inc()
+        self._in_background(self._resend(stream, lost, err))
+        return True
+
+    async def _resend(self, stream: RequestStream, lost: str, err: ErrorReply) -> None:
+        assert self.bus is not None and stream.sent is not None
+        try:
+            await self.bus.send(self.requests_stream, msgspec.structs.replace(stream.sent,
+                                                                              request_id=stream.engine_request_id))
+        except Exception as exc:  # the first error stands
+            log.warning("could not send %s again: %r", stream.request_id, exc)
+            self.tracker.fail(stream.request_id, err)
+        await self._send_abort([lost], "abort")  # wherever the lost id still sits (an engine that comes back)
 
     def fail_engine_requests(self, engine: int) -> None:
         """End the requests sent to a lost engine with a 503 error (the others run on)."""
@@ -328,6 +358,9 @@ class Gateway:
         try:
             # Counted in /metrics from now on (set before the send: its replies may come first).
             self._mark_accepted(req.request_id, True)
+            stream = self.tracker.get(req.request_id)
+            if stream is not None:
+                stream.sent = req  # for a re-send (resend)
             await self.bus.send(self.requests_stream, req)
         except Exception as exc:
             self._mark_accepted(req.request_id, False)  # answered with an error at once: not counted
@@ -384,11 +417,15 @@ class Gateway:
 
     async def abort(self, request_ids: list[str], reason: AbortReason = "abort") -> None:
         """Stop routing these requests and tell every engine to drop them (idempotent there)."""
+        engine_ids = [self.tracker.engine_id(rid) for rid in request_ids]
         for rid in request_ids:
             self.tracker.unregister(rid)
-        if self.bus is None or not request_ids:
+        await self._send_abort(engine_ids, reason)
+
+    async def _send_abort(self, engine_ids: list[str], reason: AbortReason) -> None:
+        if self.bus is None or not engine_ids:
             return
-        msg = AbortRequest(request_ids=list(request_ids), reason=reason)
+        msg = AbortRequest(request_ids=engine_ids, reason=reason)
         engines = await self.engine_ids()
         # The bus writes sends waiting together in one pipelined round trip.
         await asyncio.gather(*(self.bus.send(self.bus.streams.engine_in(e), msg) for e in engines))
@@ -397,7 +434,10 @@ class Gateway:
         """Abort from code that may itself be cancelled (disconnect paths): run it as its own task."""
         for rid in request_ids:
             self.tracker.unregister(rid)
-        task = asyncio.get_running_loop().create_task(self._abort_logged(request_ids))
+        self._in_background(self._abort_logged(request_ids))
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

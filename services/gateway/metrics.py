@@ -97,6 +97,8 @@ class GatewayMetrics:
         success = Counter("rill:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self._success = success
+        self.resent = Counter("rill:requests_resent", "Requests sent again after their engine was lost before "
+                              "their first token.", lab, registry=reg).labels(model_name)
         for reason in FINISH_REASONS:  # present (at 0) before the first request, as dashboards expect
             success.labels(model_name, reason)
         self.engines = EngineCollector(model_name)

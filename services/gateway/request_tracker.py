@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 
 from rill.services.gateway.metrics import GatewayMetrics, RequestMetrics
 from rill.shared.request_params import sample_request_id
-from rill.shared.schema import ErrorReply, GatewayInput, ReplyBatch, Routed, TextDelta, TokenizeReply
+from rill.shared.schema import (
+    ErrorReply,
+    GatewayInput,
+    GenerateRequest,
+    ReplyBatch,
+    Routed,
+    TextDelta,
+    TokenizeReply,
+)
+
+MAX_RENAMED = 4096
 
 # ---------------------------------------------------------------------------------------------
 # Exactly-once, in-order delivery (pure, no I/O)
@@ -73,6 +84,9 @@ class RequestStream:
         self.request_id = request_id
         self.n = n
         self.metrics = metrics  # timings and counts for /metrics; None when not measured
+        self.engine_request_id = request_id  # the id the engines know it by (another once re-sent)
+        self.sent: GenerateRequest | None = None  # what went to the tokenizers, for a re-send
+        self.resent = 0  # times it was sent again after its engine was lost
         self.sequencers = [DeltaSequencer() for _ in range(n)]
         self._index = {sample_request_id(request_id, i, n): i for i in range(n)}  # sample id -> choice
         self._buf: list[Event] = []
@@ -87,6 +101,21 @@ class RequestStream:
     @property
     def sample_ids(self) -> list[str]:
         return list(self._index)
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """Every id the engines may answer it under: the request's, and each sample's (n > 1)."""
+        return [self.engine_request_id, *self._index] if self.n > 1 else list(self._index)
+
+    def renew(self, engine_request_id: str) -> None:
+        """Start over under a new engine id (nothing was released): what the old id still
+        brings is no longer ours."""
+        self.engine_request_id = engine_request_id
+        self._index = {sample_request_id(engine_request_id, i, self.n): i for i in range(self.n)}
+        self.sequencers = [DeltaSequencer() for _ in range(self.n)]
+        self.engine = None
+        self.resent += 1
+        self.last_progress = time.monotonic()
 
     def index(self, delta: TextDelta) -> int:
         """The choice index of a delta of this request (looked up: a sample id is never parsed)."""
@@ -145,13 +174,18 @@ class RequestStream:
 class RequestTracker:
     """Registry of this gateway's in-flight requests; routes reply messages to their streams.
 
-    A stream is reachable under the client's request id (errors, aborts) and under each of its
-    samples' engine ids (deltas)."""
+    A stream is reachable under the client's request id (this gateway's own failures, aborts)
+    and under its engine ids (what the other services send: deltas, errors, routes). `resend`,
+    when set, may take a failed stream that released nothing and send it again under a new
+    engine id (Gateway.resend) instead of failing it."""
 
     def __init__(self, metrics: GatewayMetrics | None = None) -> None:
         self.metrics = metrics
         self._streams: dict[str, RequestStream] = {}  # client request id -> stream
-        self._routes: dict[str, RequestStream] = {}  # engine id of every sample -> stream
+        self._routes: dict[str, RequestStream] = {}  # engine id of the request and every sample -> stream
+        self.resend: Callable[[RequestStream, ErrorReply], bool] | None = None
+        # Client id -> engine id of re-sent requests, kept past their end for late aborts (bounded).
+        self._renamed: OrderedDict[str, str] = OrderedDict()
         self.waiting: set[str] = set()  # registered, no token yet: what the admission cap counts
         # One-shot calls to a tokenizer replica (/tokenize, /detokenize): id -> its answer.
         self.calls: dict[str, asyncio.Future[TokenizeReply | ErrorReply]] = {}
@@ -162,15 +196,44 @@ class RequestTracker:
         stream = RequestStream(request_id, n, self.metrics.request(n) if self.metrics is not None else None)
         self._streams[request_id] = stream
         self.waiting.add(request_id)
-        for sid in stream.sample_ids:
-            self._routes[sid] = stream
+        for eid in stream.engine_ids:
+            self._routes[eid] = stream
         return stream
 
     def _drop(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
         self.waiting.discard(stream.request_id)
-        for sid in stream.sample_ids:
-            self._routes.pop(sid, None)
+        for eid in stream.engine_ids:
+            self._routes.pop(eid, None)
+
+    def renew(self, stream: RequestStream, engine_request_id: str) -> None:
+        """Route a registered stream under a new engine id; the old one's replies are dropped."""
+        for eid in stream.engine_ids:
+            self._routes.pop(eid, None)
+        stream.renew(engine_request_id)
+        for eid in stream.engine_ids:
+            self._routes[eid] = stream
+        self._renamed[stream.request_id] = engine_request_id
+        while len(self._renamed) > MAX_RENAMED:
+            self._renamed.popitem(last=False)
+
+    def engine_id(self, request_id: str) -> str:
+        """The id the engines know a client request by now (for aborts)."""
+        stream = self._streams.get(request_id)
+        return stream.engine_request_id if stream is not None else self._renamed.get(request_id, request_id)
+
+    def fail(self, request_id: str, err: ErrorReply) -> bool:
+        """End a registered request with an error (or send it again, see `resend`); True if it
+        ended."""
+        stream = self._streams.get(request_id)
+        return stream is not None and self._fail(stream, err)
+
+    def _fail(self, stream: RequestStream, err: ErrorReply) -> bool:
+        if not stream.started and self.resend is not None and self.resend(stream, err):
+            return False
+        self._drop(stream)
+        stream.fail(err)
+        return True
 
     def unregister(self, request_id: str) -> bool:
         """Forget a request (cancelled, disconnected); its stream stops. True if it was in flight."""
@@ -193,16 +256,15 @@ class RequestTracker:
                 elif stream.started:
                     self.waiting.discard(stream.request_id)
         elif isinstance(msg, ErrorReply):
-            stream = self._streams.get(msg.request_id) or self._routes.get(msg.request_id)
+            stream = self._routes.get(msg.request_id)
             if stream is not None:
-                self._drop(stream)
-                stream.fail(msg)
+                self._fail(stream, msg)
             else:
                 self._answer(msg)
         elif isinstance(msg, TokenizeReply):
             self._answer(msg)
         elif isinstance(msg, Routed):
-            stream = self._streams.get(msg.request_id)
+            stream = self._routes.get(msg.request_id)
             if stream is not None:
                 stream.engine = msg.engine
 

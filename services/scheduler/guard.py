@@ -26,6 +26,7 @@ from rill.services.scheduler.request import Request
 from rill.services.scheduler.scheduler import Scheduler
 from rill.shared.bus import BrokerRestarted, Bus
 from rill.shared.heartbeat import REPLY_TTL_S, Absence, Heartbeat
+from rill.shared.schema import ENGINE_LOST_PREFIX
 
 log = logging.getLogger("rill.scheduler.guard")
 
@@ -33,7 +34,7 @@ WORKER_CHECK_S = 0.5
 GATEWAY_CHECK_S = 1.0
 BROKER_CHECK_S = 1.0
 TRIM_EVERY_S = 2.0
-WORKER_LOST = ("the engine is not available: its worker stopped (no heartbeat); "
+WORKER_LOST = (f"{ENGINE_LOST_PREFIX}: its worker stopped (no heartbeat); "
                "the request was not completed, retry once the engine is back")
 GATEWAY_LOST = ("the engine lost its gateway's heartbeat and dropped this request; "
                 "the request was not completed, please retry")

@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from rill.services.scheduler.request import Request
 from rill.shared.bus import Bus
 from rill.shared.resp import Command
-from rill.shared.schema import ErrorReply
+from rill.shared.schema import ENGINE_LOST_PREFIX, ErrorReply
 
 log = logging.getLogger("rill.scheduler")
 
-SCHEDULER_RESTARTED = ("the engine is not available: its scheduler stopped and started again while this request "
+SCHEDULER_RESTARTED = (f"{ENGINE_LOST_PREFIX}: its scheduler stopped and started again while this request "
                        "was in flight; the request was not completed, please retry")
 
 
@@ -79,5 +79,5 @@ class HeldRequests:
                                              type="server_error"))
                        for client_id, reply_to in clients.items() if reply_to in live])
         bus.r.hdel(self.key, *left)
-        log.warning("the engine's last scheduler stopped holding %d requests: failed them", len(clients))
+        log.warning("the engine's last scheduler stopped holding %d requests: answered each with an error", len(clients))
         return len(clients)
