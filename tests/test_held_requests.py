@@ -35,6 +35,9 @@ def test_record_follows_the_requests_and_the_next_scheduler_answers_the_rest(red
     assert not before and after
     bus.exchange(after)
     assert sorted(bus.r.hkeys(key)) == [b"b-0", b"b-1", b"c"]
+    parked = {"c": reqs["c"]}  # its KV went to a decode engine, which now answers for it
+    assert old.commands(reqs, parked) == ([], [("HDEL", key, "c")])
+    assert old.commands(reqs, {}) == ([("HSET", key, "c", f"{dead}\nc")], [])
 
     new = HeldRequests(key)  # the old scheduler died; its successor already holds "d"
     bus.exchange(new.commands({"d": held("d", live)})[0])

@@ -284,7 +284,8 @@ class Gateway:
         return [role for role, gone in self._replicas_gone.items() if gone.lost] if self.watch_engine else []
 
     def fail_in_flight(self, message: str, ids: list[str] | None = None) -> None:
-        """End the requests in flight (`ids`, else all) with a 503 error, and tell the engines to drop them."""
+        """End the requests in flight (`ids`, else all) with a 503 error (or send them again:
+        resend), and tell the engines to drop those that ended."""
         ids = self.tracker.ids() if ids is None else ids
         ended = [rid for rid in ids
                  if self.tracker.fail(rid, ErrorReply(request_id=rid, message=message, status=503, type="server_error"))]

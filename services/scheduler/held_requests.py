@@ -36,11 +36,15 @@ class HeldRequests:
         self.key = key
         self.recorded: set[str] = set()
 
-    def commands(self, requests: Mapping[str, Request]) -> tuple[list[Command], list[Command]]:
+    def commands(self, requests: Mapping[str, Request],
+                 parked: Mapping[str, Request] | None = None) -> tuple[list[Command], list[Command]]:
         """(HSET of the requests not on record yet, HDEL of those no longer held): the first
-        goes before the outbox, the second after it."""
-        added = requests.keys() - self.recorded
-        removed = self.recorded - requests.keys()
+        goes before the outbox, the second after it. A parked request (its KV on its way to or
+        from another engine) is off the record: if this engine dies, the other one answers for
+        it, or serves it."""
+        held = requests.keys() - parked.keys() if parked else requests.keys()
+        added = held - self.recorded
+        removed = self.recorded - held
         before: list[Command] = []
         after: list[Command] = []
         if added:

@@ -209,7 +209,7 @@ class SchedulerService:
             stats = EngineStats(engine_id=self.e, updated_at=time.time(), **self.sched.stats(), **self.disagg.stats())
             sends.append(("SET", self.bus.streams.stats_key(self.e), encode(stats)))
             # The held requests change only where the stats do (admit, finish, abort, fail).
-            held, gone = self.held.commands(self.sched.requests)
+            held, gone = self.held.commands(self.sched.requests, self.sched.parked)
             sends = held + sends + gone
         self.stats_due = False
         summary = self.summary.command(self.sched.kv) if self.sched is not None else None
