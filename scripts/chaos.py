@@ -140,13 +140,16 @@ def holds_socket(pid: int, inodes: set[str]) -> bool:
         return False
 
 
+ENGINE_KINDS = ("worker", "scheduler")  # one process each: killed even when it is the last
+
+
 class Killer(threading.Thread):
     """SIGKILLs a random serving replica of the given kinds every `every` seconds on average.
 
     Only replicas that serve are candidates (a tokenizer or detokenizer whose consumer polled
-    the broker in the last 2 s, a gateway that listens, a worker that heartbeats): killing one
-    that still loads tests nothing. Never the last serving replica of its kind, except the
-    worker (there is one): the point is that the survivors take over."""
+    the broker in the last 2 s, a gateway that listens, a worker or scheduler that heartbeats):
+    killing one that still loads tests nothing. Never the last serving replica of its kind, except
+    the engine's (there is one of each): the point is that the survivors take over."""
 
     def __init__(self, serve_pid: int, kinds: list[str], every: float, rng: random.Random,
                  redis_url: str, prefix: str, port: int) -> None:
@@ -181,8 +184,8 @@ class Killer(threading.Thread):
             return any(c["name"].decode() == name and c["idle"] < 2000 for c in consumers)
         if kind == "gateway":
             return holds_socket(pid, listening_inodes(self.port))
-        if kind == "worker":
-            return bool(self.r.exists(self.streams.heartbeat("worker", 0)))
+        if kind in ENGINE_KINDS:
+            return bool(self.r.exists(self.streams.heartbeat(kind, 0)))
         return True
 
     def run(self) -> None:
@@ -192,7 +195,7 @@ class Killer(threading.Thread):
                 for kind in self.kinds:
                     if f" service {kind} " in cmd and self.serving(pid, kind, cmd):
                         ready.setdefault(kind, []).append(pid)
-            victims = [(pid, kind) for kind, pids in ready.items() if len(pids) > 1 or kind == "worker"
+            victims = [(pid, kind) for kind, pids in ready.items() if len(pids) > 1 or kind in ENGINE_KINDS
                        for pid in pids]
             if not victims:
                 continue
@@ -265,7 +268,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
     ap.add_argument("--kinds", default="tokenizer,detokenizer,gateway",
-                    help="which replicas to kill (comma-separated; worker works too)")
+                    help="which replicas to kill (comma-separated; worker and scheduler work too)")
     ap.add_argument("--tokenizer-replicas", type=int, default=3)
     ap.add_argument("--detokenizer-replicas", type=int, default=3)
     ap.add_argument("--gateway-replicas", type=int, default=2)
