@@ -334,8 +334,7 @@ class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
     deltas: list[TextDelta]
 
 
-# An ErrorReply (status 503) whose message starts with this says the engine holding the request
-# was lost with it: a gateway may send a request that released nothing yet once more.
+# A 503 ErrorReply starting so: its engine was lost (a gateway resends a request that released nothing).
 ENGINE_LOST_PREFIX = "the engine is not available"
 
 
@@ -347,6 +346,10 @@ class ErrorReply(Struct, tag_field="_t", tag="error", array_like=True, omit_defa
     status: int = 400
     type: str = "invalid_request_error"
     param: str | None = None
+
+    @classmethod
+    def of(cls, request_id: str, message: str, status: int) -> ErrorReply:  # the type the status implies
+        return cls(request_id, message, status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=True, omit_defaults=True):

@@ -54,13 +54,13 @@ class Disaggregation:
     configure, tick, on_message, on_abort, prepare, decorate, after_step, on_worker_reset)."""
 
     def __init__(self, bus: Bus, engine_id: int, role: EngineRole, sched: Callable[[], Scheduler | None],
-                 send_error: Callable[[Request, str, int], None], publish_stats: Callable[[], None]) -> None:
+                 send_errors: Callable[[list[Request], str, int], None], publish_stats: Callable[[], None]) -> None:
         if role not in ENGINE_ROLES:
             raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {role!r}")
         self.bus = bus
         self.role = role
         self._sched = sched  # None until the worker is configured
-        self.prefill = PrefillSide(bus, engine_id, lambda: self.sched, send_error, publish_stats)
+        self.prefill = PrefillSide(bus, engine_id, lambda: self.sched, send_errors, publish_stats)
         self.decode = DecodeSide(bus, engine_id, role, lambda: self.sched)
 
     @property

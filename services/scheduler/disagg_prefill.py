@@ -139,11 +139,11 @@ class PrefillSide:
     """The prefill engine's hand-offs: those on their way out and where finished ones went."""
 
     def __init__(self, bus: Bus, engine_id: int, sched: Callable[[], Scheduler],
-                 send_error: Callable[[Request, str, int], None], publish_stats: Callable[[], None]) -> None:
+                 send_errors: Callable[[list[Request], str, int], None], publish_stats: Callable[[], None]) -> None:
         self.bus = bus
         self.e = engine_id
         self._sched = sched
-        self._send_error = send_error
+        self._send_errors = send_errors
         self._publish_stats = publish_stats
         self.directory = EngineDirectory(bus)
         self.outgoing: dict[str, Outgoing] = {}  # transfer id ->
@@ -303,7 +303,7 @@ class PrefillSide:
             self.bus.send(self.bus.streams.engine_in(out.engine),
                           AbortRequest(request_ids=[out.req.request_id], reason="error"))
         self._sched().abort(out.req.request_id)
-        self._send_error(out.req, message, status)
+        self._send_errors([out.req], message, status)
         log.warning("request %s failed: %s", out.req.request_id, message)
 
     def _forget_outgoing(self, out: Outgoing, discard: bool = True) -> None:

@@ -42,15 +42,15 @@ GATEWAY_LOST = ("the engine lost its gateway's heartbeat and dropped this reques
 
 class EngineGuard:
     """The faults of one engine (module doc). It reads the scheduler through `sched` (None until
-    the worker is configured) and reports through `send_error` and `publish_stats`."""
+    the worker is configured) and reports through `send_errors` and `publish_stats`."""
 
     def __init__(self, bus: Bus, engine_id: int, sched: Callable[[], Scheduler | None],
-                 send_error: Callable[[Request, str, int], None], publish_stats: Callable[[], None]) -> None:
+                 send_errors: Callable[[list[Request], str, int], None], publish_stats: Callable[[], None]) -> None:
         self.bus = bus
         s = bus.streams
         self.in_stream = s.engine_in(engine_id)
         self.sched = sched
-        self.send_error = send_error
+        self.send_errors = send_errors
         self.publish_stats = publish_stats
         self.heartbeat = Heartbeat(bus.url, s.heartbeat("scheduler", engine_id),
                                    members=[(s.engines_key(), engine_id)])
@@ -113,8 +113,7 @@ class EngineGuard:
         reqs = list(sched.requests.values())
         for req in reqs:
             sched.abort(req.request_id)
-        for req in reqs:
-            self.send_error(req, message, status)
+        self.send_errors(reqs, message, status)
         sched.reset_worker()  # nothing in flight, nothing for a worker to forget
         if reqs:
             log.warning("failed %d requests: %s", len(reqs), message)
@@ -162,8 +161,7 @@ class EngineGuard:
             sched.abort(rid)
         # Each also gets an error reply: a gateway that only looked dead tells its client at once
         # instead of leaving it waiting; a dead one's stream expires with it unread (below).
-        for req in reqs:
-            self.send_error(req, GATEWAY_LOST, 503)
+        self.send_errors(reqs, GATEWAY_LOST, 503)
         pipe = self.bus.r.pipeline(transaction=False)
         for t in dead:
             pipe.expire(t, REPLY_TTL_S)  # also recreated by an error reply after it had expired

@@ -65,22 +65,20 @@ class HeldRequests:
         Only live gateways are written to (a dead one's reply stream would come back with no
         expiry). The requests this process put there (a loop started over after a broker error
         has failed them already) leave at the next exchange, as any request that is gone."""
-        left: dict[str, str] = {}
+        left: list[str] = []
+        clients: dict[str, str] = {}  # client request id -> reply stream (n > 1: one answer)
         for rid, value in bus.r.hgetall(self.key).items():
             rid = rid.decode() if isinstance(rid, bytes) else rid
             if rid not in self.recorded:
-                left[rid] = value.decode() if isinstance(value, bytes) else value
+                reply_to, _, client_id = (value.decode() if isinstance(value, bytes) else value).partition("\n")
+                left.append(rid)
+                clients[client_id] = reply_to
         if not left:
             return 0
-        clients: dict[str, str] = {}  # client request id -> reply stream (n > 1: one answer)
-        for value in left.values():
-            reply_to, _, client_id = value.partition("\n")
-            clients[client_id] = reply_to
         streams = sorted(set(clients.values()))
         beats = bus.mget([bus.streams.heartbeat("gateway", s) for s in streams])
         live = {s for s, beat in zip(streams, beats, strict=True) if beat is not None}
-        bus.send_many([(reply_to, ErrorReply(request_id=client_id, message=SCHEDULER_RESTARTED, status=503,
-                                             type="server_error"))
+        bus.send_many([(reply_to, ErrorReply.of(client_id, SCHEDULER_RESTARTED, 503))
                        for client_id, reply_to in clients.items() if reply_to in live])
         bus.r.hdel(self.key, *left)
         log.warning("the engine's last scheduler stopped holding %d requests: answered each with an error", len(clients))

@@ -94,8 +94,8 @@ class SchedulerService:
         self.held = HeldRequests(s.held_key(self.e))  # answered by the next scheduler if this one dies
         self.sched: Scheduler | None = None
         # Heartbeat, lost worker, dead gateways, broker restarts; and the prefill/decode hand-offs.
-        self.guard = EngineGuard(bus, self.e, lambda: self.sched, self.send_error, self.publish_stats)
-        self.disagg = Disaggregation(bus, self.e, args.role, lambda: self.sched, self.send_error,
+        self.guard = EngineGuard(bus, self.e, lambda: self.sched, self.send_errors, self.publish_stats)
+        self.disagg = Disaggregation(bus, self.e, args.role, lambda: self.sched, self.send_errors,
                                      self.publish_stats)
 
     # ------------------------------------------------------------------------ start-up
@@ -301,9 +301,10 @@ class SchedulerService:
         assert sched is not None
         if ready.num_blocks != sched.kv.num_blocks or ready.block_size != sched.kv.block_size:
             # Different cache geometry: nothing in flight can be kept.
-            for req in list(sched.requests.values()):
+            reqs = list(sched.requests.values())
+            for req in reqs:
                 sched.abort(req.request_id)
-                self.send_error(req, "the engine restarted with a different KV cache", 503)
+            self.send_errors(reqs, "the engine restarted with a different KV cache", 503)
             self.configure(ready)
             return
         sched.reset_worker()
@@ -315,22 +316,22 @@ class SchedulerService:
         assert sched is not None
         if result.error is not None:
             log.error("step %d failed on the worker: %s", result.step_id, result.error)
-            for req in sched.fail_in_flight(result.step_id):
-                self.send_error(req, f"the engine failed to run this request: {result.error}", 500)
+            self.send_errors(sched.fail_in_flight(result.step_id), f"the engine failed to run this request: {result.error}",
+                             500)
             self.disagg.after_step(result, [])
             return
         outcome = sched.update(result)
         for req, why in outcome.failed:
-            self.send_error(req, why, 400)
+            self.send_errors([req], why, 400)
         if outcome.detok is not None:
             self.outbox.append(self.bus.xadd(self.bus.streams.detok(self.e), outcome.detok))
         self.disagg.after_step(result, outcome.parked)
 
-    def send_error(self, req: Request, message: str, status: int) -> None:
-        # The gateway knows the client's id; a failing sample of an n > 1 request fails the request.
-        self.bus.send(req.reply_to, ErrorReply(request_id=req.group_id or req.request_id, message=message,
-                                               status=status,
-                                               type="server_error" if status >= 500 else "invalid_request_error"))
+    def send_errors(self, reqs: list[Request], message: str, status: int) -> None:
+        """An error reply to each request's gateway, all in one round trip. The gateway knows the
+        client's id: a failing sample of an n > 1 request fails the request (once)."""
+        clients = {req.group_id or req.request_id: req.reply_to for req in reqs}
+        self.bus.send_many([(to, ErrorReply.of(cid, message, status)) for cid, to in clients.items()])
 
     def publish_stats(self) -> None:
         """The engine's stats changed; the next exchange publishes them."""
