@@ -66,8 +66,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rill"),
     # CPU threads of the worker (per tensor-parallel rank); default: the usable cores.
     "RILL_WORKER_THREADS": _number("RILL_WORKER_THREADS", int, None),
-    # Each CPU step of a shape may run on one of those threads fewer where its steps measured
-    # faster so while serving (services/worker/step_threads.py); 0: always all of them.
+    # A CPU decode step of a batch size may run on one of those threads fewer where steps of that
+    # size measured faster so while serving (services/worker/step_threads.py); 0: always all of them.
     "RILL_STEP_THREADS": _flag("RILL_STEP_THREADS"),
     # Kernel backend: auto (Triton on CUDA, torch + native on CPU), torch, triton.
     "RILL_KERNELS": _choice("RILL_KERNELS", "auto"),
