@@ -88,6 +88,8 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     messages = [{"role": "system", "content": systems[c % len(systems)]}]
     tokens = 0
     for t in range(args.turns):
+        if t and args.think_time > 0:  # the user reads the reply and types the next message
+            await asyncio.sleep(rng.expovariate(1 / args.think_time))
         messages.append({"role": "user", "content": f"Passage {t}: {text(rng, args.user_words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
         prompts[(t, c)] = list(messages)
@@ -172,6 +174,8 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=300, help="about 1.3 tokens a word")
     p.add_argument("--user-words", type=int, default=80)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="mean seconds between a reply and the chat's next turn (exponential); 0: none")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
     p.add_argument("--policies", default="least-loaded,cache-aware")
