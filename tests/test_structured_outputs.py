@@ -195,6 +195,11 @@ def test_websocket_frames_validate(stack: ServiceStack) -> None:
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    # Valid grammars that no output matches: the model could only end at once, "finished".
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "[^\\x00-\\x{10FFFF}]"}}, "structured_outputs.regex"),
 ])
 def test_bad_constraints_are_400_naming_the_field(client: openai.OpenAI, mid: str, body: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:

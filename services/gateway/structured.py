@@ -10,6 +10,7 @@ otherwise can fill max_tokens with blank lines inside an object.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, NamedTuple
 
@@ -205,4 +206,23 @@ def grammar_of(req: Any) -> str | None:
     why = LLMatcher.validate_grammar(grammar)
     if why:
         raise _bad(f"Invalid {param}: {why.strip()}", param)
+    if _matches_nothing(grammar):
+        raise _bad(f"{param} matches no output at all (a schema that only refers to itself, say).", param)
     return grammar
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:  # llguidance.LLTokenizer: one token per byte, and an end token
+    from llguidance import LLTokenizer
+
+    return LLTokenizer("byte")
+
+
+def _matches_nothing(grammar: str) -> bool:
+    """Whether no string matches: such a grammar allows only the end token, which would end the
+    output empty as if it had finished. Over bytes, so any tokenizer's answer is the same."""
+    from llguidance import LLMatcher
+
+    m = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    m.compute_bitmask()
+    return m.is_stopped() and not m.is_accepting()
