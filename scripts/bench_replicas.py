@@ -73,7 +73,7 @@ class Replica:
         self.kind, self.port = kind, port
         self.name = f"bench-{kind}-{uuid.uuid4().hex[:6]}"
         env = dict(os.environ, RILL_REDIS_URL=redis_url, RILL_LOG_LEVEL="WARNING")
-        argv = [sys.executable, "-m", "rill.services.cli", "service", kind, model_dir, "--prefix", prefix,
+        argv = [sys.executable, "-P", "-m", "rill.services.cli", "service", kind, model_dir, "--prefix", prefix,
                 "--replica-name", self.name, "--port", str(port), "--max-model-len", "2048"]
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -116,7 +116,7 @@ def reference(model_dir: str) -> tuple[float, float, bool]:
             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
             "'torch' in sys.modules)\n")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     _, peak, torch = out.stdout.split()
     return time.perf_counter() - start, float(peak), torch == "True"
 
