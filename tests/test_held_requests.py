@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from rill.services.scheduler.held_requests import SCHEDULER_RESTARTED, HeldRequests
+from rill.services.scheduler.held_requests import HELD_TTL_S, SCHEDULER_RESTARTED, HeldRequests
 from rill.services.scheduler.request import Request
 from rill.shared.bus import Bus
 from rill.shared.request_params import SamplingParams
@@ -29,6 +29,7 @@ def test_record_follows_the_requests_and_the_next_scheduler_answers_the_rest(red
     before, after = old.commands(reqs)
     assert before and not after
     bus.exchange(before)
+    assert 0 < bus.r.ttl(key) <= HELD_TTL_S  # an engine id that never comes back leaves no record behind
     assert old.commands(reqs) == ([], [])  # nothing changed, nothing sent
     del reqs["a"]
     before, after = old.commands(reqs)
@@ -36,8 +37,9 @@ def test_record_follows_the_requests_and_the_next_scheduler_answers_the_rest(red
     bus.exchange(after)
     assert sorted(bus.r.hkeys(key)) == [b"b-0", b"b-1", b"c"]
     parked = {"c": reqs["c"]}  # its KV went to a decode engine, which now answers for it
-    assert old.commands(reqs, parked) == ([], [("HDEL", key, "c")])
-    assert old.commands(reqs, {}) == ([("HSET", key, "c", f"{dead}\nc")], [])
+    expire = ("EXPIRE", key, HELD_TTL_S)
+    assert old.commands(reqs, parked) == ([], [("HDEL", key, "c"), expire])
+    assert old.commands(reqs, {}) == ([("HSET", key, "c", f"{dead}\nc"), expire], [])
 
     new = HeldRequests(key)  # the old scheduler died; its successor already holds "d"
     bus.exchange(new.commands({"d": held("d", live)})[0])

@@ -10,7 +10,8 @@ One hash per engine (Streams.held_key): sample request id -> reply stream and cl
 Kept current as two more commands of the scheduler's per-step exchange, no round trip of its
 own: HSET of the requests admitted since the last exchange goes before the outbox (a request is
 on record before its input is acked), HDEL of those gone after it (it leaves the record only once
-its last output is sent).
+its last output is sent). Each write renews the hash's expiry, so the record of an engine id that
+never comes back leaves the broker on its own; a live engine's record holds only while it writes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ log = logging.getLogger("rill.scheduler")
 
 SCHEDULER_RESTARTED = (f"{ENGINE_LOST_PREFIX}: its scheduler stopped and started again while this request "
                        "was in flight; the request was not completed, please retry")
+# Longer than any request waits between two changes of its engine's record (each admission or end
+# renews it); a request running alone past this is no longer answered if its scheduler dies, and
+# the gateway's progress deadline ends it instead.
+HELD_TTL_S = 3600
 
 
 class HeldRequests:
@@ -52,10 +57,10 @@ class HeldRequests:
             for rid in added:
                 req = requests[rid]
                 fields += [rid, f"{req.reply_to}\n{req.group_id or rid}"]
-            before.append(("HSET", self.key, *fields))
+            before += [("HSET", self.key, *fields), ("EXPIRE", self.key, HELD_TTL_S)]
             self.recorded |= added
         if removed:
-            after.append(("HDEL", self.key, *removed))
+            after += [("HDEL", self.key, *removed), ("EXPIRE", self.key, HELD_TTL_S)]
             self.recorded -= removed
         return before, after
 
