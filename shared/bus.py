@@ -39,11 +39,11 @@ import redis.asyncio.cluster as aiocluster
 from msgspec import Struct
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from rill.shared import cluster
-from rill.shared.cluster import ClusterHot, is_cluster, masters_id
+from rill.shared.cluster import ClusterHot, is_cluster, masters_id, seed_nodes, seed_urls
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command, RespConnection
 from rill.shared.schema import encode
@@ -108,8 +108,10 @@ def connect(url: str, socket_timeout: float | None = None, name: str | None = No
     `name` is shown by CLIENT LIST (which replica holds which connection). A cluster's URL gets
     a cluster client (its commands are the same)."""
     if is_cluster(url):
-        return RedisCluster.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,  # type: ignore[return-value]
-                                     decode_responses=False, client_name=_client_name(name), **_tcp_options(url))
+        return RedisCluster.from_url(seed_urls(url)[0], socket_timeout=socket_timeout,  # type: ignore[return-value]
+                                     socket_connect_timeout=5, decode_responses=False,
+                                     startup_nodes=[ClusterNode(h, p) for h, p in seed_nodes(url)],
+                                     client_name=_client_name(name), **_tcp_options(url))
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                 retry=Retry(NoBackoff(), 1), decode_responses=False,
                                 client_name=_client_name(name), **_tcp_options(url))
@@ -118,7 +120,8 @@ def connect(url: str, socket_timeout: float | None = None, name: str | None = No
 def aconnect(url: str, socket_timeout: float | None = None, name: str | None = None) -> aioredis.Redis:
     if is_cluster(url):
         return aiocluster.RedisCluster.from_url(  # type: ignore[return-value]
-            url, socket_timeout=socket_timeout, socket_connect_timeout=5, decode_responses=False,
+            seed_urls(url)[0], socket_timeout=socket_timeout, socket_connect_timeout=5, decode_responses=False,
+            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in seed_nodes(url)],
             client_name=_client_name(name), **_tcp_options(url))
     return aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                    retry=AsyncRetry(NoBackoff(), 1), decode_responses=False,

@@ -49,23 +49,51 @@ def _redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
 
 
+def seed_urls(url: str) -> list[str]:
+    """The node URLs a broker URL names. `redis://[auth@]h1:p1,h2:p2/0` lists seed nodes of one
+    cluster (any one that answers will do), so that a service started again after its first seed
+    failed still finds the cluster; a URL of one host is itself."""
+    parts = urlsplit(url)
+    auth, at, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return [url]
+    return [urlunsplit(parts._replace(netloc=f"{auth}{at}{host}")) for host in hosts.split(",") if host]
+
+
+def seed_nodes(url: str) -> list[tuple[str, int]]:
+    """(host, port) of each seed node but the first (redis-py takes the first from the URL)."""
+    return [(part.hostname or "localhost", part.port or 6379) for part in map(urlsplit, seed_urls(url)[1:])]
+
+
 def is_cluster(url: str) -> bool:
-    """Whether `url` reaches a Redis Cluster (asked once per URL and process). A broker that does
-    not answer within PROBE_S is taken for a single server."""
+    """Whether `url` reaches a Redis Cluster (asked once per URL and process, of the first of its
+    seeds that answers). A broker that does not answer within PROBE_S is taken for a single
+    server; several seeds that do not are an error."""
     if url not in _kinds:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        seeds = seed_urls(url)
+        clients = [redis.Redis.from_url(seed, socket_connect_timeout=2, socket_timeout=5) for seed in seeds]
         deadline = time.monotonic() + PROBE_S
-        while True:
-            try:
-                _kinds[url] = bool(int(client.info("cluster").get("cluster_enabled", 0)))
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline:  # not cached: the next connection asks again
-                    log.warning("the broker at %s did not answer for %.0f s: taken for a single server",
-                                _redact(url), PROBE_S)
-                    return False
-                time.sleep(0.2)
-        client.close()
+        try:
+            while url not in _kinds:
+                for client in clients:
+                    try:
+                        _kinds[url] = bool(int(client.info("cluster").get("cluster_enabled", 0)))
+                        break
+                    except redis.RedisError:
+                        continue
+                else:
+                    if time.monotonic() > deadline:  # not cached: the next connection asks again
+                        if len(seeds) > 1:
+                            raise redis.ConnectionError(f"no seed node of {_redact(url)} answered in {PROBE_S:.0f} s")
+                        log.warning("the broker at %s did not answer for %.0f s: taken for a single server",
+                                    _redact(url), PROBE_S)
+                        return False
+                    time.sleep(0.2)
+        finally:
+            for client in clients:
+                client.close()
+        if len(seeds) > 1 and not _kinds[url]:
+            raise ValueError(f"{_redact(url)} names several hosts, but they are not a Redis Cluster")
     return _kinds[url]
 
 

@@ -11,6 +11,7 @@ import argparse
 import signal
 import threading
 import time
+from urllib.parse import urlsplit
 
 import redis
 
@@ -38,7 +39,11 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return self.nodes[0].url
+        """Every node as a seed (shared/cluster.py seed_urls): a service started after the first
+        node failed still finds the cluster."""
+        first = self.nodes[0].url
+        netloc = urlsplit(first).netloc
+        return first.replace(netloc, ",".join(urlsplit(n.url).netloc for n in self.nodes), 1)
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         try:
@@ -80,9 +85,11 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
-        while not all(self._ok(c) for c in clients):
+        # Ready once every replica holds its master's data: one still in its first sync cannot
+        # take over, and a master killed then would leave its slots unserved.
+        while not all(self._ok(c) for c in clients) or not all(self._synced(c) for c in clients[self.masters:]):
             if time.monotonic() > deadline:
-                raise TimeoutError("the local cluster did not reach cluster_state:ok")
+                raise TimeoutError("the local cluster did not reach cluster_state:ok with its replicas in sync")
             time.sleep(0.1)
         for client in clients:
             client.close()
@@ -92,6 +99,10 @@ class LocalCluster:
     def _ok(client: redis.Redis) -> bool:
         info = client.cluster("INFO")
         return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) > 1
+
+    @staticmethod
+    def _synced(client: redis.Redis) -> bool:
+        return client.info("replication").get("master_link_status") == "up"
 
     def stop(self) -> None:
         for node in self.nodes:  # all at once: each takes a moment to shut down
@@ -116,8 +127,8 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # a handler (not a mask, which children inherit)
         signal.signal(sig, lambda *_: stop.set())
     with LocalCluster(args.masters, args.replicas) as cluster:
-        print(f"cluster ready: --redis-url {cluster.url} "
-              f"(nodes on ports {', '.join(str(n.port) for n in cluster.nodes)}); Ctrl-C stops it", flush=True)
+        print(f"cluster ready: --redis-url {cluster.url} ({args.masters} masters, {args.replicas} replicas each; "
+              "any node of the URL will do); Ctrl-C stops it", flush=True)
         while not stop.wait(1.0):
             pass
 

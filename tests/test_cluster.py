@@ -21,7 +21,7 @@ import redis
 from service_stack import ServiceStack, fast_flags, rill_executable
 
 from rill.shared.broker import EmbeddedBroker, PortTaken, free_port, free_ports
-from rill.shared.bus import Bus, connect
+from rill.shared.bus import Bus, aconnect, connect
 from rill.shared.local_cluster import LocalCluster
 from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode, stats_decoder
 from rill.shared.streams import Streams
@@ -126,6 +126,42 @@ def test_hot_path_pipelines_span_masters(cluster: LocalCluster) -> None:
         assert len(bus.mget([s.stats_key(e) for e in range(4)])) == 4
     finally:
         bus.close()
+
+
+def test_a_service_started_after_its_first_seed_died_finds_the_cluster(cluster: LocalCluster,
+                                                                       redis_url: str) -> None:
+    """The URL lists every node; with the first one's master dead and its replica promoted, a
+    new client (a restarted service) connects through the others, sync and async, hot path too.
+    Several hosts that are not a cluster are refused."""
+    victim = cluster.nodes[0]  # the first nodes are the masters
+    assert victim.proc is not None and "," in cluster.url
+    served = redis.Redis(port=cluster.nodes[1].port)
+    victim.proc.kill()
+    deadline = time.monotonic() + 30
+    while any(sl[2][1] == victim.port for sl in served.execute_command("CLUSTER", "SLOTS")):
+        assert time.monotonic() < deadline, "no replica took over the dead master's slots"
+        time.sleep(0.2)
+    bus = Bus(cluster.url, "rill")
+    try:
+        keys = [bus.streams.stats_key(e) for e in range(6)]  # slots on every master
+        for key in keys:
+            bus.r.set(key, b"1")
+        assert bus.mget(keys) == [b"1"] * 6
+        assert bus.exchange([("SET", keys[0], b"2"), ("GET", keys[0])])[1] == b"2"
+
+        async def read() -> object:
+            r = aconnect(cluster.url)
+            try:
+                return await r.get(keys[1])
+            finally:
+                await r.aclose()
+
+        assert asyncio.run(read()) == b"1"
+    finally:
+        bus.close()
+    single = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+    with pytest.raises(ValueError, match="not a Redis Cluster"):
+        connect(redis_url.replace(single, f"{single},{single}", 1))
 
 
 def _chat(i: int, long: bool = False) -> dict:
