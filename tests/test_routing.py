@@ -3,6 +3,7 @@ and prefix summaries written by hand for fake engines; and a real scheduler's su
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 
@@ -13,7 +14,7 @@ from test_plan_timing import slow_engine, submit
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.prefix_summary import PrefixSummary, summary_bytes
 from rill.services.tokenizer.router import BALANCE_ABS, Router
-from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, pack_summary, parse_summary
+from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, pack_summary, parse_summary, short_words
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.heartbeat import engine_beat_keys
@@ -51,8 +52,11 @@ def engine(bus: Bus, e: int, load: int = 0, cached: list[int] | None = None, ali
 
 def test_summary_round_trips_short_hashes() -> None:
     hashes = block_hashes(PROMPT, BS)
-    assert parse_summary(pack_summary(hashes)) == {h[:SHORT_HASH_BYTES] for h in hashes}
-    assert parse_summary(None) == frozenset()
+    assert pack_summary(hashes) == b"".join(h[:SHORT_HASH_BYTES] for h in hashes)
+    words = [int.from_bytes(h[:SHORT_HASH_BYTES], sys.byteorder) for h in hashes]
+    assert short_words(hashes) == words
+    assert parse_summary(pack_summary(hashes[::-1])) == set(words)
+    assert parse_summary(None) == parse_summary(b"") == frozenset()
     kv = KVCacheManager(64, BS)
     kv.allocate("a", len(PROMPT))
     kv.register_full_blocks("a", hashes, len(PROMPT))
@@ -141,7 +145,7 @@ def test_a_real_scheduler_publishes_its_served_prompt_blocks(redis_url: str, pre
     args = EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64, block_size=BS)
     with slow_engine(redis_url, prefix, args) as (client, _, _):
         submit(client, "a", 3 * BS + 3)  # token ids 3, 4, ...: three full blocks (+ 200 tokens: max_model_len)
-        want = {h[:SHORT_HASH_BYTES] for h in block_hashes(list(range(3, 3 + 3 * BS + 3)), BS)}
+        want = set(short_words(block_hashes(list(range(3, 3 + 3 * BS + 3)), BS)))
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             got = parse_summary(client.r.get(client.streams.prefix_summary_key(0)))

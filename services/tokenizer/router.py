@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rill.shared.block_hash import SHORT_HASH_BYTES, SUMMARY_REFRESH_S, block_hashes, parse_summary
+from rill.shared.block_hash import SUMMARY_REFRESH_S, block_hashes, parse_summary, short_words
 from rill.shared.bus import Bus
 from rill.shared.heartbeat import engine_beat_keys, engine_ids, engines_alive
 from rill.shared.kinds import EngineRole
@@ -47,8 +47,8 @@ class EngineView:
     role: EngineRole | None = None  # None: no stats yet
     load: int = 0
     block_size: int = 0
-    cached: frozenset[bytes] = frozenset()  # short hashes from the engine's summary
-    routed: set[bytes] = field(default_factory=set)  # prompts sent since the read: cached soon
+    cached: frozenset[int] = frozenset()  # short hashes from the engine's summary
+    routed: set[int] = field(default_factory=set)  # prompts sent since the read: cached soon
 
 
 class Router:
@@ -93,7 +93,7 @@ class Router:
             return EngineView()
         return EngineView(st.role, st.num_running + st.num_waiting + st.num_transferring, st.block_size)
 
-    def _summary(self, engine: int, value: bytes | None) -> frozenset[bytes]:
+    def _summary(self, engine: int, value: bytes | None) -> frozenset[int]:
         old = self.engines.get(engine)
         if old is not None and self._raw_summary.get(engine) == value:
             return old.cached
@@ -137,14 +137,14 @@ class Router:
 
     def _cache_aware(self, candidates: list[int], prompt: Sequence[int]) -> int:
         least = self._least_loaded(candidates)
-        hashes: dict[int, list[bytes]] = {}  # by block size: engines may differ
+        hashes: dict[int, list[int]] = {}  # by block size: engines may differ
         matched: dict[int, int] = {}
         for e in candidates:
             view = self.engines.get(e)
             if view is None or view.block_size <= 0:
                 continue
             if view.block_size not in hashes:
-                hashes[view.block_size] = [h[:SHORT_HASH_BYTES] for h in block_hashes(list(prompt), view.block_size)]
+                hashes[view.block_size] = short_words(block_hashes(list(prompt), view.block_size))
             matched[e] = self.matched_blocks(view, hashes[view.block_size])
         best = max(candidates, key=lambda e: (matched.get(e, 0), -self.load(e), -e))
         min_load, load = self.load(least), self.load(best)
@@ -156,7 +156,7 @@ class Router:
         return choice
 
     @staticmethod
-    def matched_blocks(view: EngineView, short_hashes: list[bytes]) -> int:
+    def matched_blocks(view: EngineView, short_hashes: list[int]) -> int:
         """How many leading blocks of the prompt the engine has cached (or was just sent)."""
         n = 0
         for h in short_hashes:
