@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+from collections.abc import Sequence
 
 import redis
 import redis.asyncio as aioredis
@@ -414,11 +415,13 @@ class AsyncBus:
             return []
         return await (self.r.mget_nonatomic(keys) if self.cluster else self.r.mget(keys))  # type: ignore[attr-defined]
 
-    async def server_id(self) -> str:
-        """Bus.server_id, for the gateway."""
+    async def server_id(self, keys: Sequence[str] = ()) -> tuple[str, dict[str, str]]:
+        """Bus.server_id, for the gateway; on a cluster, beside it, the master of each of `keys`
+        (a failover lost writes only in the slots whose master changed)."""
         if self.cluster:
-            return masters_id(await self.r.cluster_nodes())
-        return server_id_of(await self.r.info("server"))
+            nodes = await self.r.cluster_nodes()
+            return masters_id(nodes), {key: masters_id(nodes, key) for key in keys}
+        return server_id_of(await self.r.info("server")), {}
 
     async def close(self) -> None:
         await self.r.aclose()

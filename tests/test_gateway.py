@@ -31,6 +31,7 @@ from service_stack import SentRequests
 from websockets.asyncio.client import ClientConnection, connect
 
 from rill.services.gateway.app import create_app
+from rill.services.gateway.gateway import BROKER_RESTARTED, Gateway
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
 from rill.shared.bus import FIELD
 from rill.shared.schema import (
@@ -740,6 +741,29 @@ async def test_ws_integer_ids_and_many_requests(server: LiveServer, down: Downst
     for i in range(n):
         assert "".join(f["text"] for f in frames[i] if f["type"] == "delta") == f"<{i}>ab</{i}>"
         assert [f["type"] for f in frames[i]].count("done") == 1
+
+
+async def test_a_cluster_failover_fails_only_what_its_moved_masters_held() -> None:
+    """A promoted replica may lack its master's last writes: the gateway fails the requests of
+    an engine whose streams' master changed, and those not routed yet, but not another engine's;
+    all of them when its own streams moved, or a single broker restarted."""
+    gw = Gateway(redis_url="unused", prefix="p", model_name="m", max_model_len=64)
+    s = Streams("p")
+    streams = {rid: gw.tracker.register(rid) for rid in ("on0", "on1", "unrouted", "on0b")}
+    streams["on0"].engine, streams["on0b"].engine, streams["on1"].engine = 0, 0, 1
+    before = {gw.requests_stream: "A", gw.reply_stream: "B", s.engine_in(0): "A", s.engine_in(1): "C"}
+    gw._masters = before
+    gw._lost_writes({**before, s.engine_in(2): "D"})  # a key first seen now has not moved
+    assert len(gw.tracker) == 4
+    gw._lost_writes({**before, s.engine_in(1): "D"})
+    assert sorted(st.request_id for st in gw.tracker.streams()) == ["on0", "on0b"]
+    errors = [ev for batch in [x async for x in streams["on1"]] for ev in batch]
+    assert [(e.status, e.message) for e in errors] == [(503, BROKER_RESTARTED)]
+    gw._lost_writes({**before, gw.reply_stream: "D"})
+    assert len(gw.tracker) == 0
+    gw.tracker.register("x")
+    gw._lost_writes({})  # one broker, restarted
+    assert len(gw.tracker) == 0
 
 
 async def test_shutdown_deletes_reply_stream(down: Downstream) -> None:

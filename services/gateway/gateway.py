@@ -32,6 +32,7 @@ from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S, stalled, timed_out
 from rill.services.gateway.drain import DRAINING
+from rill.services.gateway.engine_stats import read_engine_ids
 from rill.services.gateway.errors import (
     APIError,
 )
@@ -47,13 +48,11 @@ from rill.shared.schema import (
     ENGINE_LOST_PREFIX,
     AbortRequest,
     DetokenizeRequest,
-    EngineStats,
     ErrorReply,
     GenerateRequest,
     TokenizeReply,
     TokenizeRequest,
     gateway_input_decoder,
-    stats_decoder,
 )
 from rill.shared.streams import Streams
 
@@ -111,6 +110,7 @@ class Gateway:
         self._engine_seen = False  # whether any watch found an engine live
         self.broker_ok = True
         self._server: str | None = None  # the broker's run_id
+        self._masters: dict[str, str] = {}  # on a cluster, the master of each of our keys
         self._engine_gone = Absence()
         self._engines_gone: dict[int, Absence] = {}  # each engine's, for the requests sent to it
         self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
@@ -219,17 +219,18 @@ class Gateway:
         assert self.bus is not None
         now = time.monotonic()
         try:
-            server = await asyncio.wait_for(self.bus.server_id(), 5.0)
             pipe = self.bus.r.pipeline(transaction=False)
             pipe.smembers(self.bus.streams.engines_key())
             for role in REPLICA_ROLES:
                 pipe.smembers(self.bus.streams.replicas_key(role))
             members, *replicas = await asyncio.wait_for(pipe.execute(), 5.0)
+            engines = engine_ids(members) or [0]
+            s = self.bus.streams
+            server, masters = await asyncio.wait_for(self.bus.server_id(
+                [self.requests_stream, self.reply_stream, *(s.engine_in(e) for e in engines)]), 5.0)
             live = True
             lost: list[int] = []
             if self.watch_engine:
-                engines = engine_ids(members) or [0]
-                s = self.bus.streams
                 keys = engine_beat_keys(s, engines)
                 spans = []  # each role's slice of the keys: every heartbeat in one MGET
                 for role, names in zip(REPLICA_ROLES, replicas, strict=True):
@@ -252,11 +253,8 @@ class Gateway:
         self.broker_ok = True
         self._broker_gone.observe(True, now)
         if self._server is not None and server != self._server:
-            # Everything in flight went down with the old server (requests, replies, groups).
-            log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
-            self.fail_in_flight(BROKER_RESTARTED)
-            self._cursor = b"0-0"  # our reply stream starts afresh
-        self._server = server
+            self._lost_writes(masters)
+        self._server, self._masters = server, masters
         if live != self.engine_live:
             if self._engine_seen:
                 log.warning("engine %s", "live again" if live else "not available (no scheduler/worker heartbeat)")
@@ -268,6 +266,23 @@ class Gateway:
             self.fail_engine_requests(e)
         if self._engine_gone.observe(live, now):
             self.fail_in_flight(ENGINE_LOST)
+
+    def _lost_writes(self, masters: dict[str, str]) -> None:
+        """The broker restarted: everything in flight went down with it (requests, replies,
+        groups). A cluster's failover (`masters`: the master of each of our keys now) loses
+        writes only in the slots whose master changed: all our requests if our own streams
+        moved, else those of engines whose streams did, and those not routed yet."""
+        moved = {key for key, master in masters.items() if self._masters.get(key, master) != master}
+        if not masters or {self.requests_stream, self.reply_stream} & moved:
+            log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
+            self.fail_in_flight(BROKER_RESTARTED)
+            self._cursor = b"0-0"  # our reply stream starts afresh
+        elif moved:
+            s = Streams(self.prefix)
+            ids = [st.request_id for st in self.tracker.streams()
+                   if st.engine is None or s.engine_in(st.engine) in moved]
+            log.warning("a broker failover moved engine streams: failing %d requests in flight", len(ids))
+            self.fail_in_flight(BROKER_RESTARTED, ids)
 
     def _expire_stalled(self) -> None:
         ids = stalled(self.tracker.streams(), time.monotonic(), self.progress_timeout_s)
@@ -395,27 +410,6 @@ class Gateway:
     async def detokenize(self, token_ids: list[int]) -> TokenizeReply:
         return await self.call(DetokenizeRequest(request_id="", reply_to="", token_ids=token_ids))
 
-    async def engine_ids(self) -> list[int]:
-        assert self.bus is not None
-        members = await self.bus.r.smembers(self.bus.streams.engines_key())
-        ids = engine_ids(members)
-        return ids or [0]
-
-    async def engine_stats(self) -> list[EngineStats]:
-        """Every registered engine's latest EngineStats (engines that published none, or an
-        undecodable one, are skipped); for /stats and /metrics."""
-        assert self.bus is not None
-        raw = await self.bus.mget([self.bus.streams.stats_key(e) for e in await self.engine_ids()])
-        out: list[EngineStats] = []
-        for payload in raw:
-            if payload is None:
-                continue
-            try:
-                out.append(stats_decoder.decode(payload))
-            except msgspec.DecodeError:
-                continue
-        return out
-
     async def abort(self, request_ids: list[str], reason: AbortReason = "abort") -> None:
         """Stop routing these requests and tell every engine to drop them (idempotent there)."""
         engine_ids = [self.tracker.engine_id(rid) for rid in request_ids]
@@ -427,7 +421,7 @@ class Gateway:
         if self.bus is None or not engine_ids:
             return
         msg = AbortRequest(request_ids=engine_ids, reason=reason)
-        engines = await self.engine_ids()
+        engines = await read_engine_ids(self.bus)
         # The bus writes sends waiting together in one pipelined round trip.
         await asyncio.gather(*(self.bus.send(self.bus.streams.engine_in(e), msg) for e in engines))
 

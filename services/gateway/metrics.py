@@ -56,6 +56,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rill.services.gateway.engine_stats import read_engine_stats
 from rill.shared.heartbeat import engine_ids
 from rill.shared.schema import EngineStats, ErrorReply, TextDelta
 from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP
@@ -332,7 +333,7 @@ async def read_backlogs(gw: Gateway) -> list[GroupBacklog]:
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
-        stats = await gw.engine_stats()
+        stats = await read_engine_stats(gw.bus)
         backlogs = await read_backlogs(gw)
     except Exception as exc:  # the broker is away: still serve the gateway's own series
         log.debug("engine stats unavailable for /metrics: %r", exc)

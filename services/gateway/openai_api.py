@@ -28,6 +28,7 @@ from rill.services.gateway.bodies import (
     TokenizeBody,
 )
 from rill.services.gateway.chat_tools import tool_definitions
+from rill.services.gateway.engine_stats import read_engine_stats
 from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.responses import (
     GENERATION_FAILED,
@@ -255,7 +256,7 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     """Every engine's latest EngineStats, as written by its scheduler after each step."""
     try:
-        engines = await _gateway(request).engine_stats()
+        engines = await read_engine_stats(_gateway(request).bus)
     except Exception as exc:
         raise APIError("Redis is unavailable.", 503) from exc
     return json_response({"engines": [msgspec.to_builtins(st) for st in engines]})
