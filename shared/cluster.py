@@ -16,8 +16,8 @@ Two things change beside the client:
   entry and drop its pin.
 - "The broker restarted" (its streams are gone) becomes "a replica was promoted": it may lack
   the last writes of the master it replaces. An engine watches the master of its own streams
-  (another engine's failover leaves it alone); a gateway, whose requests cross every master,
-  watches them all and fails what was in flight, as after a restart of a single broker.
+  (another engine's failover leaves it alone); a gateway watches the masters of its own streams
+  and of each engine's, and fails what lived on one that changed (all it holds if its own did).
 """
 
 from __future__ import annotations
