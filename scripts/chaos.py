@@ -59,7 +59,8 @@ TOPICS = ["the sea", "a mountain", "a robot", "coffee", "trains", "winter", "mus
 
 @dataclass
 class Outcome:
-    chunks: list[str] = field(default_factory=list)
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)  # what its chunks' logprobs named, in order
     finish: str | None = None
     error: str | None = None
     lost: bool = False
@@ -89,9 +90,9 @@ async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, timeou
                 if obj.get("usage"):
                     out.generated = obj["usage"]["completion_tokens"]
                 for choice in obj["choices"]:
-                    out.delivered += len((choice.get("logprobs") or {}).get("tokens") or [])
-                    if choice["text"]:
-                        out.chunks.append(choice["text"])
+                    out.text += choice["text"]
+                    out.tokens += (choice.get("logprobs") or {}).get("tokens") or []
+                    out.delivered = len(out.tokens)
                     if choice["finish_reason"]:
                         out.finish = choice["finish_reason"]
 
@@ -208,14 +209,15 @@ class Killer(threading.Thread):
 
 
 def compare(ref: Outcome, got: Outcome) -> tuple[int, int, bool]:
-    """(repeated tokens, missing tokens, diverged) of a completed stream against its reference.
+    """(repeated tokens, missing tokens, diverged) of a completed stream against its reference,
+    token by token (how the text was cut into chunks may differ after a replica's restart).
     With its usage: the tokens its chunks carried against those generated; every token shown once
-    and another text is another greedy path. Without: chunk by chunk, where a stream that ends on
+    and other tokens (or text) is another greedy path. Without: token by token, where a stream that ends on
     a replacement diverged and in any other every insertion is a repeat, every deletion a loss."""
     if got.generated is not None:
         extra = got.delivered - got.generated
-        return max(extra, 0), max(-extra, 0), extra == 0 and got.chunks != ref.chunks
-    ops = difflib.SequenceMatcher(a=ref.chunks, b=got.chunks, autojunk=False).get_opcodes()
+        return max(extra, 0), max(-extra, 0), extra == 0 and (got.tokens, got.text) != (ref.tokens, ref.text)
+    ops = difflib.SequenceMatcher(a=ref.tokens, b=got.tokens, autojunk=False).get_opcodes()
     if ops and ops[-1][0] == "replace":
         return 0, 0, True
     dup = missing = 0
