@@ -27,6 +27,7 @@ import pytest
 import redis
 
 from rill.services.cli import build_parser
+from rill.services.gateway.gateway import ENGINE_RETRY_AFTER_S
 from rill.services.launcher import build_children
 from rill.shared.broker import EmbeddedBroker, free_port
 from rill.shared.bus import CLAIM_IDLE_MS, FIELD, Bus
@@ -276,6 +277,7 @@ def stack(smollm2_dir: str) -> Iterator[Stack]:
 class Outcome:
     status: int = 0
     gateway: str = ""
+    retry_after: str | None = None
     chunks: list[str] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
@@ -296,6 +298,7 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             out.status = resp.status_code
             out.gateway = resp.headers.get("x-rill-gateway", "")
+            out.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200:
                 out.error = json.loads(await resp.aread())["error"]["message"]
                 return out
@@ -531,10 +534,11 @@ def test_worker_death_fails_requests_then_recovers(stack: Stack) -> None:
     assert stack.health() == 503
     refused = run(_one_completion(stack))
     assert refused.status == 503 and "engine is not available" in (refused.error or ""), refused
+    assert refused.retry_after == str(ENGINE_RETRY_AFTER_S)  # clients that honour it come back later
 
     stack.start("worker")
     stack.wait_health(200, 180)
-    ok = run(_one_completion(stack))
+    ok = _completion_honouring_retry_after(stack)
     assert ok.error is None and ok.finish == "length", ok
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
 
@@ -563,7 +567,7 @@ def test_scheduler_restarted_at_once_fails_what_it_held(stack: Stack) -> None:
         assert o.finish is None and o.error is not None and "scheduler stopped and started again" in o.error, o
         assert o.ended_at - killed_at < 10, f"the error came {o.ended_at - killed_at:.1f}s after the kill"
     stack.wait_health(200, 60)
-    ok = run(_one_completion(stack))
+    ok = _completion_honouring_retry_after(stack)
     assert ok.error is None and ok.finish == "length", ok
     stack.wait_stats(lambda st: st.num_running == 0 and st.num_free_blocks == st.num_blocks, 10, "blocks leaked")
     assert not stack.redis.hlen(stack.streams.held_key(0)), "requests left on record"
@@ -603,6 +607,16 @@ def test_garbage_on_every_stream_loses_nothing(stack: Stack) -> None:
 async def _one_completion(stack: Stack, max_tokens: int = 4) -> Outcome:
     async with client_for(stack, timeout=60) as client:
         return await stream_completion(client, "The capital of France is", max_tokens)
+
+
+def _completion_honouring_retry_after(stack: Stack) -> Outcome:
+    """One completion once /health is back, as a client honouring Retry-After sends it: /health
+    answered from one gateway, and another may see the engine back one watch (WATCH_S) later."""
+    out = run(_one_completion(stack))
+    if out.status == 503 and out.retry_after:
+        time.sleep(float(out.retry_after))
+        out = run(_one_completion(stack))
+    return out
 
 
 def test_broker_restart_mid_load(stack: Stack) -> None:

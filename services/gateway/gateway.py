@@ -65,6 +65,9 @@ WATCH_S = 0.5  # how often the watch task looks at the broker and the engine hea
 BROKER_GRACE_S = 2.0  # the broker unreachable this long fails the requests in flight
 TRIM_EVERY_S = 2.0  # trimming what we already read from our reply stream
 ENGINE_UNAVAILABLE = "the engine is not available: no scheduler and worker are running; retry later"
+# A restarted scheduler is back within seconds (a worker loading a model may take longer): long
+# enough for clients that honour Retry-After (the openai SDKs retry a 503 twice) to find it back.
+ENGINE_RETRY_AFTER_S = 2
 ENGINE_LOST = (f"{ENGINE_LOST_PREFIX}: its scheduler or worker stopped (no heartbeat) while this "
                "request was in flight; the request was not completed")
 ONE_ENGINE_LOST = (f"{ENGINE_LOST_PREFIX}: engine {{engine}} stopped (no scheduler or worker heartbeat) "
@@ -369,7 +372,8 @@ class Gateway:
         if self.draining:
             raise APIError(DRAINING, 503, type="server_error")
         if self.watch_engine and not self.engine_live:
-            raise APIError(ENGINE_UNAVAILABLE, 503, type="server_error")
+            raise APIError(ENGINE_UNAVAILABLE, 503, type="server_error",
+                           headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
         admit(len(self.tracker.waiting), self.max_waiting_requests)
         try:
             # Counted in /metrics from now on (set before the send: its replies may come first).
