@@ -743,6 +743,31 @@ async def test_ws_integer_ids_and_many_requests(server: LiveServer, down: Downst
         assert [f["type"] for f in frames[i]].count("done") == 1
 
 
+async def test_requests_lost_together_are_all_sent_again_and_aborted(server: LiveServer,
+                                                                   down: Downstream) -> None:
+    """A restarted scheduler answers all it held at once: every request is sent again and every
+    lost id aborted. (Each abort used to read the engine list on its own: 128 at once ran out of
+    broker connections, and those aborts were never sent.)"""
+    await down.r.sadd(Streams(server.prefix).engines_key(), 0)
+    await asyncio.sleep(1.0)  # a watch round has seen engine 0
+    n, lost = 150, f"{ENGINE_LOST_PREFIX}: its scheduler stopped and started again"
+    async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=n)) as c:
+        posts = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"})) for _ in range(n)]
+        reqs = [await down.next_request() for _ in range(n)]
+        pipe = down.r.pipeline(transaction=False)
+        for req in reqs:
+            pipe.xadd(req.reply_to, {FIELD: encode(ErrorReply(req.request_id, lost, status=503))})
+        await pipe.execute()
+        again = [await down.next_request() for _ in range(n)]
+        aborted: set[str] = set()
+        while len(aborted) < n:
+            aborted |= set(await down.aborted_ids(0))
+        assert aborted == {req.request_id for req in reqs}
+        for req in again:
+            await down.reply(req.reply_to, make_deltas(req.request_id, ["y"]))
+        assert [(await p).status_code for p in posts] == [200] * n
+
+
 async def test_a_cluster_failover_fails_only_what_its_moved_masters_held() -> None:
     """A promoted replica may lack its master's last writes: the gateway fails the requests of
     an engine whose streams' master changed, and those not routed yet, but not another engine's;

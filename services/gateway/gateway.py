@@ -32,7 +32,7 @@ from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S, stalled, timed_out
 from rill.services.gateway.drain import DRAINING
-from rill.services.gateway.engine_stats import read_engine_ids
+from rill.services.gateway.engine_stats import RegisteredEngines
 from rill.services.gateway.errors import (
     APIError,
 )
@@ -114,6 +114,7 @@ class Gateway:
         self.broker_ok = True
         self._server: str | None = None  # the broker's run_id
         self._masters: dict[str, str] = {}  # on a cluster, the master of each of our keys
+        self._engines = RegisteredEngines()  # where aborts go
         self._engine_gone = Absence()
         self._engines_gone: dict[int, Absence] = {}  # each engine's, for the requests sent to it
         self._replicas_gone = {role: Absence() for role in REPLICA_ROLES}
@@ -271,10 +272,9 @@ class Gateway:
             self.fail_in_flight(ENGINE_LOST)
 
     def _lost_writes(self, masters: dict[str, str]) -> None:
-        """The broker restarted: everything in flight went down with it (requests, replies,
-        groups). A cluster's failover (`masters`: the master of each of our keys now) loses
-        writes only in the slots whose master changed: all our requests if our own streams
-        moved, else those of engines whose streams did, and those not routed yet."""
+        """The broker restarted: everything in flight went down with it. A cluster's failover
+        (`masters`: each of our keys' master now) loses writes only where the master changed: all
+        our requests if our streams moved, else those of engines whose streams did, and unrouted ones."""
         moved = {key for key, master in masters.items() if self._masters.get(key, master) != master}
         if not masters or {self.requests_stream, self.reply_stream} & moved:
             log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
@@ -334,7 +334,10 @@ class Gateway:
         except Exception as exc:  # the first error stands
             log.warning("could not send %s again: %r", stream.request_id, exc)
             self.tracker.fail(stream.request_id, err)
-        await self._send_abort([lost], "abort")  # wherever the lost id still sits (an engine that comes back)
+        try:  # wherever the lost id still sits (an engine that comes back)
+            await self._send_abort([lost], "abort")
+        except Exception as exc:
+            log.warning("abort of %s failed: %r", lost, exc)
 
     def fail_engine_requests(self, engine: int) -> None:
         """End the requests sent to a lost engine with a 503 error (the others run on)."""
@@ -425,7 +428,7 @@ class Gateway:
         if self.bus is None or not engine_ids:
             return
         msg = AbortRequest(request_ids=engine_ids, reason=reason)
-        engines = await read_engine_ids(self.bus)
+        engines = await self._engines.read(self.bus)
         # The bus writes sends waiting together in one pipelined round trip.
         await asyncio.gather(*(self.bus.send(self.bus.streams.engine_in(e), msg) for e in engines))
 
