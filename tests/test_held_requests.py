@@ -8,7 +8,10 @@ import msgspec
 
 from rill.services.scheduler.held_requests import HELD_TTL_S, SCHEDULER_RESTARTED, HeldRequests
 from rill.services.scheduler.request import Request
+from rill.services.scheduler.service import SchedulerService
 from rill.shared.bus import Bus
+from rill.shared.config import EngineArgs
+from rill.shared.lifecycle import StopFlag
 from rill.shared.request_params import SamplingParams
 from rill.shared.schema import ErrorReply
 
@@ -49,4 +52,18 @@ def test_record_follows_the_requests_and_the_next_scheduler_answers_the_rest(red
     assert not bus.r.exists(dead), "a dead gateway's reply stream was written"
     assert bus.r.hkeys(key) == [b"d"]
     assert new.answer_left_over(bus) == 0  # its own requests are not left over
+    bus.close()
+
+
+def test_a_starting_scheduler_withdraws_what_its_predecessor_published(redis_url: str, prefix: str) -> None:
+    """The last scheduler's stats (its load) and prefix summary (its cache) would draw requests,
+    resent ones too, to an engine whose new scheduler is not ready: they are gone before it is."""
+    bus = Bus(redis_url, prefix, name="test")
+    s = bus.streams
+    bus.r.set(s.stats_key(0), b"old stats")
+    bus.r.set(s.prefix_summary_key(0), b"old summary")
+    stop = StopFlag(install=False)
+    stop.set()  # no worker here: run() returns from the handshake at once
+    SchedulerService(bus, EngineArgs(model_dir="unused"), stop).run()
+    assert not bus.r.exists(s.stats_key(0), s.prefix_summary_key(0))
     bus.close()

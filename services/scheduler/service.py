@@ -143,6 +143,10 @@ class SchedulerService:
 
     def run(self) -> None:
         self.held.answer_left_over(self.bus)  # before the worker answers: it may be loading for minutes
+        # What an earlier scheduler published (its load, its cached prefixes) must not draw requests
+        # here before this one is ready: with no stats, routers pass over this engine until then.
+        s = self.bus.streams
+        self.bus.r.delete(s.stats_key(self.e), s.prefix_summary_key(self.e))
         ready = self.handshake()
         if ready is None:
             return
