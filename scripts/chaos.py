@@ -64,7 +64,6 @@ class Outcome:
     finish: str | None = None
     error: str | None = None
     lost: bool = False
-    delivered: int = 0  # tokens its chunks carried
     generated: int | None = None  # usage.completion_tokens
 
 
@@ -92,7 +91,6 @@ async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, timeou
                 for choice in obj["choices"]:
                     out.text += choice["text"]
                     out.tokens += (choice.get("logprobs") or {}).get("tokens") or []
-                    out.delivered = len(out.tokens)
                     if choice["finish_reason"]:
                         out.finish = choice["finish_reason"]
 
@@ -215,7 +213,7 @@ def compare(ref: Outcome, got: Outcome) -> tuple[int, int, bool]:
     and other tokens (or text) is another greedy path. Without: token by token, where a stream that ends on
     a replacement diverged and in any other every insertion is a repeat, every deletion a loss."""
     if got.generated is not None:
-        extra = got.delivered - got.generated
+        extra = len(got.tokens) - got.generated
         return max(extra, 0), max(-extra, 0), extra == 0 and (got.tokens, got.text) != (ref.tokens, ref.text)
     ops = difflib.SequenceMatcher(a=ref.tokens, b=got.tokens, autojunk=False).get_opcodes()
     if ops and ops[-1][0] == "replace":
