@@ -54,7 +54,7 @@ async def drain(gw: Gateway, timeout_s: float) -> None:
         return
     log.warning("shutdown timeout: ending %d requests still in flight", len(left))
     for rid in left:
-        gw.tracker.fail(rid, ErrorReply(request_id=rid, message=DRAIN_ERROR, status=503, type="server_error"))
+        gw.tracker.fail(rid, ErrorReply.of(rid, DRAIN_ERROR, 503))
     try:
         await asyncio.wait_for(gw.abort(left, reason="shutdown"), 5.0)
     except Exception as exc:  # the broker is gone: the engines stop with it anyway

@@ -305,8 +305,7 @@ class Gateway:
         """End the requests in flight (`ids`, else all) with a 503 error (or send them again:
         resend), and tell the engines to drop those that ended."""
         ids = self.tracker.ids() if ids is None else ids
-        ended = [rid for rid in ids
-                 if self.tracker.fail(rid, ErrorReply(request_id=rid, message=message, status=503, type="server_error"))]
+        ended = [rid for rid in ids if self.tracker.fail(rid, ErrorReply.of(rid, message, 503))]
         if ended:
             self.abort_soon(ended)
 

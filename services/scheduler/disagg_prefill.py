@@ -341,9 +341,8 @@ class PrefillSide:
         records = [(rid, h) for rid, h in self.handed.items() if h.engine == engine]
         if records:
             # Requests that finished there long ago are unknown to their gateway, which ignores these.
-            self.bus.send_many([(h.reply_to, ErrorReply(request_id=h.group_id, status=503, type="server_error",
-                                                        message=decode_lost_message(engine, during_transfer=False)))
-                                for _, h in records])
+            message = decode_lost_message(engine, during_transfer=False)
+            self.bus.send_many([(h.reply_to, ErrorReply.of(h.group_id, message, 503)) for _, h in records])
             for rid, h in records:
                 del self.handed[rid]
                 self._drop_record(h)

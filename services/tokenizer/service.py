@@ -202,8 +202,7 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
                                           param=exc.param))]
     except Exception as exc:  # never let one request take the replica down
         log.exception("tokenizing %s failed", req.request_id)
-        return [(req.reply_to, ErrorReply(request_id=req.request_id, message=f"tokenization failed: {exc}",
-                                          status=500, type="server_error"))]
+        return [(req.reply_to, ErrorReply.of(req.request_id, f"tokenization failed: {exc}", 500))]
     engine = router.pick(out.prompt_token_ids)
     sends: list[tuple[str, Struct]] = [(bus.streams.engine_in(engine), out)]
     if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
