@@ -257,6 +257,29 @@ async def test_tracker_routes_batches_errors_and_cancels() -> None:
     tr.dispatch(ReplyBatch(make_deltas("c", ["ignored"])))  # unknown by now: no error
 
 
+async def test_tracker_buffered_stream_starts_over_unseen() -> None:
+    """A non-streaming (buffered) request hands out nothing before its end, however its consumer
+    is timed, so an engine-lost error after tokens may still send it again: what the old engine
+    id brought is dropped, and the consumer gets the new attempt only."""
+    tr = RequestTracker()
+    tr.resend = lambda stream, err: (tr.renew(stream, "r~1"), True)[1]
+    r = tr.register("r", buffered=True)
+    old = make_deltas("r", ["stale", "x"])
+    tr.dispatch(ReplyBatch(old[:1]))  # before the consumer first looks
+    task = asyncio.create_task(anext(aiter(r)))
+    await asyncio.sleep(0.01)
+    assert not task.done() and r.started
+    tr.dispatch(ErrorReply("r", "engine lost", status=503))
+    assert "r" in tr and not r.started and "r" in tr.waiting  # started over, waiting again
+    tr.dispatch(ReplyBatch(old[1:]))  # the old id: no longer routed
+    new = make_deltas("r~1", ["a", "b"])
+    tr.dispatch(ReplyBatch(new[:1]))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    tr.dispatch(ReplyBatch(new[1:]))
+    assert [d.text for d in await asyncio.wait_for(task, 1)] == ["a", "b"]
+
+
 # ---------------------------------------------------------------------------------------------
 # (1) Validation and plain endpoints
 
@@ -532,11 +555,12 @@ def completion_text(raw: str) -> str:
     return "".join(c.get("text", "") for e in sse_events(raw) if e != "[DONE]" for c in json.loads(e).get("choices", []))
 
 
-async def test_request_lost_with_its_engine_before_a_token_is_sent_again_once(server: LiveServer,
+async def test_request_lost_with_its_engine_unseen_is_sent_again_once(server: LiveServer,
                                                                              down: Downstream) -> None:
     """An engine-lost error (503, ENGINE_LOST_PREFIX) before anything was released: the gateway
     sends the request again under a new engine id, aborts the old id, drops what the old id still
-    brings, and the client sees only the new answer. Lost twice, lost after a token, or any other
+    brings, and the client sees only the new answer; likewise a non-streaming request lost after
+    tokens (its client saw none of them). Lost twice, lost after a streamed token, or any other
     error: the client gets the error and nothing is sent again."""
     await down.r.sadd(Streams(server.prefix).engines_key(), 0)
     lost = f"{ENGINE_LOST_PREFIX}: engine 1 stopped while it ran this request"
@@ -567,12 +591,23 @@ async def test_request_lost_with_its_engine_before_a_token_is_sent_again_once(se
         r = await started
         assert completion_text(r.text) == "a" and json.loads(sse_events(r.text)[-2])["error"]["message"] == lost
 
+        buffered = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"}))
+        req = await down.next_request()
+        await down.reply(req.reply_to, make_deltas(req.request_id, ["a", "b"])[:1])
+        await asyncio.sleep(0.1)
+        await down.error(req, lost, status=503)
+        again = await down.next_request()
+        await down.reply(req.reply_to, make_deltas(req.request_id, ["a", "b"])[1:])  # the old id: dropped
+        await send_scrambled(down, again, seed=4)
+        r = await buffered
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED
+
         other = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"}))
         await down.error(await down.next_request(), "the server is overloaded", status=503)
         assert (await other).status_code == 503
     await asyncio.sleep(0.2)
-    assert await down.num_requests() == 6  # 2 + 2 + 1 + 1: only the first two were sent again
-    assert 'rill:requests_resent_total{model_name="test-model"} 2.0' in httpx.get(f"{server.url}/metrics").text
+    assert await down.num_requests() == 8  # 2 + 2 + 1 + 2 + 1: the first, second and fourth were sent again
+    assert 'rill:requests_resent_total{model_name="test-model"} 3.0' in httpx.get(f"{server.url}/metrics").text
 
 
 async def test_disconnect_aborts(server: LiveServer, down: Downstream) -> None:

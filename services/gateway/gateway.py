@@ -310,17 +310,17 @@ class Gateway:
             self.abort_soon(ended)
 
     def resend(self, stream: RequestStream, err: ErrorReply) -> bool:
-        """Whether a request whose engine was lost before it released anything goes to the
-        tokenizers once more, under a new engine id (their router picks a live engine), rather
-        than failing: the client sees nothing of it but the wait. Not while draining, with no
-        engine live, or for any other error."""
+        """Whether a request whose engine was lost before its client saw anything (no token
+        released, or a non-streaming reply) goes to the tokenizers once more, under a new engine
+        id (their router picks a live engine), rather than failing: the client sees nothing of it
+        but the wait. Not while draining, with no engine live, or for any other error."""
         if (stream.sent is None or stream.resent >= MAX_RESENDS or err.status != 503
                 or not err.message.startswith(ENGINE_LOST_PREFIX) or self.draining or self.bus is None
                 or (self.watch_engine and not self.engine_live)):
             return False
         lost = stream.engine_request_id
         self.tracker.renew(stream, f"{stream.request_id}~{stream.resent + 1}")
-        log.debug("request %s lost with its engine before its first token: sent again", lost)
+        log.debug("request %s lost with its engine before its client saw it: sent again", lost)
         self.metrics.resent.inc()
         self._in_background(self._resend(stream, lost, err))
         return True
@@ -353,9 +353,9 @@ class Gateway:
 
     # ---------------------------------------------------------------------------- requests
 
-    async def submit(self, req: GenerateRequest) -> RequestStream:
+    async def submit(self, req: GenerateRequest, buffered: bool = False) -> RequestStream:
         """Register first, then send, so a fast reply can never arrive before its stream exists."""
-        stream = self.tracker.register(req.request_id, req.params.n)
+        stream = self.tracker.register(req.request_id, req.params.n, buffered)
         try:
             await self.send_request(req)
         except APIError:

@@ -99,7 +99,7 @@ class GatewayMetrics:
                           ["model_name", "finished_reason"], registry=reg)
         self._success = success
         self.resent = Counter("rill:requests_resent", "Requests sent again after their engine was lost before "
-                              "their first token.", lab, registry=reg).labels(model_name)
+                              "their client saw any of them.", lab, registry=reg).labels(model_name)
         for reason in FINISH_REASONS:  # present (at 0) before the first request, as dashboards expect
             success.labels(model_name, reason)
         self.engines = EngineCollector(model_name)
@@ -166,6 +166,10 @@ class RequestMetrics:
                                                 d.offset + d.num_tokens)
             if d.finish_reason is not None:
                 self.reasons[index] = d.finish_reason
+
+    def restart(self) -> None:
+        """Sent again after its engine was lost: the wait for the new engine is no inter-token gap."""
+        self.last_token = [None] * len(self.last_token)
 
     def finish(self) -> None:
         """Every sample finished."""

@@ -152,7 +152,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
     as_ids = bool(body.return_tokens_as_token_ids)
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
     echo_text = await _echo_text(gw, req) if echo else ""
-    rs = await gw.submit(req)
+    rs = await gw.submit(req, buffered=not stream)
     events = aiter(rs)
     handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself
     logprobs = req.params.logprobs is not None

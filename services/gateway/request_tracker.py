@@ -80,9 +80,13 @@ class RequestStream:
     Iteration stops after the terminal event, or at once when the request was cancelled here.
     """
 
-    def __init__(self, request_id: str, n: int = 1, metrics: RequestMetrics | None = None) -> None:
+    def __init__(self, request_id: str, n: int = 1, metrics: RequestMetrics | None = None,
+                 buffered: bool = False) -> None:
         self.request_id = request_id
         self.n = n
+        # Handed out only at the end (a non-streaming reply): until then the client has seen
+        # nothing, so the request may start over after its engine was lost (renew).
+        self.buffered = buffered
         self.metrics = metrics  # timings and counts for /metrics; None when not measured
         self.engine_request_id = request_id  # the id the engines know it by (another once re-sent)
         self.sent: GenerateRequest | None = None  # what went to the tokenizers, for a re-send
@@ -108,11 +112,15 @@ class RequestStream:
         return [self.engine_request_id, *self._index] if self.n > 1 else list(self._index)
 
     def renew(self, engine_request_id: str) -> None:
-        """Start over under a new engine id (nothing was released): what the old id still
+        """Start over under a new engine id (its client saw nothing): what the old id still
         brings is no longer ours."""
         self.engine_request_id = engine_request_id
         self._index = {sample_request_id(engine_request_id, i, self.n): i for i in range(self.n)}
         self.sequencers = [DeltaSequencer() for _ in range(self.n)]
+        self._buf.clear()  # empty unless buffered: held back, never handed out
+        self.started = False
+        if self.metrics is not None:
+            self.metrics.restart()
         self.engine = None
         self.resent += 1
         self.last_progress = time.monotonic()
@@ -124,7 +132,8 @@ class RequestStream:
     def _put(self, events: list[Event]) -> None:
         if events and not self.closed:
             self._buf.extend(events)
-            self._wake.set()
+            if self.terminal or not self.buffered:
+                self._wake.set()
 
     def feed(self, delta: TextDelta) -> None:
         index = self.index(delta)
@@ -159,7 +168,7 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncIterator[list[Event]]:
         while True:
-            if not self._buf:
+            if not self._buf or (self.buffered and not self.terminal):
                 if self.closed or self._done:
                     return
                 self._wake.clear()
@@ -190,10 +199,11 @@ class RequestTracker:
         # One-shot calls to a tokenizer replica (/tokenize, /detokenize): id -> its answer.
         self.calls: dict[str, asyncio.Future[TokenizeReply | ErrorReply]] = {}
 
-    def register(self, request_id: str, n: int = 1) -> RequestStream:
+    def register(self, request_id: str, n: int = 1, buffered: bool = False) -> RequestStream:
         if request_id in self._streams:
             raise KeyError(f"request {request_id} is already in flight")
-        stream = RequestStream(request_id, n, self.metrics.request(n) if self.metrics is not None else None)
+        stream = RequestStream(request_id, n, self.metrics.request(n) if self.metrics is not None else None,
+                               buffered)
         self._streams[request_id] = stream
         self.waiting.add(request_id)
         for eid in stream.engine_ids:
@@ -211,6 +221,7 @@ class RequestTracker:
         for eid in stream.engine_ids:
             self._routes.pop(eid, None)
         stream.renew(engine_request_id)
+        self.waiting.add(stream.request_id)  # again, if it had started
         for eid in stream.engine_ids:
             self._routes[eid] = stream
         self._renamed[stream.request_id] = engine_request_id
@@ -229,7 +240,7 @@ class RequestTracker:
         return stream is not None and self._fail(stream, err)
 
     def _fail(self, stream: RequestStream, err: ErrorReply) -> bool:
-        if not stream.started and self.resend is not None and self.resend(stream, err):
+        if (stream.buffered or not stream.started) and self.resend is not None and self.resend(stream, err):
             return False
         self._drop(stream)
         stream.fail(err)
