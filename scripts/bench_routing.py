@@ -3,9 +3,10 @@
 
 Starts `rill serve --data-parallel-size ENGINES --routing POLICY` (2 engines by default) once per policy (a fresh server
 each time, so every run starts with empty caches) and plays the same workload: CONVERSATIONS
-chats of TURNS turns, each opening with one of SYSTEMS long system prompts; the chats run
-concurrently, the turns of one chat in order, each turn appending the assistant's reply and a
-new user message (a pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
+chats of TURNS turns, each opening with one of SYSTEMS long system prompts (and, with
+--doc-words, a document of its own in the first user message); the chats run concurrently, the
+turns of one chat in order, each turn appending the assistant's reply and a new user message (a
+pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
 tokens looked up, summed over the engines' EngineStats, after minus before the workload) beside
@@ -90,7 +91,8 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     for t in range(args.turns):
         if t and args.think_time > 0:  # the user reads the reply and types the next message
             await asyncio.sleep(rng.expovariate(1 / args.think_time))
-        messages.append({"role": "user", "content": f"Passage {t}: {text(rng, args.user_words)}. "
+        doc = f"My document: {text(rng, args.doc_words)}.\n\n" if t == 0 and args.doc_words else ""
+        messages.append({"role": "user", "content": f"{doc}Passage {t}: {text(rng, args.user_words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
         prompts[(t, c)] = list(messages)
         ttft, reply = await turn(client, model, messages, args.max_tokens)
@@ -173,6 +175,8 @@ def main() -> None:
     p.add_argument("--systems", type=int, default=2, help="distinct system prompts, shared by the chats")
     p.add_argument("--system-words", type=int, default=300, help="about 1.3 tokens a word")
     p.add_argument("--user-words", type=int, default=80)
+    p.add_argument("--doc-words", type=int, default=0,
+                   help="a document of its own opening each chat's first user turn (document chats); 0: none")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--think-time", type=float, default=0.0,
                    help="mean seconds between a reply and the chat's next turn (exponential); 0: none")
@@ -185,7 +189,8 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     print(f"CPU: {cpu_line()}")
     print(f"{args.conversations} chats x {args.turns} turns, {args.systems} system prompts of ~{args.system_words} "
-          f"words, user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, {args.engines} engines, "
+          f"words, {f'a ~{args.doc_words}-word document a chat, ' if args.doc_words else ''}"
+          f"user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, {args.engines} engines, "
           f"KV cache {args.kv_cache_memory} each", flush=True)
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
