@@ -279,8 +279,8 @@ def tune(probes: Iterable[Callable[[], Probe | None]], keys: Iterable[str], key:
         start = time.perf_counter()
         for i, (k, make) in enumerate(todo):
             if time.perf_counter() - start > TOTAL_S:
-                log.warning("kernel choice: %d entries left unmeasured after %.0f s; their incumbents serve",
-                            len(todo) - i, TOTAL_S)
+                log.warning("kernel choice: %d entries left unmeasured after %.0f s; their incumbents serve "
+                            "until a later start measures them", len(todo) - i, TOTAL_S)
                 todo = todo[:i]
                 break
             probe = make()

@@ -31,7 +31,7 @@ from service_stack import SentRequests
 from websockets.asyncio.client import ClientConnection, connect
 
 from rill.services.gateway.app import create_app
-from rill.services.gateway.gateway import BROKER_RESTARTED, Gateway
+from rill.services.gateway.gateway import BROKER_FAILED_OVER, BROKER_RESTARTED, Gateway
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
 from rill.shared.bus import FIELD
 from rill.shared.schema import (
@@ -818,12 +818,13 @@ async def test_a_cluster_failover_fails_only_what_its_moved_masters_held() -> No
     gw._lost_writes({**before, s.engine_in(1): "D"})
     assert sorted(st.request_id for st in gw.tracker.streams()) == ["on0", "on0b"]
     errors = [ev for batch in [x async for x in streams["on1"]] for ev in batch]
-    assert [(e.status, e.message) for e in errors] == [(503, BROKER_RESTARTED)]
+    assert [(e.status, e.message) for e in errors] == [(503, BROKER_FAILED_OVER)]
     gw._lost_writes({**before, gw.reply_stream: "D"})
     assert len(gw.tracker) == 0
-    gw.tracker.register("x")
+    x = gw.tracker.register("x")
     gw._lost_writes({})  # one broker, restarted
     assert len(gw.tracker) == 0
+    assert [e.message for batch in [b async for b in x] for e in batch] == [BROKER_RESTARTED]
 
 
 async def test_shutdown_deletes_reply_stream(down: Downstream) -> None:

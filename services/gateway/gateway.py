@@ -75,6 +75,7 @@ ONE_ENGINE_LOST = (f"{ENGINE_LOST_PREFIX}: engine {{engine}} stopped (no schedul
                    "engines still running")
 BROKER_LOST = "the message broker is unreachable; the request was not completed"
 BROKER_RESTARTED = "the message broker restarted and lost this request; please retry"
+BROKER_FAILED_OVER = "a message broker failover (a replica promoted) lost this request; please retry"
 BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
 REPLICA_ROLES = ("tokenizer", "detokenizer")  # /health needs a live replica of each
 MAX_RESENDS = 1  # times a request that released nothing is sent again after its engine was lost
@@ -277,15 +278,15 @@ class Gateway:
         our requests if our streams moved, else those of engines whose streams did, and unrouted ones."""
         moved = {key for key, master in masters.items() if self._masters.get(key, master) != master}
         if not masters or {self.requests_stream, self.reply_stream} & moved:
-            log.warning("the broker restarted: failing %d requests in flight", len(self.tracker))
-            self.fail_in_flight(BROKER_RESTARTED)
+            log.warning("the broker restarted or failed over: failing %d in flight", len(self.tracker))
+            self.fail_in_flight(BROKER_FAILED_OVER if masters else BROKER_RESTARTED)
             self._cursor = b"0-0"  # our reply stream starts afresh
         elif moved:
             s = Streams(self.prefix)
             ids = [st.request_id for st in self.tracker.streams()
                    if st.engine is None or s.engine_in(st.engine) in moved]
             log.warning("a broker failover moved engine streams: failing %d requests in flight", len(ids))
-            self.fail_in_flight(BROKER_RESTARTED, ids)
+            self.fail_in_flight(BROKER_FAILED_OVER, ids)
 
     def _expire_stalled(self) -> None:
         ids = stalled(self.tracker.streams(), time.monotonic(), self.progress_timeout_s)
