@@ -78,7 +78,7 @@ BROKER_RESTARTED = "the message broker restarted and lost this request; please r
 BROKER_FAILED_OVER = "a message broker failover (a replica promoted) lost this request; please retry"
 BROKER_FULL = "The message broker is full (its maxmemory); the request was not queued; retry later."
 REPLICA_ROLES = ("tokenizer", "detokenizer")  # /health needs a live replica of each
-MAX_RESENDS = 1  # times a request that released nothing is sent again after its engine was lost
+MAX_RESENDS = 1  # times a request its client saw nothing of is sent again after its engine was lost
 CALL_TIMEOUT_S = 30.0  # a /tokenize or /detokenize answer; tokenizer replicas answer in milliseconds
 
 

@@ -185,7 +185,7 @@ class RequestTracker:
 
     A stream is reachable under the client's request id (this gateway's own failures, aborts)
     and under its engine ids (what the other services send: deltas, errors, routes). `resend`,
-    when set, may take a failed stream that released nothing and send it again under a new
+    when set, may take a failed stream its client saw nothing of and send it again under a new
     engine id (Gateway.resend) instead of failing it."""
 
     def __init__(self, metrics: GatewayMetrics | None = None) -> None:
