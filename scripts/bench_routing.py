@@ -11,7 +11,8 @@ pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
 tokens looked up, summed over the engines' EngineStats, after minus before the workload) beside
 its ceiling for the same prompts (every full block any earlier prompt began with reused, as one
-unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn), TTFT
+unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn), how often
+a chat's turn ran on the engine of its previous turn (the x-rill-engine response header), TTFT
 p50/p99 at the client, tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
 and requests/s over the workload's wall time, and how the requests split over the engines.
 
@@ -62,13 +63,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]],
-               max_tokens: int) -> tuple[float, str]:
-    """One streamed chat turn: (TTFT seconds, the reply)."""
+               max_tokens: int) -> tuple[float, str, int]:
+    """One streamed chat turn: (TTFT seconds, the reply, the engine that served it)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start, ttft, parts = time.perf_counter(), None, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        engine = int(resp.headers.get("x-rill-engine", -1))
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -80,11 +82,12 @@ async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
                 if piece and ttft is None:
                     ttft = time.perf_counter() - start
                 parts.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts)
+    return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts), engine
 
 
 async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argparse.Namespace, systems: list[str],
-                       ttfts: list[float], prompts: dict[tuple[int, int], list[dict[str, str]]]) -> int:
+                       ttfts: list[float], prompts: dict[tuple[int, int], list[dict[str, str]]],
+                       engines: list[int]) -> int:
     rng = random.Random(1000 + c)
     messages = [{"role": "system", "content": systems[c % len(systems)]}]
     tokens = 0
@@ -95,8 +98,9 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
         messages.append({"role": "user", "content": f"{doc}Passage {t}: {text(rng, args.user_words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
         prompts[(t, c)] = list(messages)
-        ttft, reply = await turn(client, model, messages, args.max_tokens)
+        ttft, reply, engine = await turn(client, model, messages, args.max_tokens)
         ttfts.append(ttft)
+        engines.append(engine)
         messages.append({"role": "assistant", "content": reply})
         tokens += args.max_tokens
     return tokens
@@ -124,13 +128,16 @@ async def ceiling(client: httpx.AsyncClient, prompts: dict[tuple[int, int], list
     return hits / max(1, total)
 
 
-async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], float, list[dict[str, Any]], float]:
-    """TTFTs, wall seconds, the engines' stats after the warm-up (before the chats), and the
-    ceiling of the hit rate for the prompts sent."""
+async def workload(base: str, args: argparse.Namespace
+                   ) -> tuple[list[float], float, list[dict[str, Any]], float, float]:
+    """TTFTs, wall seconds, the engines' stats after the warm-up (before the chats), the ceiling
+    of the hit rate for the prompts sent, and how often a chat's turn ran where its previous one did
+    (the gateway's x-rill-engine header)."""
     rng = random.Random(7)
     systems = [f"You are assistant {i}. Rules: {text(rng, args.system_words)}." for i in range(args.systems)]
     ttfts: list[float] = []
     prompts: dict[tuple[int, int], list[dict[str, str]]] = {}  # (turn, chat) -> messages
+    engines: list[list[int]] = [[] for _ in range(args.conversations)]  # each chat's, turn by turn
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         # Warm both engines with unrelated prompts (no shared prefix: spread by load).
@@ -139,10 +146,12 @@ async def workload(base: str, args: argparse.Namespace) -> tuple[list[float], fl
         await asyncio.sleep(0.6)  # their stats and summaries written
         before = engine_stats(base)
         start = time.perf_counter()
-        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts, prompts)
+        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts, prompts, engines[c])
                                for c in range(args.conversations)])
         wall = time.perf_counter() - start
-        return ttfts, wall, before, await ceiling(client, prompts, before[0]["block_size"])
+        stays = [a == b for chat in engines for a, b in zip(chat, chat[1:], strict=False)]
+        return (ttfts, wall, before, await ceiling(client, prompts, before[0]["block_size"]),
+                sum(stays) / max(1, len(stays)))
 
 
 def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -152,13 +161,13 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
     print(f"[{policy}] starting rill serve --data-parallel-size {args.engines} ...", flush=True)
     with serving(argv, port) as base:
-        ttfts, wall, before, best = asyncio.run(workload(base, args))
+        ttfts, wall, before, best, stay = asyncio.run(workload(base, args))
         time.sleep(0.6)  # the engines' last stats writes
         after = engine_stats(base)
     diff = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))  # noqa: E731
     n = args.conversations * args.turns
     return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
-            "ceiling": best,
+            "ceiling": best, "stay": stay,
             "prompt_tokens": diff("prefix_cache_queries"),
             "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits"), "ttft_p50": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99": percentile(ttfts, 0.99) * 1e3, "tok_s": n * args.max_tokens / wall, "req_s": n / wall,
@@ -195,14 +204,14 @@ def main() -> None:
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
     if args.repeat > 1:
-        keys = ("hit_rate", "ceiling", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
+        keys = ("hit_rate", "ceiling", "stay", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
         rows += [{"policy": f"{policy} (median)", "split": "-",
                   **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
                  for policy in policies]
-    print("\n| routing | prefix-cache hit rate | its ceiling | prompt tokens | computed | TTFT p50 ms | TTFT p99 ms | "
-          "tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| routing | prefix-cache hit rate | its ceiling | next turn on the same engine | prompt tokens | computed "
+          "| TTFT p50 ms | TTFT p99 ms | tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
+        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['stay']:.0%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
               f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class Outcome:
     error: str | None = None
     completion_tokens: int = 0
     ended_at: float = 0.0
+    engine: int | None = None  # the gateway's x-rill-engine header
 
 
 async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Outcome:
@@ -46,6 +47,7 @@ async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Out
             if resp.status_code != 200:
                 out.error = json.loads(await resp.aread())["error"]["message"]
                 return out
+            out.engine = int(resp.headers["x-rill-engine"])
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -125,6 +127,9 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
         lost = 0
         for o in outcomes:
             assert o.max_tokens in on[0] | on[1], o
+            if o.engine is not None:  # named in the response: the engine that ran it last
+                assert o.max_tokens in on[o.engine], o
+                assert o.error is not None or o.engine == 0 or o.ended_at < killed_at, o
             if o.max_tokens in on[1] and o.ended_at > killed_at:  # not finished before the kill
                 lost += 1
                 if o.error is None:  # no token out yet: the gateway sent it again, to engine 0
@@ -144,6 +149,7 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
         fresh, _ = asyncio.run(load(prompts[:2], SHORT, kill=False))
         for o in fresh:
             assert o.error is None and o.finish == "length" and o.max_tokens in routed(stack, 0), o
+            assert o.engine == 0, o
         assert routed(stack, 1) == before
 
         # Engine 1 restarted: it is routed to again.

@@ -40,6 +40,7 @@ from rill.shared.schema import (
     ErrorReply,
     GenerateRequest,
     ReplyBatch,
+    Routed,
     TextDelta,
     encode,
     engine_input_decoder,
@@ -130,6 +131,9 @@ class Downstream:
 
     async def reply(self, reply_to: str, deltas: list[TextDelta]) -> None:
         await self.r.xadd(reply_to, {FIELD: encode(ReplyBatch(deltas=deltas))})
+
+    async def routed(self, req: GenerateRequest, engine: int) -> None:
+        await self.r.xadd(req.reply_to, {FIELD: encode(Routed(req.request_id, engine))})
 
     async def error(self, req: GenerateRequest, message: str, status: int = 400, param: str | None = None) -> None:
         await self.r.xadd(req.reply_to, {FIELD: encode(ErrorReply(req.request_id, message, status=status,
@@ -493,6 +497,20 @@ async def test_completion_streaming_and_plain(server: LiveServer, down: Downstre
     resp = await task
     assert resp.object == "text_completion" and resp.choices[0].text == EXPECTED
     assert resp.usage.completion_tokens == NUM_TOKENS
+
+
+async def test_responses_name_the_engine_that_served_them(server: LiveServer, down: Downstream) -> None:
+    """x-rill-engine: the engine the tokenizer routed the request to (Routed), streamed or not;
+    absent when no engine was named."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+        for body, engine in (({"prompt": "x"}, 3), ({"prompt": "x", "stream": True}, 1), ({"prompt": "x"}, None)):
+            post = asyncio.create_task(c.post("/v1/completions", json=body))
+            req = await down.next_request()
+            if engine is not None:
+                await down.routed(req, engine)
+            await send_scrambled(down, req, seed=5)
+            r = await post
+            assert r.status_code == 200 and r.headers.get("x-rill-engine") == (None if engine is None else str(engine))
 
 
 async def test_stream_is_incremental(server: LiveServer, down: Downstream) -> None:

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from rill.services.gateway.request_tracker import RequestStream
 
 T = TypeVar("T")
+# Which data-parallel engine served a generate request (the last one, if it was sent again), as
+# llm-d's gateway names its endpoint: to see routing at work. Absent before the tokenizer routed it.
+ENGINE_HEADER = "x-rill-engine"
 
 
 def new_request_id(kind: RequestKind) -> str:
@@ -106,12 +109,17 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                                *self._engine_header()]})
         try:
             await or_disconnect(receive, self._write(send))
         finally:
             if not self.stream.terminal:
                 self.gateway.abort_soon([self.stream.request_id])
+
+    def _engine_header(self) -> list[tuple[bytes, bytes]]:
+        engine = self.stream.engine
+        return [] if engine is None else [(ENGINE_HEADER.encode(), str(engine).encode())]
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
@@ -174,7 +182,10 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
         out = await or_disconnect(request.receive, _collect(rs, events, as_ids))
         if isinstance(out, _Disconnected):
             return Response(status_code=499)
-        return json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text, tools))
+        resp = json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text, tools))
+        if rs.engine is not None:
+            resp.headers[ENGINE_HEADER] = str(rs.engine)
+        return resp
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
         if not handed_off and not rs.terminal:
