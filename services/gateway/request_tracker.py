@@ -129,10 +129,15 @@ class RequestStream:
         """The choice index of a delta of this request (looked up: a sample id is never parsed)."""
         return self._index[delta.request_id]
 
+    @property
+    def _holding(self) -> bool:
+        """A buffered stream hands nothing out before its end."""
+        return self.buffered and not self.terminal
+
     def _put(self, events: list[Event]) -> None:
         if events and not self.closed:
             self._buf.extend(events)
-            if self.terminal or not self.buffered:
+            if not self._holding:
                 self._wake.set()
 
     def feed(self, delta: TextDelta) -> None:
@@ -168,7 +173,7 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncIterator[list[Event]]:
         while True:
-            if not self._buf or (self.buffered and not self.terminal):
+            if not self._buf or self._holding:
                 if self.closed or self._done:
                     return
                 self._wake.clear()
