@@ -52,6 +52,10 @@ T = TypeVar("T")
 ENGINE_HEADER = "x-rill-engine"
 
 
+def _engine_header(stream: RequestStream) -> dict[str, str]:
+    return {} if stream.engine is None else {ENGINE_HEADER: str(stream.engine)}
+
+
 def new_request_id(kind: RequestKind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
@@ -107,19 +111,15 @@ class SSEResponse:
         self.fmt = fmt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        extra = [(k.encode(), v.encode()) for k, v in _engine_header(self.stream).items()]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-                                *self._engine_header()]})
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *extra]})
         try:
             await or_disconnect(receive, self._write(send))
         finally:
             if not self.stream.terminal:
                 self.gateway.abort_soon([self.stream.request_id])
-
-    def _engine_header(self) -> list[tuple[bytes, bytes]]:
-        engine = self.stream.engine
-        return [] if engine is None else [(ENGINE_HEADER.encode(), str(engine).encode())]
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
@@ -183,8 +183,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
         if isinstance(out, _Disconnected):
             return Response(status_code=499)
         resp = json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text, tools))
-        if rs.engine is not None:
-            resp.headers[ENGINE_HEADER] = str(rs.engine)
+        resp.headers.update(_engine_header(rs))
         return resp
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
