@@ -9,11 +9,13 @@ turns of one chat in order, each turn appending the assistant's reply and a new 
 pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
-tokens looked up, summed over the engines' EngineStats, after minus before the workload) beside
+tokens looked up, summed over the engines' EngineStats, after minus before the workload; a
+preempted request looking up again is counted apart, as vLLM does) beside
 its ceiling for the same prompts (every full block any earlier prompt began with reused, as one
 unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn), how often
 a chat's turn ran on the engine of its previous turn (the x-rill-engine response header), TTFT
-p50/p99 at the client, tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
+p50/p99 at the client, the prompt tokens the engines computed (preempted requests' recomputation
+included), tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
 and requests/s over the workload's wall time, and how the requests split over the engines.
 
     .venv/bin/python scripts/bench_routing.py [MODEL] [--conversations 8] [--turns 6]
@@ -169,7 +171,9 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
     return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
             "ceiling": best, "stay": stay,
             "prompt_tokens": diff("prefix_cache_queries"),
-            "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits"), "ttft_p50": percentile(ttfts, 0.5) * 1e3,
+            "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits")
+            + diff("prefix_cache_preempted_queries") - diff("prefix_cache_preempted_hits"),
+            "preemptions": diff("preemptions"), "ttft_p50": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99": percentile(ttfts, 0.99) * 1e3, "tok_s": n * args.max_tokens / wall, "req_s": n / wall,
             "wall": wall, "split": "/".join(str(a.get("finished_requests", 0) - b.get("finished_requests", 0))
                               for a, b in zip(after, before, strict=True))}
@@ -204,15 +208,15 @@ def main() -> None:
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
     if args.repeat > 1:
-        keys = ("hit_rate", "ceiling", "stay", "prompt_tokens", "computed", "ttft_p50", "ttft_p99", "tok_s", "req_s")
+        keys = ("hit_rate", "ceiling", "stay", "prompt_tokens", "computed", "preemptions", "ttft_p50", "ttft_p99", "tok_s", "req_s")
         rows += [{"policy": f"{policy} (median)", "split": "-",
                   **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
                  for policy in policies]
     print("\n| routing | prefix-cache hit rate | its ceiling | next turn on the same engine | prompt tokens | computed "
-          "| TTFT p50 ms | TTFT p99 ms | tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| preemptions | TTFT p50 ms | TTFT p99 ms | tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['stay']:.0%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
-              f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
+              f"{r['preemptions']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
 
 if __name__ == "__main__":
     main()

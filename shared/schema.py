@@ -397,8 +397,10 @@ class EngineStats(Struct, omit_defaults=True):
     kv_usage: float = 0.0  # fraction of blocks owned by requests
     num_cached_blocks: int = 0  # unowned blocks still holding reusable prefix-cache data
     released_blocks: int = 0  # blocks given back from behind a sliding window, ever
-    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_queries: int = 0  # prompt tokens looked up (a request's first lookup)
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    prefix_cache_preempted_queries: int = 0  # the same for preempted requests looking up again
+    prefix_cache_preempted_hits: int = 0
     updated_at: float = 0.0
     # Queue time (first schedule - arrival at the gateway) of every request since the scheduler
     # started, as a cumulative histogram: counts[i] requests waited <= bounds[i] (the last count,

@@ -144,6 +144,20 @@ def test_preemption_frees_newest_and_resumes_as_new() -> None:
     assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
+def test_a_preempted_requests_lookup_again_is_counted_apart() -> None:
+    """vLLM's rule: the hit rate counts each request's first lookup; a victim looking up again finds
+    its own blocks, which would otherwise read as prefix-cache hits the more an engine preempts."""
+    s = sched(num_blocks=6, block_size=4, budget=64)
+    s.add(make("old", 8, max_tokens=12))
+    s.add(make("new", 8, max_tokens=12))
+    run_to_idle(s)
+    assert s.counters.preemptions >= 1
+    assert s.kv.queries == 16 and s.kv.hits <= 4  # the two prompts, once each
+    assert s.kv.preempted_queries > 8 and s.kv.preempted_hits > 0  # the victim's prompt and output, again
+    stats = s.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_preempted_queries"]) == (16, s.kv.preempted_queries)
+
+
 def test_abort_in_every_state_frees_exactly_once() -> None:
     s = sched(num_blocks=8, block_size=4, budget=8, max_seqs=1)
     s.add(make("run", 10, max_tokens=4))

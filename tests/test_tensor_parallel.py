@@ -222,7 +222,7 @@ def test_tp2_pipeline_greedy_matches_transformers(served: Served, smollm2_dir: s
         n = resp["usage"]["completion_tokens"]
         assert_same_or_near_tie(tok, model, ids, hf_greedy(model, ids, n), resp["choices"][0]["message"]["content"])
     st = served.stats()
-    assert st.preemptions > 0 and st.prefix_cache_hits > 0, st
+    assert st.preemptions > 0 and st.prefix_cache_hits + st.prefix_cache_preempted_hits > 0, st
 
 
 def test_tp2_dead_rank_fails_requests_then_ranks_restart(served: Served) -> None:

@@ -61,6 +61,10 @@ class KVCacheManager:
         self.released_total = 0  # blocks released behind a window, ever (stats)
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of those, tokens found
+        # A preempted request's lookups again, counted apart as vLLM does: it finds its own
+        # blocks, which would make the hit rate read higher the more an engine preempts.
+        self.preempted_queries = 0
+        self.preempted_hits = 0
 
     # ------------------------------------------------------------------------------ views
 
@@ -111,9 +115,13 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.queries += num_tokens
-        self.hits += num_hit_tokens
+    def record_query(self, num_tokens: int, num_hit_tokens: int, preempted: bool = False) -> None:
+        if preempted:
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hit_tokens
+        else:
+            self.queries += num_tokens
+            self.hits += num_hit_tokens
 
     def register_full_blocks(self, request_id: str, hashes: list[bytes], num_computed_tokens: int) -> None:
         """Publish the request's blocks that are now full and computed under their hashes."""

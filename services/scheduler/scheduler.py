@@ -183,7 +183,7 @@ class Scheduler(RequestStates):
                 n = min(n, cap)
             if self.kv.allocate(req.request_id, computed + n, prefix_blocks=shared) is None:
                 break
-            self.kv.record_query(req.num_tokens, computed)
+            self.kv.record_query(req.num_tokens, computed, preempted=req.num_preemptions > 0)
             del self.waiting[j]
             req.num_computed_tokens = computed
             req.status = Status.RUNNING
@@ -319,6 +319,7 @@ class Scheduler(RequestStates):
                     preemptions=c.preemptions, kv_usage=round(self.kv.usage, 4),
                     num_cached_blocks=len(self.kv.cached), released_blocks=self.kv.released_total,
                     prefix_cache_queries=self.kv.queries,
-                    prefix_cache_hits=self.kv.hits, queue_time_bounds=list(self.queue_time.bounds),
+                    prefix_cache_hits=self.kv.hits, prefix_cache_preempted_queries=self.kv.preempted_queries,
+                    prefix_cache_preempted_hits=self.kv.preempted_hits, queue_time_bounds=list(self.queue_time.bounds),
                     queue_time_counts=self.queue_time.cumulative(), queue_time_sum=self.queue_time.sum,
                     num_transferring=len(self.parked))
