@@ -397,22 +397,20 @@ class EngineStats(Struct, omit_defaults=True):
     kv_usage: float = 0.0  # fraction of blocks owned by requests
     num_cached_blocks: int = 0  # unowned blocks still holding reusable prefix-cache data
     released_blocks: int = 0  # blocks given back from behind a sliding window, ever
-    prefix_cache_queries: int = 0  # prompt tokens looked up (a request's first lookup)
-    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
-    prefix_cache_preempted_queries: int = 0  # the same for preempted requests looking up again
+    prefix_cache_queries: int = 0  # prompt tokens looked up by a request's first lookup
+    prefix_cache_hits: int = 0  # of those, tokens found; a preempted request's lookups again apart:
+    prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
     updated_at: float = 0.0
-    # Queue time (first schedule - arrival at the gateway) of every request since the scheduler
-    # started, as a cumulative histogram: counts[i] requests waited <= bounds[i] (the last count,
-    # one past the bounds, is the total); the gateway exports it as rill:request_queue_time_seconds.
+    # Queue time (first schedule - arrival at the gateway) since the scheduler started, cumulative:
+    # counts[i] requests waited <= bounds[i], the last count (past the bounds) the total; exported
+    # by the gateway as rill:request_queue_time_seconds.
     queue_time_bounds: list[float] = []
     queue_time_counts: list[int] = []
     queue_time_sum: float = 0.0
-    # Prefill/decode disaggregation (services/scheduler/disagg.py): this engine's role, requests
-    # whose KV is on its way out or in, and transfer totals. Sent: hand-offs the decode engine
-    # acknowledged (transfer seconds: first token sampled -> ack, the time the prefill engine held
-    # the blocks); received: imports done (hand-off seconds: first token sampled on the prefill
-    # engine -> the request in this engine's batch, by wall clocks).
+    # Prefill/decode disaggregation (services/scheduler/disagg.py): role, requests whose KV is on its
+    # way, totals. Sent: hand-offs acked (seconds: first token sampled -> ack, the blocks held);
+    # received: imports done (seconds: first token sampled there -> in this batch, wall clocks).
     role: EngineRole = "both"
     num_transferring: int = 0
     kv_transfers_sent: int = 0
