@@ -23,6 +23,9 @@ Ops and their candidates (the first is the incumbent: a challenger must win by `
   the paged cache in place) and `sdpa` (torch's attention over gathered keys).
 - `decode`, per head layout: `native` (registers-only path where the shape allows), `generic`
   (the native kernel's general loop) and `torch` (gathers and batched matmuls).
+- `silu_mul`, per MLP width and row bucket: `native` (one pass, cpu_elementwise.c) and `torch`
+  (three ops); the incumbent is `native` where the build has its AVX512-BF16 path. The layer
+  driver (decode_layers.py) takes a SwiGLU model's steps only where it is `native`.
 
 Every candidate runs on the same inputs before it is timed; one whose output differs from the
 incumbent's beyond rounding is dropped (and logged), so a choice never changes results beyond

@@ -167,6 +167,7 @@ typedef __m512 (*tanh16_fn)(__m512);
 static tanh16_fn torch_tanh16;
 
 void decode_layers_set_tanh16(void* fn) { torch_tanh16 = (tanh16_fn)fn; }
+int decode_layers_geglu_exact(void) { return torch_tanh16 != NULL; }
 
 static inline __m512 bf16_exact16(__m512 v) { return _mm512_castsi512_ps(bf16_round_bits16(v)); }
 
@@ -198,6 +199,9 @@ static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int6
 static const void* const torch_tanh16 = NULL;
 
 void decode_layers_set_tanh16(void* fn) { (void)fn; }
+// torch's GELU takes its vector tanh for whole vectors, this build's libm's tanhf for every value:
+// the bits differ, so the driver does not run GeGLU models here.
+int decode_layers_geglu_exact(void) { return 0; }
 
 static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {
   (void)bf16, (void)gu, (void)out, (void)i, (void)f;

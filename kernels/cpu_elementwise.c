@@ -5,9 +5,9 @@
 // twice as fast, scripts/benchmarks.md). Rounding follows the torch code: the
 // residual sum and the normalised row are rounded to the model dtype before the weight multiply
 // (HF Llama's order). The sum of squares runs in a different order than torch's, so results
-// agree to float rounding, not bit for bit. SiLU(gate) * up is here too, for CPUs with
-// AVX512-BF16 only: with a vectorised polynomial exp it ran slower than torch's three ops on an
-// AVX2 CPU, the division dominating.
+// agree to float rounding, not bit for bit. SiLU(gate) * up is here too: 16 lanes at a time with
+// AVX512-BF16, elsewhere a loop the compiler vectorises; the kernel chooser measures it against
+// torch's ops per row count (cpu_tuning.silu_probe).
 
 #include <math.h>
 #include <stdint.h>
@@ -152,9 +152,10 @@ static inline float sigmoid1(float g) {
       const f32x16 g = V##_load16(gu + j);                                                         \
       V##_store16(out + j, V##_round16(g * sigmoid16(g)) * V##_load16(gu + f + j));                \
     }                                                                                              \
-    for (; j < f; ++j) {                                                                           \
-      const float g = LOAD(gu[j]);                                                                 \
-      out[j] = STORE(LOAD(STORE(g * sigmoid1(g))) * LOAD(gu[f + j]));                              \
+    _Pragma("omp simd")                                                                            \
+    for (int64_t t = j; t < f; ++t) {                                                              \
+      const float g = LOAD(gu[t]);                                                                 \
+      out[t] = STORE(LOAD(STORE(g * sigmoid1(g))) * LOAD(gu[f + t]));                              \
     }                                                                                              \
   }                                                                                                \
   void NAME(const T* gu, T* out, int64_t m, int64_t f) {                                           \
@@ -166,12 +167,9 @@ static inline float sigmoid1(float g) {
     for (int64_t i = 0; i < m; ++i) NAME##_row(gu + i * 2 * f, out + i * f, f);                    \
   }
 
-#if RILL_VEC16
+#if !RILL_VEC16
+static inline f32x16 sigmoid16(f32x16 g) { return g; }  // only so that the never-taken vector loop compiles
+#endif
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, f32)
-int silu_mul_available(void) { return 1; }
-#else
-void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t m, int64_t f) { (void)gu, (void)out, (void)m, (void)f; }
-void silu_mul_f32(const float* gu, float* out, int64_t m, int64_t f) { (void)gu, (void)out, (void)m, (void)f; }
-int silu_mul_available(void) { return 0; }
-#endif
+int silu_mul_vec16(void) { return RILL_VEC16; }  // the incumbent: native where its 16-lane path is built

@@ -36,7 +36,8 @@ log = logging.getLogger("rill.kernels")
 _lib: ctypes.CDLL | None = None
 _tried = False
 _amx = False  # the build has the AMX prefill kernel and the OS granted this process the tiles
-_silu_mul = False  # the build has the native SiLU * up (AVX512-BF16 CPUs)
+_silu_vec16 = False  # the build's SiLU * up has its 16-lane path (AVX512-BF16 CPUs)
+_geglu_exact = False  # the layer driver's GELU is torch's bit for bit (AVX-512 builds)
 _prefill_dot = False  # the build has the AVX512-BF16 dot-product prefill kernel
 
 
@@ -46,7 +47,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it the first time; None when it cannot be had."""
-    global _lib, _tried, _amx, _silu_mul, _prefill_dot
+    global _lib, _tried, _amx, _silu_vec16, _geglu_exact, _prefill_dot
     if not enabled():  # read on every call, so a test or an operator can switch it off
         return None
     if _tried:
@@ -55,7 +56,8 @@ def library() -> ctypes.CDLL | None:
     try:
         _lib = _load(_build())
         _amx = _lib.amx_enable() == 0
-        _silu_mul = bool(_lib.silu_mul_available())
+        _silu_vec16 = bool(_lib.silu_mul_vec16())
+        _geglu_exact = bool(_lib.decode_layers_geglu_exact())
         _prefill_dot = bool(_lib.prefill_dot_available())
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch kernels", exc)
@@ -113,8 +115,9 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.silu_mul_bf16, lib.silu_mul_f32):
         fn.restype = None
         fn.argtypes = [ptr, ptr, i64, i64]
-    lib.silu_mul_available.restype = i32
-    lib.silu_mul_available.argtypes = []
+    for fn in (lib.silu_mul_vec16, lib.decode_layers_geglu_exact):
+        fn.restype = i32
+        fn.argtypes = []
     lib.small_gemm_available.restype = i32
     lib.small_gemm_available.argtypes = []
     lib.small_gemm_bf16.restype = i32
@@ -356,22 +359,24 @@ _SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
 
 
 def silu_mul_supported(x: torch.Tensor) -> bool:
-    """Whether `silu_and_mul` can take x: a contiguous 2-D bf16/fp32 CPU tensor [T, 2F], on a
-    CPU with AVX512-BF16 (elsewhere torch's ops measured faster: cpu_elementwise.c)."""
+    """Whether `silu_and_mul` can take x: a contiguous 2-D bf16/fp32 CPU tensor [T, 2F], with the
+    library here (whether it should is the kernel chooser's: torch_ops.silu_route)."""
     if not (x.device.type == "cpu" and x.dtype in _SILU_MUL and x.dim() == 2 and x.shape[1] % 2 == 0
             and x.is_contiguous()):
         return False
-    return silu_mul_available()
+    return library() is not None
 
 
-def silu_mul_available() -> bool:
-    """Whether the library is here with its native SiLU * up (CPUs with AVX512-BF16)."""
-    return library() is not None and _silu_mul
+def silu_mul_vec16() -> bool:  # the SiLU * up's 16-lane path is built (AVX512-BF16): the chooser's incumbent
+    return library() is not None and _silu_vec16
+
+
+def geglu_exact() -> bool:  # the layer driver's GELU gives torch's bits (a build with AVX-512)
+    return library() is not None and _geglu_exact
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[T, 2F] holding [gate | up] -> SiLU(gate) * up [T, F] in one pass. The caller checks
-    `silu_mul_supported` first."""
+    """[T, 2F] holding [gate | up] -> SiLU(gate) * up [T, F] in one pass (`silu_mul_supported` first)."""
     m, f = x.shape[0], x.shape[1] // 2
     out = torch.empty((m, f), dtype=x.dtype)
     getattr(_loaded(), _SILU_MUL[x.dtype])(x.data_ptr(), out.data_ptr(), m, f)

@@ -42,6 +42,7 @@ class ModelShapes:
     heads: int
     kv_heads: int
     head_dim: int
+    silu_widths: tuple[int, ...] = ()  # F of each SiLU(gate) * up the model runs (SwiGLU MLPs, experts)
 
     @classmethod
     def of(cls, cfg) -> ModelShapes:  # cfg: shared.config.ModelConfig (duck-typed: kernels import no services)
@@ -49,8 +50,10 @@ class ModelShapes:
         h, f = cfg.hidden_size, cfg.intermediate_size
         e = getattr(cfg, "moe_intermediate_size", None)  # experts narrower than the dense MLP (Qwen3-MoE)
         experts = ((2 * e, h), (h, e)) if e and e != f else ()
+        silu = (f, *((e,) if e and e != f else ())) if cfg.hidden_act == "silu" else ()
         return cls(linears=((q + 2 * kv, h), (h, q), (2 * f, h), (h, f), *experts), logits=(cfg.vocab_size, h),
-                   heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+                   heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                   silu_widths=silu)
 
 
 def _gen() -> torch.Generator:
@@ -167,6 +170,17 @@ def decode_probe(shapes: ModelShapes, dtype: torch.dtype) -> Probe | None:
     return _attention_probe("decode", 0, torch_attention.decode_candidates(q, k_cache), q, k_cache, v_cache, meta, shapes)
 
 
+def silu_probe(f: int, dtype: torch.dtype, rows: int) -> Probe | None:
+    """SiLU(gate) * up of width f over `rows` rows: the native pass against torch's three ops."""
+    if cpu_native.library() is None:
+        return None
+    x = (torch.randn(rows, 2 * f, generator=_gen()) * 4).to(dtype)
+    impls = {"native": lambda: cpu_native.silu_and_mul(x),
+             "torch": lambda: torch.nn.functional.silu(x[:, :f]) * x[:, f:]}
+    order = ("native", "torch") if cpu_native.silu_mul_vec16() else ("torch", "native")
+    return Probe(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows, {n: impls[n] for n in order})
+
+
 def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") \
         -> list[Callable[[], Probe | None]]:
     """Every probe of one model, each built only when measured (a cached entry costs nothing)."""
@@ -178,6 +192,9 @@ def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "n
     for bucket in chooser.CONTEXT_BUCKETS:
         makers.append(lambda bucket=bucket: prefill_probe(shapes, dtype, bucket))
     makers.append(lambda: decode_probe(shapes, dtype))
+    for f in shapes.silu_widths:
+        for rows in chooser.ROW_BUCKETS:
+            makers.append(lambda f=f, rows=rows: silu_probe(f, dtype, rows))
     return makers
 
 
@@ -192,6 +209,8 @@ def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
     attn = torch_attention.attention_key(dtype, shapes.heads, shapes.kv_heads, shapes.head_dim)
     keys += [KernelTable.key("prefill", attn, b) for b in chooser.CONTEXT_BUCKETS]
     keys.append(KernelTable.key("decode", attn, 0))
+    keys += [KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows)
+             for f in shapes.silu_widths for rows in chooser.ROW_BUCKETS]
     return keys
 
 

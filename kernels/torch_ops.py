@@ -95,9 +95,34 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 
 
+SILU_OP = "silu_mul"
+_silu_routes: dict[tuple[int, torch.dtype], chooser.Route] = {}
+_silu_table: chooser.KernelTable | None = None
+
+
+def silu_key(f: int, dtype: torch.dtype) -> tuple[object, ...]:
+    return (f, str(dtype).removeprefix("torch."))
+
+
+def silu_route(f: int, dtype: torch.dtype) -> chooser.Route:
+    """Native (one pass, cpu_elementwise.c) or torch's three ops for SiLU(gate) * up of width f,
+    per row bucket, as measured on this machine (cpu_tuning.silu_probe)."""
+    global _silu_table
+    table = chooser.installed()
+    if table is not _silu_table:
+        _silu_routes.clear()
+        _silu_table = table
+    route = _silu_routes.get((f, dtype))
+    if route is None:
+        incumbent = "native" if cpu_native.silu_mul_vec16() else "torch"
+        route = _silu_routes[(f, dtype)] = table.route(SILU_OP, silu_key(f, dtype), chooser.ROW_BUCKETS,
+                                                        [incumbent] * len(chooser.ROW_BUCKETS))
+    return route
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if cpu_native.silu_mul_supported(x):
-        return cpu_native.silu_and_mul(x)  # one pass instead of three ops (cpu_elementwise.c)
+    if cpu_native.silu_mul_supported(x) and silu_route(x.shape[1] // 2, x.dtype).pick(x.shape[0]) == "native":
+        return cpu_native.silu_and_mul(x)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 

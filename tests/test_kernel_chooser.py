@@ -220,6 +220,39 @@ def test_attention_follows_the_installed_table() -> None:
     assert torch_attention.attention_kernels(long_meta, q_all, caches[0])[1] == "vector"
 
 
+def test_silu_and_mul_follows_the_installed_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SiLU(gate) * up takes the native pass in the row buckets that measured it faster, torch's
+    ops in the others; unmeasured, the native pass where its 16-lane path is built."""
+    if cpu_native.library() is None:
+        pytest.skip("no native kernels here (no C compiler)")
+    calls: list[int] = []
+    real = cpu_native.silu_and_mul
+    monkeypatch.setattr(cpu_native, "silu_and_mul", lambda x: calls.append(x.shape[0]) or real(x))
+    f = 48
+    for rows in (1, 5):
+        torch_ops.silu_and_mul(torch.randn(rows, 2 * f))
+    assert calls == ([1, 5] if cpu_native.silu_mul_vec16() else [])
+    calls.clear()
+    key = torch_ops.silu_key(f, torch.float32)
+    chooser.install(KernelTable({KernelTable.key(torch_ops.SILU_OP, key, b): {"choice": "torch" if b == 4 else "native",
+                                                                              "us": {}} for b in chooser.ROW_BUCKETS}))
+    for rows in (1, 3, 5, 16):
+        x = torch.randn(rows, 2 * f)
+        torch.testing.assert_close(torch_ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :f]) * x[:, f:])
+    assert calls == [1, 5, 16]  # 2..4 rows fall in bucket 4, which chose torch
+
+
+def test_tune_model_measures_silu_for_a_swiglu_model(cache) -> None:
+    if cpu_native.library() is None:
+        pytest.skip("no native kernels here (no C compiler)")
+    shapes = cpu_tuning.ModelShapes(linears=((96, 64),), logits=(200, 64), heads=4, kv_heads=2, head_dim=64,
+                                    silu_widths=(96,))
+    table, keys = cpu_tuning.tune_model(shapes, torch.float32)
+    silu = [k for k in keys if k.startswith(torch_ops.SILU_OP + "|")]
+    assert len(silu) == len(chooser.ROW_BUCKETS)
+    assert all(table.entries[k]["choice"] in ("native", "torch") and len(table.entries[k]["us"]) == 2 for k in silu)
+
+
 def test_tune_model_measures_within_its_bound_and_reports(cache) -> None:
     t = time.perf_counter()
     table, keys = cpu_tuning.tune_model(SHAPES, torch.bfloat16)

@@ -7,8 +7,9 @@ built on torch's vector tanh to give torch's bits). It serves a step when the mo
 is a Llama-style stack (per-head q/k norms, Gemma's output norms, sliding windows and local RoPE
 included; no experts, attention soft-capping or biases, not tensor-parallel), on the CPU in bf16
 or fp32, and every linear layer's measured route for the step's row count is one the driver has:
-the GGUF block GEMM or the bf16 small GEMM (a layer on oneDNN is not). The native SiLU * up is
-needed too (CPUs with AVX512-BF16). RILL_DECODE_LAYERS=0 turns it off.
+the GGUF block GEMM or the bf16 small GEMM (a layer on oneDNN is not), and a SwiGLU model's
+SiLU * up is measured native at that row count; a GeGLU model needs a build with AVX-512 (for
+torch's vector tanh). RILL_DECODE_LAYERS=0 turns it off.
 
 A step's rows each attend as one decode token over their own context: the rows of a verify step
 take the decode kernel row by row (see the C file); a step with a prompt chunk of more rows than
@@ -116,11 +117,13 @@ def why_not(model: LlamaModel) -> str | None:
         return "RILL_DECODE_LAYERS=0"
     if model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
         return "not a bf16/fp32 CPU model"
-    if ops.uses_triton(model.embed) or cpu_native.library() is None or not cpu_native.silu_mul_available():
-        return "no native kernels with SiLU * up on this CPU"
+    if ops.uses_triton(model.embed) or cpu_native.library() is None:
+        return "no native kernels"
     if c.hidden_act not in ("silu", "gelu_pytorch_tanh") or c.attn_logit_softcapping \
             or model.cos_sin.dtype != torch.float32:
         return "an MLP gate or attention soft-capping the driver has not"
+    if c.hidden_act == "gelu_pytorch_tanh" and not cpu_native.geglu_exact():
+        return "GeGLU: torch's GELU bits need a build with AVX-512 here"
     if c.head_dim % 2 or c.head_dim > 256 or c.num_attention_heads % c.num_key_value_heads \
             or c.num_attention_heads // c.num_key_value_heads > 16:
         return "attention shape"
@@ -176,6 +179,9 @@ class DecodeLayers:
         if m in self._stacks:
             return self._stacks[m]
         model, c = self.model, self.model.cfg
+        if c.hidden_act == "silu" and torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) != "native":
+            self._stacks[m] = None  # torch's SiLU measured faster here: the per-op path, for its bits
+            return None
         layers = (_Layer * len(model.layers))()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             if not k_cache.is_contiguous():
