@@ -159,48 +159,73 @@ static inline float gelu1(float x) {  // torch's scalar tail: libm's tanhf
   return 0.5f * x * (1.f + tanhf(GELU_BETA * fmaf(GELU_KAPPA, cube, x)));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 // torch's vector tanh (Sleef's, which libtorch_cpu exports; set by cpu_native.py at load), so that
-// the driver's GELU is torch's bit for bit, 16 values a call. NULL: libm's tanhf per value.
-typedef __m512 (*tanh16_fn)(__m512);
-static tanh16_fn torch_tanh16;
+// the driver's GELU is torch's bit for bit: the 16-lane one with AVX-512, else the 8-lane one.
+// NULL: libm's tanhf per value (then the bits are not torch's, and the driver takes no GeGLU model).
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vfmadd _mm512_fmadd_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#else
+#define VL 8
+typedef __m256 vf;
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfmadd _mm256_fmadd_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#endif
+typedef vf (*tanh_fn)(vf);
+static tanh_fn torch_tanh;
 
-void decode_layers_set_tanh16(void* fn) { torch_tanh16 = (tanh16_fn)fn; }
-int decode_layers_geglu_exact(void) { return torch_tanh16 != NULL; }
+void decode_layers_set_tanh(void* fn16, void* fn8) { torch_tanh = (tanh_fn)(VL == 16 ? fn16 : fn8); }
+int decode_layers_geglu_exact(void) { return torch_tanh != NULL; }
 
-static inline __m512 bf16_exact16(__m512 v) { return _mm512_castsi512_ps(bf16_round_bits16(v)); }
-
-static inline __m512 gelu16(__m512 x) {
-  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(GELU_BETA), _mm512_fmadd_ps(_mm512_set1_ps(GELU_KAPPA), cube, x));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), torch_tanh16(inner)));
+static inline vf gelu_v(vf x) {
+  const vf cube = vmul(vmul(x, x), x);
+  const vf inner = vmul(vset1(GELU_BETA), vfmadd(vset1(GELU_KAPPA), cube, x));
+  return vmul(vmul(vset1(0.5f), x), vadd(vset1(1.f), torch_tanh(inner)));
 }
 
-// One row's GELU(gate) * up for the values torch's vector loop takes (two vectors a turn: 64 bf16
-// or 32 fp32); returns where its scalar tail starts.
+// One row's GELU(gate) * up for the values torch's vector loop takes (two vectors of its type a
+// turn: 2 x 2 VL bf16 or 2 VL fp32); returns where its scalar tail starts. Without AVX-512 bf16
+// rounds lane by lane (as torch rounds; rare: Gemma serves bf16 where the CPU has AVX512-BF16).
 static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {
-  if (!torch_tanh16) return 0;
-  const int64_t vec = f - f % (bf16 ? 64 : 32);
-  for (int64_t j = 0; j < vec; j += 16) {
+  if (!torch_tanh) return 0;
+  const int64_t vec = f - f % (bf16 ? 4 * VL : 2 * VL);
+  for (int64_t j = 0; j < vec; j += VL) {
     const int64_t g = i * 2 * f + j, u = g + f;
     if (bf16) {
-      const __m512 y = bf16_exact16(gelu16(bf16_load16((const uint16_t*)gu + g)));
+#if VL == 16
+      const __m512 y = _mm512_castsi512_ps(bf16_round_bits16(gelu_v(bf16_load16((const uint16_t*)gu + g))));
       const __m512i r = bf16_bits16(_mm512_mul_ps(y, bf16_load16((const uint16_t*)gu + u)));
       _mm256_storeu_si256((__m256i*)((uint16_t*)out + i * f + j), _mm512_cvtepi32_epi16(r));
+#else
+      const uint16_t* src = (const uint16_t*)gu;
+      float x[VL], y[VL];
+      for (int t = 0; t < VL; ++t) x[t] = bf16_to_f32(src[g + t]);
+      vstore(y, gelu_v(vload(x)));
+      for (int t = 0; t < VL; ++t)
+        ((uint16_t*)out)[i * f + j + t] = f32_to_bf16(bf16_to_f32(f32_to_bf16(y[t])) * bf16_to_f32(src[u + t]));
+#endif
     } else {
-      const __m512 y = gelu16(_mm512_loadu_ps((const float*)gu + g));
-      _mm512_storeu_ps((float*)out + i * f + j, _mm512_mul_ps(y, _mm512_loadu_ps((const float*)gu + u)));
+      vstore((float*)out + i * f + j, vmul(gelu_v(vload((const float*)gu + g)), vload((const float*)gu + u)));
     }
   }
   return vec;
 }
 #else
-static const void* const torch_tanh16 = NULL;
+static const void* const torch_tanh = NULL;
 
-void decode_layers_set_tanh16(void* fn) { (void)fn; }
-// torch's GELU takes its vector tanh for whole vectors, this build's libm's tanhf for every value:
-// the bits differ, so the driver does not run GeGLU models here.
+void decode_layers_set_tanh(void* fn16, void* fn8) { (void)fn16, (void)fn8; }
 int decode_layers_geglu_exact(void) { return 0; }
 
 static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int64_t f) {
@@ -212,7 +237,7 @@ static int64_t gelu_mul_vec(int bf16, const void* gu, void* out, int64_t i, int6
 // tanh-GELU(gate) * up over rows [gate | up] of 2f values, rounded as torch's two ops round:
 // the GELU in fp32 rounded to the model dtype, then the product. Exported for the tests.
 void gelu_mul(int bf16, const void* gu, void* out, int64_t m, int64_t f) {
-#pragma omp parallel for schedule(static) if (m * f >= (torch_tanh16 ? 16384 : 4096))
+#pragma omp parallel for schedule(static) if (m * f >= (torch_tanh ? 16384 : 4096))
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = gelu_mul_vec(bf16, gu, out, i, f); j < f; ++j) {
       const int64_t g = i * 2 * f + j, u = g + f, e = i * f + j;

@@ -37,7 +37,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _amx = False  # the build has the AMX prefill kernel and the OS granted this process the tiles
 _silu_vec16 = False  # the build's SiLU * up has its 16-lane path (AVX512-BF16 CPUs)
-_geglu_exact = False  # the layer driver's GELU is torch's bit for bit (AVX-512 builds)
+_geglu_exact = False  # the layer driver's GELU is torch's bit for bit (torch's vector tanh found)
 _prefill_dot = False  # the build has the AVX512-BF16 dot-product prefill kernel
 
 
@@ -130,17 +130,17 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.small_gemm_pack.argtypes = [ptr, i64, i64, ptr]
     lib.gelu_mul.restype = None
     lib.gelu_mul.argtypes = [i32, ptr, ptr, i64, i64]
-    lib.decode_layers_set_tanh16.restype = None
-    lib.decode_layers_set_tanh16.argtypes = [ptr]
-    lib.decode_layers_set_tanh16(torch_tanh16())
+    lib.decode_layers_set_tanh.restype = None
+    lib.decode_layers_set_tanh.argtypes = [ptr, ptr]
+    lib.decode_layers_set_tanh(torch_tanh("Sleef_tanhf16_u10"), torch_tanh("Sleef_tanhf8_u10"))
     return lib
 
 
-def torch_tanh16() -> int | None:
-    """Address of torch's 16-lane tanh (Sleef's, exported by libtorch_cpu): the layer driver's GELU
-    then equals torch's bit for bit at vector speed. None where this torch build lacks it."""
+def torch_tanh(name: str) -> int | None:
+    """Address of torch's vector tanh `name` (Sleef's, exported by libtorch_cpu): the layer driver's
+    GELU then equals torch's bit for bit at vector speed. None where this torch build lacks it."""
     try:
-        return ctypes.cast(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_tanhf16_u10,
+        return ctypes.cast(getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")), name),
                            ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
@@ -371,7 +371,7 @@ def silu_mul_vec16() -> bool:  # the SiLU * up's 16-lane path is built (AVX512-B
     return library() is not None and _silu_vec16
 
 
-def geglu_exact() -> bool:  # the layer driver's GELU gives torch's bits (a build with AVX-512)
+def geglu_exact() -> bool:  # the layer driver's GELU gives torch's bits (torch's vector tanh found)
     return library() is not None and _geglu_exact
 
 

@@ -8,8 +8,8 @@ is a Llama-style stack (per-head q/k norms, Gemma's output norms, sliding window
 included; no experts, attention soft-capping or biases, not tensor-parallel), on the CPU in bf16
 or fp32, and every linear layer's measured route for the step's row count is one the driver has:
 the GGUF block GEMM or the bf16 small GEMM (a layer on oneDNN is not), and a SwiGLU model's
-SiLU * up is measured native at that row count; a GeGLU model needs a build with AVX-512 (for
-torch's vector tanh). RILL_DECODE_LAYERS=0 turns it off.
+SiLU * up is measured native at that row count; a GeGLU model needs torch's vector tanh (AVX2
+or AVX-512), for torch's GELU bits. RILL_DECODE_LAYERS=0 turns it off.
 
 A step's rows each attend as one decode token over their own context: the rows of a verify step
 take the decode kernel row by row (see the C file); a step with a prompt chunk of more rows than
@@ -123,7 +123,7 @@ def why_not(model: LlamaModel) -> str | None:
             or model.cos_sin.dtype != torch.float32:
         return "an MLP gate or attention soft-capping the driver has not"
     if c.hidden_act == "gelu_pytorch_tanh" and not cpu_native.geglu_exact():
-        return "GeGLU: torch's GELU bits need a build with AVX-512 here"
+        return "GeGLU: torch's GELU bits need its vector tanh (AVX2 or AVX-512)"
     if c.head_dim % 2 or c.head_dim > 256 or c.num_attention_heads % c.num_key_value_heads \
             or c.num_attention_heads // c.num_key_value_heads > 16:
         return "attention shape"
