@@ -1,5 +1,5 @@
 """Building the native CPU kernels: the machine's C compiler (`$CC`, else cc/gcc), for this exact
-CPU (-march=native), into a cache folder keyed by a hash of the sources, the flags, the compiler
+CPU (-march=native; RILL_NATIVE_MARCH names another level), into a cache folder keyed by a hash of the sources, the flags, the compiler
 and the CPU's feature flags, so a changed source or another CPU builds anew. Several services
 starting at once build once (a file lock). The bindings are in cpu_native.py."""
 
@@ -25,7 +25,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_p
                                                  "cpu_gguf_dequant.c", "cpu_gguf_x16.c", "cpu_decode_layers.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_vec_math.h", "cpu_gguf_formats.h", "cpu_gguf_simd.h",
                                                  "cpu_gguf_kquants.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
 
 def _compiler() -> str:
@@ -50,8 +50,9 @@ def cpu_flags() -> str:
 def build(folder: Path) -> tuple[Path, str]:
     """The library for this machine in `folder` (built unless there), and its key."""
     cc = _compiler()
+    flags = [*FLAGS, f"-march={envs.RILL_NATIVE_MARCH}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(flags), version,
                                     cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"rill_cpu_kernels-{key}.so"
@@ -64,7 +65,7 @@ def build(folder: Path) -> tuple[Path, str]:
             return target, key
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
-            cmd = [cc, *FLAGS, "-I", str(HEADERS[0].parent), "-o", str(built), *map(str, SOURCES)]
+            cmd = [cc, *flags, "-I", str(HEADERS[0].parent), "-o", str(built), *map(str, SOURCES)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")

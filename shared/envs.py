@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     RILL_STEP_THREADS: bool
     RILL_KERNELS: str
     RILL_NATIVE_KERNELS: bool
+    RILL_NATIVE_MARCH: str
     RILL_AMX: bool
     RILL_DECODE_LAYERS: bool
     RILL_PREFILL_KERNEL: str
@@ -73,6 +74,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_KERNELS": _choice("RILL_KERNELS", "auto"),
     # The native C CPU kernels (compiled at first use); 0 leaves plain torch.
     "RILL_NATIVE_KERNELS": _flag("RILL_NATIVE_KERNELS"),
+    # The -march they are built for: native (this CPU), or an older level to run that level's code
+    # on this CPU (haswell: the AVX2 paths; tests and comparisons). Each level builds apart.
+    "RILL_NATIVE_MARCH": _choice("RILL_NATIVE_MARCH", "native"),
     # AMX tiles where the CPU has them; 0 keeps the AVX-512 kernels.
     "RILL_AMX": _flag("RILL_AMX"),
     # 0: steps of few rows run op by op from Python, not in the native layer driver (A/B, debugging).
