@@ -95,10 +95,11 @@ class Report:
             self.formats[gguf_blocks.name(qtype)] += 1
         self.float_params[name] = params
 
-    def line(self, held_bytes: int) -> str:
+    def line(self, held_bytes: int, with_copy: int) -> str:
         kinds = ", ".join(f"{n}x{k}" for k, n in sorted(self.formats.items()))
         mib, params = 2 ** 20, sum(self.float_params.values())
-        return (f"gguf ({kinds}): {self.from_blocks} linear layers served from their blocks, "
+        copies = f" ({with_copy} also from a float copy at the batch sizes it measured faster)" if with_copy else ""
+        return (f"gguf ({kinds}): {self.from_blocks} linear layers served from their blocks{copies}, "
                 f"{self.measured_float} from float copies (faster on this CPU at every batch size), "
                 f"{self.kept_float} float (blocks not servable); weights held {held_bytes / mib:.0f} MiB "
                 f"against {params * 4 / mib:.0f} MiB fp32 / {params * 2 / mib:.0f} MiB bf16 for these tensors")
@@ -248,7 +249,9 @@ class GGUFSource:
         if lookup is not None:
             model.embed_lookup, model.embed = lookup, embed.new_empty(0, embed.shape[1])
         held = held_bytes(model.embed, model.embed_lookup, *model.linears())
-        log.info("%s", self.report.line(held))
+        with_copy = sum(1 for lin in model.linears()
+                        if isinstance(lin, QuantLinear) and any(p.lin is not None for p in lin.parts))
+        log.info("%s", self.report.line(held, with_copy))
 
     def _head_name(self, tied: bool) -> str:
         return "token_embd.weight" if tied or "output.weight" not in self.tensors else "output.weight"
