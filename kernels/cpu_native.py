@@ -367,7 +367,7 @@ def silu_mul_supported(x: torch.Tensor) -> bool:
     return library() is not None
 
 
-def silu_mul_vec16() -> bool:  # the SiLU * up's 16-lane path is built (AVX512-BF16): the chooser's incumbent
+def silu_mul_vec16() -> bool:  # the SiLU * up's 16-lane path is built (AVX512-BF16)
     return library() is not None and _silu_vec16
 
 

@@ -177,8 +177,9 @@ def silu_probe(f: int, dtype: torch.dtype, rows: int) -> Probe | None:
     x = (torch.randn(rows, 2 * f, generator=_gen()) * 4).to(dtype)
     impls = {"native": lambda: cpu_native.silu_and_mul(x),
              "torch": lambda: torch.nn.functional.silu(x[:, :f]) * x[:, f:]}
-    order = ("native", "torch") if cpu_native.silu_mul_vec16() else ("torch", "native")
-    return Probe(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows, {n: impls[n] for n in order})
+    first = torch_ops.silu_incumbent()
+    return Probe(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows,
+                 {n: impls[n] for n in sorted(impls, key=lambda n: n != first)})
 
 
 def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") \

@@ -104,6 +104,11 @@ def silu_key(f: int, dtype: torch.dtype) -> tuple[object, ...]:
     return (f, str(dtype).removeprefix("torch."))
 
 
+def silu_incumbent() -> str:
+    """The chooser's incumbent for SiLU(gate) * up: native where its 16-lane path is built."""
+    return "native" if cpu_native.silu_mul_vec16() else "torch"
+
+
 def silu_route(f: int, dtype: torch.dtype) -> chooser.Route:
     """Native (one pass, cpu_elementwise.c) or torch's three ops for SiLU(gate) * up of width f,
     per row bucket, as measured on this machine (cpu_tuning.silu_probe)."""
@@ -114,9 +119,8 @@ def silu_route(f: int, dtype: torch.dtype) -> chooser.Route:
         _silu_table = table
     route = _silu_routes.get((f, dtype))
     if route is None:
-        incumbent = "native" if cpu_native.silu_mul_vec16() else "torch"
         route = _silu_routes[(f, dtype)] = table.route(SILU_OP, silu_key(f, dtype), chooser.ROW_BUCKETS,
-                                                        [incumbent] * len(chooser.ROW_BUCKETS))
+                                                        [silu_incumbent()] * len(chooser.ROW_BUCKETS))
     return route
 
 
