@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,10 +48,24 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def isa_macros(cc: str, march: str) -> set[str]:
+    """The instruction-set macros (__AVX2__, __AVX512F__, __AMX_TILE__, ...) `cc` defines for -march."""
+    proc = subprocess.run([cc, f"-march={march}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                          text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cc} does not take -march={march}: {proc.stderr.strip()[-200:]}")
+    return set(re.findall(r"#define (__(?:AVX|AMX|FMA|F16C|BMI)\w*__) ", proc.stdout))
+
+
 def build(folder: Path) -> tuple[Path, str]:
     """The library for this machine in `folder` (built unless there), and its key."""
     cc = _compiler()
-    flags = [*FLAGS, f"-march={envs.RILL_NATIVE_MARCH}"]
+    march = envs.RILL_NATIVE_MARCH
+    if march != "native" and (beyond := isa_macros(cc, march) - isa_macros(cc, "native")):
+        # Code for instructions this CPU lacks dies on its first one (SIGILL): refuse it here.
+        raise RuntimeError(f"RILL_NATIVE_MARCH={march} needs instructions this CPU lacks "
+                           f"({', '.join(sorted(m.strip('_') for m in beyond))})")
+    flags = [*FLAGS, f"-march={march}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(flags), version,
                                     cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]

@@ -248,6 +248,31 @@ def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert second != first and second.exists()
 
 
+def test_a_march_beyond_this_cpu_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """RILL_NATIVE_MARCH for instructions this CPU lacks would die on the first one (SIGILL): no
+    build, a warning naming them, the torch kernels. A level below the CPU's builds."""
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    here = native_build.isa_macros(cc, "native")
+    beyond = next((m for m in ("sapphirerapids", "znver5", "skylake-avx512", "haswell")
+                   if native_build.isa_macros(cc, m) - here), None)
+    if beyond is None:
+        pytest.skip("this CPU has every instruction of the levels tried")
+    monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RILL_NATIVE_MARCH", beyond)
+    monkeypatch.setattr(native_build, "SOURCES", [Path(native_build.__file__).with_name("cpu_sampling.c")])
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    with caplog.at_level(logging.WARNING, logger="rill.kernels"):
+        assert cpu_native.library() is None
+    assert f"RILL_NATIVE_MARCH={beyond} needs instructions this CPU lacks" in caplog.text
+    assert not list(tmp_path.glob("kernels/*.so"))
+    monkeypatch.setenv("RILL_NATIVE_MARCH", "x86-64")
+    assert native_build.build(tmp_path / "kernels")[0].exists()
+
+
 @pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
 def test_every_source_compiles_without_avx512(march: str) -> None:
     """The library is built for the serving CPU: on one without AVX-512 every source must still
