@@ -11,9 +11,11 @@ pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
 tokens looked up, summed over the engines' EngineStats, after minus before the workload; a
 preempted request looking up again is counted apart, as vLLM does) beside
-its ceiling for the same prompts (every full block any earlier prompt began with reused, as one
-unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn), how often
-a chat's turn ran on the engine of its previous turn (the x-rill-engine response header), TTFT
+its ceiling for the same prompts (every full block any earlier turn left cached, its prompt and
+reply, reused as one unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn) and its
+ceiling as routed (one unbounded cache per engine, each prompt finding what its engine was sent
+before: what the policy's choices allow, whatever the cache size), how often a chat's turn ran on
+the engine of its previous turn (the x-rill-engine response header, which gives both), TTFT
 p50/p99 at the client, the prompt tokens the engines computed (preempted requests' recomputation
 included), tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
 and requests/s over the workload's wall time, and how the requests split over the engines.
@@ -65,10 +67,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]],
-               max_tokens: int) -> tuple[float, str, int]:
-    """One streamed chat turn: (TTFT seconds, the reply, the engine that served it)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start, ttft, parts = time.perf_counter(), None, []
+               max_tokens: int) -> tuple[float, str, int, int]:
+    """One streamed chat turn: (TTFT seconds, the reply, the engine that served it, its tokens)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, ttft, parts, generated = time.perf_counter(), None, [], max_tokens
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -79,17 +82,19 @@ async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
             obj = json.loads(line[6:])
             if "error" in obj:
                 raise RuntimeError(obj["error"]["message"])
+            if obj.get("usage"):
+                generated = obj["usage"]["completion_tokens"]
             for choice in obj["choices"]:
                 piece = choice["delta"].get("content") or ""
                 if piece and ttft is None:
                     ttft = time.perf_counter() - start
                 parts.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts), engine
+    return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts), engine, generated
 
 
 async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argparse.Namespace, systems: list[str],
                        ttfts: list[float], prompts: dict[tuple[int, int], list[dict[str, str]]],
-                       engines: list[int]) -> int:
+                       engines: list[int], generated: dict[tuple[int, int], int]) -> int:
     rng = random.Random(1000 + c)
     messages = [{"role": "system", "content": systems[c % len(systems)]}]
     tokens = 0
@@ -100,7 +105,7 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
         messages.append({"role": "user", "content": f"{doc}Passage {t}: {text(rng, args.user_words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
         prompts[(t, c)] = list(messages)
-        ttft, reply, engine = await turn(client, model, messages, args.max_tokens)
+        ttft, reply, engine, generated[(t, c)] = await turn(client, model, messages, args.max_tokens)
         ttfts.append(ttft)
         engines.append(engine)
         messages.append({"role": "assistant", "content": reply})
@@ -108,38 +113,49 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     return tokens
 
 
-async def ceiling(client: httpx.AsyncClient, prompts: dict[tuple[int, int], list[dict[str, str]]],
-                  block_size: int) -> float:
+async def ceilings(client: httpx.AsyncClient, prompts: dict[tuple[int, int], list[dict[str, str]]],
+                   block_size: int, engine_of: dict[tuple[int, int], int],
+                   generated: dict[tuple[int, int], int]) -> tuple[float, float]:
     """The hit rate of one unbounded prefix cache over these prompts, turn by turn: each prompt
-    reuses the full blocks it shares with the longest earlier one, all but its last token (the
-    scheduler's rule, kv_cache_manager.lookup)."""
+    reuses the full blocks it shares with the longest sequence an earlier turn left in the cache
+    (its prompt and all but the last of its reply's tokens, read from the chat's next prompt),
+    all but its own last token (the scheduler's rule, kv_cache_manager.lookup); and the same with
+    one unbounded cache per engine, each prompt looking in its own engine's (what this run's
+    routing allows, whatever the caches)."""
     ids = {}
     for key, messages in sorted(prompts.items()):
         resp = await client.post("/v1/tokenize", json={"messages": messages})
         resp.raise_for_status()
         ids[key] = resp.json()["tokens"]
-    seen: list[list[int]] = []
-    hits = total = 0
-    for key in sorted(ids):
-        p = ids[key]
-        common = max((next((i for i, (a, b) in enumerate(zip(p, q, strict=False)) if a != b), min(len(p), len(q)))
-                      for q in seen), default=0)
-        hits += min(common, len(p) - 1) // block_size * block_size
+    seen: list[tuple[int, list[int]]] = []  # (engine, cached sequence) in the order sent
+    hits = routed = total = 0
+    for (t, c) in sorted(ids):
+        p, engine = ids[(t, c)], engine_of[(t, c)]
+
+        def best(among: list[list[int]], p: list[int] = p) -> int:
+            common = max((next((i for i, (a, b) in enumerate(zip(p, q, strict=False)) if a != b), min(len(p), len(q)))
+                          for q in among), default=0)
+            return min(common, len(p) - 1) // block_size * block_size
+
+        hits += best([q for _, q in seen])
+        routed += best([q for e, q in seen if e == engine])
         total += len(p)
-        seen.append(p)
-    return hits / max(1, total)
+        after = ids.get((t + 1, c))  # this turn's reply as the chat's next prompt renders it
+        seen.append((engine, after[:len(p) + generated[(t, c)] - 1] if after else p))
+    return hits / max(1, total), routed / max(1, total)
 
 
 async def workload(base: str, args: argparse.Namespace
-                   ) -> tuple[list[float], float, list[dict[str, Any]], float, float]:
+                   ) -> tuple[list[float], float, list[dict[str, Any]], float, float, float]:
     """TTFTs, wall seconds, the engines' stats after the warm-up (before the chats), the ceiling
-    of the hit rate for the prompts sent, and how often a chat's turn ran where its previous one did
-    (the gateway's x-rill-engine header)."""
+    of the hit rate for the prompts sent, that ceiling under this run's routing (the gateway's
+    x-rill-engine header), and how often a chat's turn ran where its previous one did."""
     rng = random.Random(7)
     systems = [f"You are assistant {i}. Rules: {text(rng, args.system_words)}." for i in range(args.systems)]
     ttfts: list[float] = []
     prompts: dict[tuple[int, int], list[dict[str, str]]] = {}  # (turn, chat) -> messages
     engines: list[list[int]] = [[] for _ in range(args.conversations)]  # each chat's, turn by turn
+    generated: dict[tuple[int, int], int] = {}  # (turn, chat) -> reply tokens
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         # Warm both engines with unrelated prompts (no shared prefix: spread by load).
@@ -148,12 +164,13 @@ async def workload(base: str, args: argparse.Namespace
         await asyncio.sleep(0.6)  # their stats and summaries written
         before = engine_stats(base)
         start = time.perf_counter()
-        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts, prompts, engines[c])
+        await asyncio.gather(*[conversation(client, model, c, args, systems, ttfts, prompts, engines[c], generated)
                                for c in range(args.conversations)])
         wall = time.perf_counter() - start
         stays = [a == b for chat in engines for a, b in zip(chat, chat[1:], strict=False)]
-        return (ttfts, wall, before, await ceiling(client, prompts, before[0]["block_size"]),
-                sum(stays) / max(1, len(stays)))
+        engine_of = {(t, c): chat[t] for c, chat in enumerate(engines) for t in range(len(chat))}
+        best, routed = await ceilings(client, prompts, before[0]["block_size"], engine_of, generated)
+        return ttfts, wall, before, best, routed, sum(stays) / max(1, len(stays))
 
 
 def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -163,13 +180,13 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
     print(f"[{policy}] starting rill serve --data-parallel-size {args.engines} ...", flush=True)
     with serving(argv, port) as base:
-        ttfts, wall, before, best, stay = asyncio.run(workload(base, args))
+        ttfts, wall, before, best, routed, stay = asyncio.run(workload(base, args))
         time.sleep(0.6)  # the engines' last stats writes
         after = engine_stats(base)
     diff = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))  # noqa: E731
     n = args.conversations * args.turns
     return {"policy": policy, "hit_rate": diff("prefix_cache_hits") / max(1, diff("prefix_cache_queries")),
-            "ceiling": best, "stay": stay,
+            "ceiling": best, "routed": routed, "stay": stay,
             "prompt_tokens": diff("prefix_cache_queries"),
             "computed": diff("prefix_cache_queries") - diff("prefix_cache_hits")
             + diff("prefix_cache_preempted_queries") - diff("prefix_cache_preempted_hits"),
@@ -208,14 +225,14 @@ def main() -> None:
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
     if args.repeat > 1:
-        keys = ("hit_rate", "ceiling", "stay", "prompt_tokens", "computed", "preemptions", "ttft_p50", "ttft_p99", "tok_s", "req_s")
+        keys = ("hit_rate", "ceiling", "routed", "stay", "prompt_tokens", "computed", "preemptions", "ttft_p50", "ttft_p99", "tok_s", "req_s")
         rows += [{"policy": f"{policy} (median)", "split": "-",
                   **{k: statistics.median(r[k] for r in rows if r["policy"] == policy) for k in keys}}
                  for policy in policies]
-    print("\n| routing | prefix-cache hit rate | its ceiling | next turn on the same engine | prompt tokens | computed "
-          "| preemptions | TTFT p50 ms | TTFT p99 ms | tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| routing | prefix-cache hit rate | its ceiling | ceiling as routed | next turn on the same engine | prompt tokens | computed "
+          "| preemptions | TTFT p50 ms | TTFT p99 ms | tok/s | req/s | requests per engine |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['stay']:.0%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
+        print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['routed']:.1%} | {r['stay']:.0%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
               f"{r['preemptions']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
 
 if __name__ == "__main__":
