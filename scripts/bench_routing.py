@@ -10,15 +10,15 @@ pasted passage and a question). Streamed greedy requests, MAX_TOKENS each.
 
 Reported per policy: the prefix-cache hit rate (prompt tokens whose KV was reused over prompt
 tokens looked up, summed over the engines' EngineStats, after minus before the workload; a
-preempted request looking up again is counted apart, as vLLM does) beside
-its ceiling for the same prompts (every full block any earlier turn left cached, its prompt and
-reply, reused as one unbounded cache would: the prompts tokenized by the server's /tokenize, turn by turn) and its
-ceiling as routed (one unbounded cache per engine, each prompt finding what its engine was sent
-before: what the policy's choices allow, whatever the cache size), how often a chat's turn ran on
-the engine of its previous turn (the x-rill-engine response header, which gives both), TTFT
-p50/p99 at the client, the prompt tokens the engines computed (preempted requests' recomputation
-included), tokens/s (MAX_TOKENS a request: an upper bound if a reply ends early)
-and requests/s over the workload's wall time, and how the requests split over the engines.
+preempted request looking up again is counted apart, as vLLM does) beside its ceiling for the
+same prompts (every full block an earlier turn left cached, its prompt and reply, reused as one
+unbounded cache would; the prompts tokenized by the server's /tokenize) and its ceiling as routed
+(one unbounded cache per engine, each prompt finding what its own engine was sent before: what the
+policy's choices allow, whatever the cache size); how often a chat's turn ran on the engine of its
+previous turn (the x-rill-engine response header, which gives both); TTFT p50/p99 at the client;
+the prompt tokens the engines computed (preempted requests' recomputation included); tokens/s
+(MAX_TOKENS a request: an upper bound if a reply ends early) and requests/s over the workload's
+wall time; and how the requests split over the engines.
 
     .venv/bin/python scripts/bench_routing.py [MODEL] [--conversations 8] [--turns 6]
 """
@@ -113,15 +113,22 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
     return tokens
 
 
+def reused(p: list[int], cached: list[list[int]], block_size: int) -> int:
+    """Tokens of prompt p a cache holding `cached` serves: the full blocks of its longest common
+    prefix with one of them, all but p's last token."""
+    common = max((next((i for i, (a, b) in enumerate(zip(p, q, strict=False)) if a != b), min(len(p), len(q)))
+                  for q in cached), default=0)
+    return min(common, len(p) - 1) // block_size * block_size
+
+
 async def ceilings(client: httpx.AsyncClient, prompts: dict[tuple[int, int], list[dict[str, str]]],
                    block_size: int, engine_of: dict[tuple[int, int], int],
                    generated: dict[tuple[int, int], int]) -> tuple[float, float]:
-    """The hit rate of one unbounded prefix cache over these prompts, turn by turn: each prompt
-    reuses the full blocks it shares with the longest sequence an earlier turn left in the cache
-    (its prompt and all but the last of its reply's tokens, read from the chat's next prompt),
-    all but its own last token (the scheduler's rule, kv_cache_manager.lookup); and the same with
-    one unbounded cache per engine, each prompt looking in its own engine's (what this run's
-    routing allows, whatever the caches)."""
+    """The hit rate of one unbounded prefix cache over these prompts, turn by turn (`reused`: the
+    scheduler's rule, kv_cache_manager.lookup), each turn leaving its prompt and all but the last of
+    its reply's tokens cached (the reply read from the chat's next prompt); and the same with one
+    unbounded cache per engine, each prompt looking in its own engine's (what this run's routing
+    allows, whatever the caches)."""
     ids = {}
     for key, messages in sorted(prompts.items()):
         resp = await client.post("/v1/tokenize", json={"messages": messages})
@@ -131,14 +138,8 @@ async def ceilings(client: httpx.AsyncClient, prompts: dict[tuple[int, int], lis
     hits = routed = total = 0
     for (t, c) in sorted(ids):
         p, engine = ids[(t, c)], engine_of[(t, c)]
-
-        def best(among: list[list[int]], p: list[int] = p) -> int:
-            common = max((next((i for i, (a, b) in enumerate(zip(p, q, strict=False)) if a != b), min(len(p), len(q)))
-                          for q in among), default=0)
-            return min(common, len(p) - 1) // block_size * block_size
-
-        hits += best([q for _, q in seen])
-        routed += best([q for e, q in seen if e == engine])
+        hits += reused(p, [q for _, q in seen], block_size)
+        routed += reused(p, [q for e, q in seen if e == engine], block_size)
         total += len(p)
         after = ids.get((t + 1, c))  # this turn's reply as the chat's next prompt renders it
         seen.append((engine, after[:len(p) + generated[(t, c)] - 1] if after else p))
