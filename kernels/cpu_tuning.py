@@ -185,7 +185,10 @@ def silu_probe(f: int, dtype: torch.dtype, rows: int) -> Probe | None:
 def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") \
         -> list[Callable[[], Probe | None]]:
     """Every probe of one model, each built only when measured (a cached entry costs nothing)."""
-    makers: list[Callable[[], Probe | None]] = []
+    # SiLU * up first: cheap, and it decides whether the layer driver runs at all (decode_layers.py),
+    # so a start that runs out of its time budget (chooser.TOTAL_S) has it measured.
+    makers: list[Callable[[], Probe | None]] = [lambda f=f, rows=rows: silu_probe(f, dtype, rows)
+                                                for f in shapes.silu_widths for rows in chooser.ROW_BUCKETS]
     gemm = int8_probe if quantization == "int8" else gemm_probe
     for (n, k), logits in [*((s, False) for s in shapes.linears), (shapes.logits, True)]:
         for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
@@ -193,16 +196,14 @@ def model_probes(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "n
     for bucket in chooser.CONTEXT_BUCKETS:
         makers.append(lambda bucket=bucket: prefill_probe(shapes, dtype, bucket))
     makers.append(lambda: decode_probe(shapes, dtype))
-    for f in shapes.silu_widths:
-        for rows in chooser.ROW_BUCKETS:
-            makers.append(lambda f=f, rows=rows: silu_probe(f, dtype, rows))
     return makers
 
 
 def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "none") -> list[str]:
     """The table keys of model_probes, in the same order (without building any probe)."""
     op = "gemm_int8" if quantization == "int8" else "gemm"
-    keys = []
+    keys = [KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows)
+            for f in shapes.silu_widths for rows in chooser.ROW_BUCKETS]
     for (n, k), logits in [*((s, False) for s in shapes.linears), (shapes.logits, True)]:
         shape = torch_ops.gemm_key(n, k, dtype, logits)
         for rows in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
@@ -210,8 +211,6 @@ def entry_keys(shapes: ModelShapes, dtype: torch.dtype, quantization: str = "non
     attn = torch_attention.attention_key(dtype, shapes.heads, shapes.kv_heads, shapes.head_dim)
     keys += [KernelTable.key("prefill", attn, b) for b in chooser.CONTEXT_BUCKETS]
     keys.append(KernelTable.key("decode", attn, 0))
-    keys += [KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(f, dtype), rows)
-             for f in shapes.silu_widths for rows in chooser.ROW_BUCKETS]
     return keys
 
 
