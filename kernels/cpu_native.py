@@ -4,17 +4,16 @@ cpu_elementwise.c, cpu_small_gemm.c), compiled on first use and called through c
 Why native code on the CPU path: decode attention over paged KV has no efficient stock torch
 form. The torch path must gather every sequence's blocks into a padded copy and run small
 batched matmuls against it, which made attention a large share of a decode step; reading the
-blocks in place is several times faster. Prompt chunks read them in place too, at about twice
-the speed of torch's SDPA on contiguous copies. Likewise the quantise / dequantise steps around an int8 GEMM are
-one pass each instead of a dozen small torch ops (see cpu_quant.c), and so are the residual add +
-RMSNorm between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c). bf16 linear
-layers of up to 1024 rows run faster than through oneDNN: with a few rows they stream their
-weights faster, with more they keep the dot-product units busier (cpu_small_gemm.c).
+blocks in place is several times faster. Prompt chunks read them in place too, about twice as
+fast as torch's SDPA on copies. The quantise / dequantise steps around an int8 GEMM are one pass
+each instead of a dozen small torch ops (cpu_quant.c), and so are the residual add + RMSNorm
+between a layer's GEMMs and RoPE + the KV-cache write (cpu_elementwise.c). bf16 linear layers of
+up to 1024 rows run faster than through oneDNN (cpu_small_gemm.c).
 
-The library is built for this exact CPU into Rill's cache folder (native_build.py). It links
-OpenMP by soname, so inside a process that imported torch it shares torch's own libgomp and
-thread pool. Without a compiler (or with RILL_NATIVE_KERNELS=0) every caller gets None and
-keeps the plain-torch implementation.
+The library is built for this CPU (or RILL_NATIVE_MARCH's level) into Rill's cache folder
+(native_build.py). It links OpenMP by soname, so in a process that imported torch it shares
+torch's libgomp and thread pool. Without a compiler (or with RILL_NATIVE_KERNELS=0) every caller
+gets None and keeps the plain-torch implementation.
 """
 
 from __future__ import annotations
@@ -132,7 +131,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gelu_mul.argtypes = [i32, ptr, ptr, i64, i64]
     lib.decode_layers_set_tanh.restype = None
     lib.decode_layers_set_tanh.argtypes = [ptr, ptr]
-    lib.decode_layers_set_tanh(torch_tanh("Sleef_tanhf16_u10"), torch_tanh("Sleef_tanhf8_u10"))
+    cap = torch.backends.cpu.get_cpu_capability()  # the tanh of torch's own GELU: 16 lanes, or 8 with AVX2 kernels
+    lib.decode_layers_set_tanh(*(torch_tanh(f"Sleef_tanhf{n}_u10") if cap == c else None for n, c in ((16, "AVX512"), (8, "AVX2"))))
     return lib
 
 

@@ -32,3 +32,23 @@ def test_the_avx2_build_passes_the_kernel_tests() -> None:
     # It was the AVX2 build that ran: the AVX512-BF16 kernels' tests skipped, the driver's did not.
     assert "no AVX512-BF16" in proc.stdout, tail
     assert "test_decode_layers.py" not in "".join(line for line in proc.stdout.splitlines() if "SKIPPED" in line), tail
+
+
+def test_the_driver_takes_no_geglu_when_torch_runs_other_lanes() -> None:
+    """The AVX2 build's GELU is torch's only while torch's own kernels are AVX2 too: with torch on
+    its AVX-512 kernels (16-lane tanh) the driver declines GeGLU models, rather than differ from
+    the per-op path in the last bits."""
+    if "avx512f" not in native_build.cpu_flags().split():
+        pytest.skip("no AVX-512 here: torch runs its AVX2 kernels, as the build does")
+    code = ("import torch; from rill.kernels import cpu_native; "
+            "print(torch.backends.cpu.get_cpu_capability(), cpu_native.geglu_exact())")
+
+    def probe(**extra: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, "RILL_NATIVE_MARCH": "haswell", **extra},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-1000:]
+        return proc.stdout.strip()
+
+    assert probe() == "AVX512 False"
+    assert probe(ATEN_CPU_CAPABILITY="avx2") == "AVX2 True"
