@@ -124,11 +124,16 @@ def silu_route(f: int, dtype: torch.dtype) -> chooser.Route:
     return route
 
 
+def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up in torch's ops, [..., 2F] -> [..., F]: the chooser's other candidate."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if cpu_native.silu_mul_supported(x) and silu_route(x.shape[1] // 2, x.dtype).pick(x.shape[0]) == "native":
         return cpu_native.silu_and_mul(x)
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    return silu_mul_torch(x)
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
