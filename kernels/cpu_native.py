@@ -131,8 +131,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gelu_mul.argtypes = [i32, ptr, ptr, i64, i64]
     lib.decode_layers_set_tanh.restype = None
     lib.decode_layers_set_tanh.argtypes = [ptr, ptr]
-    cap = torch.backends.cpu.get_cpu_capability()  # the tanh of torch's own GELU: 16 lanes, or 8 with AVX2 kernels
-    lib.decode_layers_set_tanh(*(torch_tanh(f"Sleef_tanhf{n}_u10") if cap == c else None for n, c in ((16, "AVX512"), (8, "AVX2"))))
+    lanes = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())  # of torch's GELU's tanh
+    lib.decode_layers_set_tanh(*(torch_tanh(f"Sleef_tanhf{n}_u10") if n == lanes else None for n in (16, 8)))
     return lib
 
 

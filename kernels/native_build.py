@@ -1,7 +1,8 @@
 """Building the native CPU kernels: the machine's C compiler (`$CC`, else cc/gcc), for this exact
-CPU (-march=native; RILL_NATIVE_MARCH names another level), into a cache folder keyed by a hash of the sources, the flags, the compiler
-and the CPU's feature flags, so a changed source or another CPU builds anew. Several services
-starting at once build once (a file lock). The bindings are in cpu_native.py."""
+CPU (-march=native; RILL_NATIVE_MARCH names another level), into a cache folder keyed by a hash
+of the sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
+CPU builds anew. Several services starting at once build once (a file lock). The bindings are in
+cpu_native.py."""
 
 from __future__ import annotations
 

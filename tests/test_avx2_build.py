@@ -18,12 +18,12 @@ from rill.kernels import native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_decode_layers.py", "tests/test_gguf_kernels.py", "tests/test_cpu_native.py"]
+pytestmark = pytest.mark.skipif("avx512f" not in native_build.cpu_flags().split(),
+                                reason="no AVX-512 here: the whole suite runs on the AVX2 (or plain C) build, "
+                                       "with torch on its AVX2 kernels")
 
 
 def test_the_avx2_build_passes_the_kernel_tests() -> None:
-    flags = native_build.cpu_flags().split()
-    if "avx512f" not in flags:
-        pytest.skip("no AVX-512 here: the whole suite runs on the AVX2 (or plain C) build")
     env = {**os.environ, "RILL_NATIVE_MARCH": "haswell", "ATEN_CPU_CAPABILITY": "avx2", "PYTHONSAFEPATH": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *KERNEL_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -38,8 +38,6 @@ def test_the_driver_takes_no_geglu_when_torch_runs_other_lanes() -> None:
     """The AVX2 build's GELU is torch's only while torch's own kernels are AVX2 too: with torch on
     its AVX-512 kernels (16-lane tanh) the driver declines GeGLU models, rather than differ from
     the per-op path in the last bits."""
-    if "avx512f" not in native_build.cpu_flags().split():
-        pytest.skip("no AVX-512 here: torch runs its AVX2 kernels, as the build does")
     code = ("import torch; from rill.kernels import cpu_native; "
             "print(torch.backends.cpu.get_cpu_capability(), cpu_native.geglu_exact())")
 
