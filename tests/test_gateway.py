@@ -33,7 +33,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from rill.services.gateway.app import create_app
 from rill.services.gateway.gateway import BROKER_FAILED_OVER, BROKER_RESTARTED, Gateway
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
+from rill.services.gateway.responses import GENERATION_FAILED
 from rill.shared.bus import FIELD
+from rill.shared.request_params import sample_request_id
 from rill.shared.schema import (
     ENGINE_LOST_PREFIX,
     EngineStats,
@@ -626,6 +628,31 @@ async def test_request_lost_with_its_engine_unseen_is_sent_again_once(server: Li
     await asyncio.sleep(0.2)
     assert await down.num_requests() == 8  # 2 + 2 + 1 + 2 + 1: the first, second and fourth were sent again
     assert 'rill:requests_resent_total{model_name="test-model"} 3.0' in httpx.get(f"{server.url}/metrics").text
+
+
+async def test_failed_sample_fails_its_request_at_once(server: LiveServer, down: Downstream) -> None:
+    """A non-streaming n=2 request whose sample 0 fails answers 500 without waiting for sample 1,
+    aborts the request (so sample 1 stops running), and counts once, as an error; a WebSocket
+    request's error frame likewise aborts its other sample."""
+    await down.r.sadd(Streams(server.prefix).engines_key(), 0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+        post = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "n": 2}))
+        req = await down.next_request()
+        await down.reply(req.reply_to, make_deltas(sample_request_id(req.request_id, 1, 2), ["a"], finish=None))
+        await down.reply(req.reply_to, make_deltas(sample_request_id(req.request_id, 0, 2), ["b"], finish="error"))
+        r = await asyncio.wait_for(post, 5)
+        assert r.status_code == 500 and r.json()["error"]["message"] == GENERATION_FAILED
+        assert await down.aborted_ids(0) == [req.request_id]
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:  # likewise on the WebSocket
+        await ws.send(json.dumps({"type": "completion", "id": "w", "prompt": "x", "n": 2}))
+        req = await down.next_request()
+        await down.reply(req.reply_to, make_deltas(sample_request_id(req.request_id, 0, 2), ["b"], finish="error"))
+        frames = [json.loads(await asyncio.wait_for(ws.recv(), 5)) for _ in range(2)]
+        assert frames[0]["type"] == "delta" and frames[1]["type"] == "error"
+        assert await down.aborted_ids(0) == [req.request_id]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'rill:request_success_total{finished_reason="error",model_name="test-model"} 2.0' in metrics
+    assert 'rill:request_success_total{finished_reason="abort",model_name="test-model"} 0.0' in metrics
 
 
 async def test_disconnect_aborts(server: LiveServer, down: Downstream) -> None:

@@ -172,7 +172,7 @@ class RequestMetrics:
         self.last_token = [None] * len(self.last_token)
 
     def finish(self) -> None:
-        """Every sample finished."""
+        """Every sample finished, or one failed (the request ends in error)."""
         reasons = [r for r in self.reasons if r is not None] or ["stop"]
         self._end(max(reasons, key=lambda r: _SEVERITY.get(r, -1)))
 

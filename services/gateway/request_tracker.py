@@ -96,6 +96,7 @@ class RequestStream:
         self._buf: list[Event] = []
         self._wake = asyncio.Event()
         self.terminal = False  # every sample finished, or an error was queued
+        self.sample_failed = False  # one sample ended in error: the request fails, its others are aborted
         self.closed = False  # cancelled locally: stop without a terminal event
         self._done = False  # the terminal event was handed out
         self.started = False  # a token was released (no longer counts as waiting, admission.py)
@@ -131,8 +132,8 @@ class RequestStream:
 
     @property
     def _holding(self) -> bool:
-        """A buffered stream hands nothing out before its end."""
-        return self.buffered and not self.terminal
+        """A buffered stream hands nothing out before its end (or a sample's failure, which ends it)."""
+        return self.buffered and not self.terminal and not self.sample_failed
 
     def _put(self, events: list[Event]) -> None:
         if events and not self.closed:
@@ -152,6 +153,11 @@ class RequestStream:
             self.terminal = True
             if self.metrics is not None:
                 self.metrics.finish()
+        elif out and out[-1].finish_reason == "error" and not self.sample_failed:
+            # Not terminal: the handler still aborts the samples that run on.
+            self.sample_failed = True
+            if self.metrics is not None:
+                self.metrics.finish()  # counted as an error now, not as the abort that follows
         self._put(out)
 
     def fail(self, err: ErrorReply) -> None:

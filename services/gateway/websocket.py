@@ -249,6 +249,9 @@ class Connection:
         except Exception:
             log.exception("websocket request %s failed", entry.request_id)
             await self._finish(entry, _error_frame(entry.client_id, APIError("Internal server error", 500)))
+        finally:
+            if not stream.terminal and not stream.closed:  # one sample failed: stop the others
+                self.gw.abort_soon([entry.request_id])
 
     async def _flush(self, entry: _Entry, pending: dict[int, tuple[list[str], list[TextLogprob]]]) -> None:
         # One frame per sample per wake-up: deltas that queued up meanwhile go out together.
