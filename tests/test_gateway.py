@@ -420,6 +420,10 @@ async def test_models_health_stats(server: LiveServer, down: Downstream) -> None
             MODEL, "model", "rill", MAX_LEN)
         ids = [m.id async for m in oai(server).models.list()]
         assert ids == [MODEL]
+        assert (await oai(server).models.retrieve(MODEL)).max_model_len == MAX_LEN  # type: ignore[attr-defined]
+        with pytest.raises(openai.NotFoundError) as missing:
+            await oai(server).models.retrieve("org/other-model")
+        assert missing.value.code == "model_not_found" and "org/other-model" in missing.value.message
 
         assert (await c.get("/stats")).json() == {"engines": []}  # no scheduler wrote stats yet
         s = Streams(server.prefix)

@@ -335,7 +335,8 @@ async def test_api_key_guards_the_api_only(make_server, down_of) -> None:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
                         {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                 ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize")):
+                                 ("GET", "/v1/models"), ("GET", "/v1/models/m"), ("POST", "/tokenize"),
+                                 ("POST", "/detokenize")):
                 resp = await c.request(method, path, json={"prompt": "x"}, headers=headers)
                 assert resp.status_code == 401, (headers, path)
                 err = resp.json()["error"]
@@ -457,10 +458,12 @@ async def test_openapi_document(make_server) -> None:
     spec = resp.json()
     assert spec["openapi"].startswith("3.1")
     documented = set(spec["paths"])
-    assert documented == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-                          "/v1/tokenize", "/v1/detokenize", "/health", "/metrics", "/stats", "/openapi.json"}
+    assert documented == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
+                          "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health", "/metrics", "/stats",
+                          "/openapi.json"}
     # Every HTTP route of the app is documented (the chat page's files and the WebSocket aside).
     served = {getattr(r, "path", None) for r in srv.app.routes} - {"/", "/static/{name}", "/v1/ws"}
+    served = {p.replace(":path}", "}") for p in served if p}
     assert served == documented
     schemas = spec["components"]["schemas"]
     chat = {k: v["anyOf"][0] if "anyOf" in v else v  # an optional field: its value, not null

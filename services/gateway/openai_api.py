@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -236,11 +236,20 @@ async def detokenize(request: Request) -> Response:
     return json_response({"prompt": reply.text})
 
 
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "rill",
+            "root": gw.model_name, "parent": None, "max_model_len": gw.max_model_len}
+
+
 async def models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(_gateway(request))]})
+
+
+async def model(request: Request) -> Response:
+    """One model's card (the openai client's models.retrieve); a name may hold slashes."""
     gw = _gateway(request)
-    return json_response({"object": "list", "data": [
-        {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "rill",
-         "root": gw.model_name, "parent": None, "max_model_len": gw.max_model_len}]})
+    requests.check_model(request.path_params["model"], gw.model_name)
+    return json_response(_model_card(gw))
 
 
 async def health(request: Request) -> Response:
@@ -277,6 +286,7 @@ def routes() -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),

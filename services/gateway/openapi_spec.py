@@ -138,11 +138,11 @@ def _response_schemas() -> dict[str, Any]:
                                                                              "content": {"type": "string"}}},
                                                   "logprobs": chat_logprobs, "finish_reason": finish}}},
                                           "usage": _ref("Usage")}},
+        "Model": {"type": "object", "required": ["id", "object"], "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+            "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"], "properties": {
-                "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
         "TokenizeResponse": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
             "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
             "tokens": {"type": "array", "items": {"type": "integer"}}}},
@@ -188,6 +188,11 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
         "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}], "responses": {
             "200": {"description": "OK", "content": {JSON: {"schema": _ref("ModelList")}}},
             **_error_responses(401)}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "One model's card", "security": [{"bearer": []}],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "OK", "content": {JSON: {"schema": _ref("Model")}}},
+                          **_error_responses(401, 404)}}},
         "/health": {"get": {"summary": "200 while the broker answers and an engine is live", "security": [],
                             "responses": {
                                 "200": {"description": "OK", "content": {JSON: {"schema": _ref("Health")}}},

@@ -157,7 +157,7 @@ def _bad(message: str, param: str | None) -> APIError:
     return APIError(message, 400, param=param)
 
 
-def _check_model(model: str | None, model_name: str) -> None:
+def check_model(model: str | None, model_name: str) -> None:
     if model is not None and model != model_name:
         raise APIError(f"The model `{model}` does not exist.", 404, type="NotFoundError",
                        param="model", code="model_not_found")
@@ -263,7 +263,7 @@ def _check_tokenize(req: TokenizeBody) -> None:
 
 def check(req: Struct, gate: Admission) -> None:
     """The rules no single field can state; each raises a 400 (404 for the model) naming its field."""
-    _check_model(getattr(req, "model", None), gate.model_name)
+    check_model(getattr(req, "model", None), gate.model_name)
     _refuse_not_yet(req, "")
     if isinstance(req, ChatCompletionRequest):
         _check_messages(req.messages)
