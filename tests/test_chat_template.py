@@ -219,7 +219,7 @@ def test_chat_body_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> Non
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
         "tools": [WEATHER], "chat_template_kwargs": {"unused": True}}
     gate = requests.Admission(model_name="m")
-    req = requests.generate_request(requests.parse(json.dumps(body), ChatCompletionRequest, gate), "r", "x")
+    req = requests.generate_requests(requests.parse(json.dumps(body), ChatCompletionRequest, gate), "r", "x")[0]
     assert isinstance(req, GenerateRequest) and req.tools == [WEATHER]
     tok = tokenizers["qwen_tools.jinja"]
     got = tok(req).prompt_token_ids

@@ -338,7 +338,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [2**40]}, 400, "prompt[0]"),
@@ -632,6 +631,47 @@ async def test_request_lost_with_its_engine_unseen_is_sent_again_once(server: Li
     await asyncio.sleep(0.2)
     assert await down.num_requests() == 8  # 2 + 2 + 1 + 2 + 1: the first, second and fourth were sent again
     assert 'rill:requests_resent_total{model_name="test-model"} 3.0' in httpx.get(f"{server.url}/metrics").text
+
+
+async def test_batched_prompts_fan_out_and_merge(server: LiveServer, down: Downstream) -> None:
+    """A list of prompts is one request per prompt; the reply lists prompt i's n choices from index
+    i * n (as OpenAI), streamed or not, with the usage summed. One prompt refused fails the batch and
+    aborts the others; a batch the admission cap could never take is a 400."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+        for stream in (False, True):
+            body = {"prompt": ["x", [5, 6]], "n": 2, "stream": stream,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
+            post = asyncio.create_task(c.post("/v1/completions", json=body))
+            reqs = [await down.next_request() for _ in range(2)]
+            ids = [r.request_id for r in reqs]
+            assert ids[0].endswith("-0") and ids[1] == ids[0][:-1] + "1" and [r.prompt for r in reqs] == ["x", [5, 6]]
+            for p, req in enumerate(reversed(reqs)):  # the second prompt answers first
+                for i in range(2):
+                    sample = sample_request_id(req.request_id, i, 2)
+                    await down.reply(req.reply_to, make_deltas(sample, [f"{req.prompt}/{i}", "!"], prompt_tokens=3 + p))
+            r = await post
+            assert r.status_code == 200
+            if stream:
+                chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+                texts = {i: "".join(ch["text"] for c in chunks for ch in c["choices"] if ch["index"] == i)
+                         for i in range(4)}
+                usage = chunks[-1]["usage"]
+                assert {c["id"] for c in chunks} == {ids[0][:-2]}
+            else:
+                texts = {ch["index"]: ch["text"] for ch in r.json()["choices"]}
+                usage = r.json()["usage"]
+            assert texts == {0: "x/0!", 1: "x/1!", 2: "[5, 6]/0!", 3: "[5, 6]/1!"}
+            assert usage == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+
+        post = asyncio.create_task(c.post("/v1/completions", json={"prompt": ["x", "y"], "stream": True}))
+        reqs = [await down.next_request() for _ in range(2)]
+        await down.error(reqs[1], "prompt too long", param="prompt")
+        r = await post
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert await down.aborted_ids(0) == [reqs[0].request_id]
+    with serving(max_waiting_requests=2) as small:
+        r = httpx.post(f"{small.url}/v1/completions", json={"prompt": ["a", "b", "c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "3 prompts" in r.text
 
 
 async def test_failed_sample_fails_its_request_at_once(server: LiveServer, down: Downstream) -> None:

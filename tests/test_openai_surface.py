@@ -316,6 +316,34 @@ def test_echo_with_logprobs_scores_the_prompt(stack: ServiceStack, client: opena
     assert tokens == lp.tokens
 
 
+def test_batched_prompts_equal_single_requests(client: openai.OpenAI, hf) -> None:
+    """A list of prompts (lm-eval's batched loglikelihood and generation requests) answers as the
+    prompts would one at a time, prompt i's n choices from index i * n, streamed or not."""
+    tok, _ = hf
+    name = model_name(client)
+    ids = [tok(t)["input_ids"] for t in (PROMPT, "The sea and the wind", "Paris is the capital of")]
+    score = dict(model=name, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    batch = client.completions.create(prompt=ids, **score)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    for c, prompt in zip(batch.choices, ids, strict=True):
+        alone = client.completions.create(prompt=prompt, **score).choices[0]
+        assert c.text == alone.text and c.logprobs.tokens == alone.logprobs.tokens
+        assert all(abs(a - b) < LOGPROB_TOL for a, b in zip(c.logprobs.token_logprobs[1:],
+                                                                alone.logprobs.token_logprobs[1:], strict=True))
+    assert batch.usage.prompt_tokens == sum(len(p) for p in ids) and batch.usage.completion_tokens == 3
+
+    texts = ["Once upon a time", "The best way to learn is"]
+    sample = dict(model=name, max_tokens=6, temperature=1.0, seed=11, n=2)
+    want = [c.text for t in texts for c in client.completions.create(prompt=t, **sample).choices]
+    got = client.completions.create(prompt=texts, **sample)
+    assert [c.text for c in got.choices] == want and [c.index for c in got.choices] == [0, 1, 2, 3]
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=texts, stream=True, **sample):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+
+
 def test_async_stream_with_usage_matches_plain(aclient: AsyncFactory, client: openai.OpenAI) -> None:
     name = model_name(client)
     plain = client.chat.completions.create(model=name, messages=CHAT, max_tokens=10, temperature=0)

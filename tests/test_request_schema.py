@@ -43,7 +43,7 @@ from rill.services.gateway.bodies import (
     CompletionRequest,
 )
 from rill.services.gateway.openapi_spec import build_spec
-from rill.services.gateway.requests import Admission, generate_request, not_yet_fields, parse
+from rill.services.gateway.requests import Admission, generate_requests, not_yet_fields, parse
 from rill.shared.bus import FIELD
 from rill.shared.request_params import ChatMessage
 from rill.shared.schema import TokenizeReply, encode, tokenizer_input_decoder
@@ -273,7 +273,7 @@ def test_bodies_translate_to_the_same_sampling_params() -> None:
         "stop_token_ids": [0, 2**31 - 1], "ignore_eos": True, "skip_special_tokens": False,
         "include_stop_str_in_output": True, "n": MAX_N, "max_tokens": 3, "min_tokens": 3, "logprobs": True,
         "top_logprobs": DEFAULT_MAX_LOGPROBS, "priority": -5}), ChatCompletionRequest, gate)
-    req = generate_request(chat, "r", "reply")
+    (req,) = generate_requests(chat, "r", "reply")
     assert req.messages == [ChatMessage("developer", "d"), ChatMessage("user", "a\nb")] and req.priority == -5
     p = req.params
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty) == (
@@ -285,11 +285,14 @@ def test_bodies_translate_to_the_same_sampling_params() -> None:
     assert isinstance(p.temperature, float) and isinstance(p.presence_penalty, float)
 
     comp = parse(b'{"prompt": ["text"], "echo": true, "logprobs": 0, "stop": "s"}', CompletionRequest, gate)
-    req = generate_request(comp, "r", "reply")
+    (req,) = generate_requests(comp, "r", "reply")
     assert (req.prompt, req.messages, req.params.stop, req.params.logprobs, req.params.prompt_logprobs) == (
         "text", None, ["s"], 0, 0)  # echo with logprobs scores the prompt too
-    plain = generate_request(parse(b'{"prompt": [5, 6]}', CompletionRequest, gate), "r", "reply")
+    (plain,) = generate_requests(parse(b'{"prompt": [5, 6]}', CompletionRequest, gate), "r", "reply")
     assert plain.prompt == [5, 6] and plain.params == type(plain.params)()  # nothing set: every default
+    batch = generate_requests(parse(b'{"prompt": ["a", [5, 6], "b"], "n": 2}', CompletionRequest, gate), "r", "x")
+    assert [(b.request_id, b.prompt, b.params.n) for b in batch] == [("r-0", "a", 2), ("r-1", [5, 6], 2),
+                                                                     ("r-2", "b", 2)]
 
 
 async def _answer_tokenizer(down: Downstream, reply: TokenizeReply) -> str:

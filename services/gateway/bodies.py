@@ -247,7 +247,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     """POST /v1/completions."""
 
     prompt: Annotated[Text | Annotated[list[TokenId | Text | TokenIds], Meta(min_length=1)],
-                      Meta(description="Text, token ids, or a list of one of those.")]
+                      Meta(description="Text, token ids, or a batch: a list of either (a request each).")]
     logprobs: Annotated[Logprobs, Meta(description="Top logprobs per output token (the sampled token's "
                                                    "always).")] | None = None
     echo: Annotated[bool, Meta(description="Prepend the prompt to the text.")] | None = None

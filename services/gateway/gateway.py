@@ -123,9 +123,9 @@ class Gateway:
         self.draining = False  # SIGTERM: /health 503, no new requests (drain.py)
 
     @property
-    def admission(self) -> Admission:
-        """The settings request validation depends on (requests.py)."""
-        return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields, self.max_model_len)
+    def admission(self) -> Admission:  # the settings request validation depends on (requests.py)
+        return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields, self.max_model_len,
+                         self.max_waiting_requests)
 
     @property
     def reply_stream(self) -> str:

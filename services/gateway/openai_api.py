@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -35,8 +36,10 @@ from rill.services.gateway.responses import (
     ChunkFormatter,
     Event,
     Output,
+    batch_response,
     error_from_reply,
     full_response,
+    stream_end,
 )
 from rill.services.gateway.tool_calls import tool_mode
 from rill.shared.kinds import RequestKind
@@ -94,6 +97,48 @@ async def or_disconnect(receive: Receive, aw: Awaitable[T]) -> T | _Disconnected
 # ---------------------------------------------------------------------------------------------
 # Server-sent events
 
+@dataclass
+class _Part:
+    """One prompt's request of a streamed response (a batch has one per prompt)."""
+
+    stream: RequestStream
+    events: AsyncIterator[list[Event]]
+    first: list[Event]
+    fmt: ChunkFormatter
+
+
+_First = tuple[AsyncIterator[list[Event]], list[Event]]  # a stream's events, and the batch taken first
+
+
+async def _merged(parts: list[_Part]) -> AsyncIterator[tuple[_Part, list[Event]]]:
+    """Every part's batches as they arrive (one part: straight from its stream, no task)."""
+    if len(parts) == 1:
+        async for batch in parts[0].events:
+            yield parts[0], batch
+        return
+    queue: asyncio.Queue[tuple[_Part, list[Event]] | None] = asyncio.Queue()
+
+    async def pump(part: _Part) -> None:
+        try:
+            async for batch in part.events:
+                queue.put_nowait((part, batch))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(p)) for p in parts]
+    try:
+        left = len(parts)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class SSEResponse:
     """Streams a request's events; a client disconnect before the finish aborts the request.
 
@@ -102,36 +147,38 @@ class SSEResponse:
     and sends one body chunk per wake-up without thread hops.
     """
 
-    def __init__(self, gateway: Gateway, stream: RequestStream, events: AsyncIterator[list[Event]],
-                 first: list[Event], fmt: ChunkFormatter) -> None:
+    def __init__(self, gateway: Gateway, parts: list[_Part]) -> None:
         self.gateway = gateway
-        self.stream = stream
-        self.events = events
-        self.first = first
-        self.fmt = fmt
+        self.parts = parts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        extra = [(k.encode(), v.encode()) for k, v in _engine_header(self.stream).items()]
+        extra = [(k.encode(), v.encode()) for k, v in _engine_header(self.parts[0].stream).items()]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *extra]})
         try:
             await or_disconnect(receive, self._write(send))
         finally:
-            if not self.stream.terminal:
-                self.gateway.abort_soon([self.stream.request_id])
+            _abort_unfinished(self.gateway, [p.stream for p in self.parts])
 
     async def _write(self, send: Send) -> None:
-        await send({"type": "http.response.body", "body": self.fmt.start() + self.fmt.render(self.first),
-                    "more_body": True})
-        if not self.fmt.failed:
-            async for batch in self.events:
-                body = self.fmt.render(batch)
+        fmts = [p.fmt for p in self.parts]
+        head = b"".join(p.fmt.start() + p.fmt.render(p.first) for p in self.parts)
+        await send({"type": "http.response.body", "body": head, "more_body": True})
+        if not any(f.failed for f in fmts):
+            async for part, batch in _merged(self.parts):
+                body = part.fmt.render(batch)
                 if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                if self.fmt.failed:
+                if part.fmt.failed:
                     break  # one failed sample fails the request; the others are aborted on return
-        await send({"type": "http.response.body", "body": self.fmt.end(), "more_body": False})
+        await send({"type": "http.response.body", "body": stream_end(fmts), "more_body": False})
+
+
+def _abort_unfinished(gw: Gateway, streams: list[RequestStream]) -> None:
+    ids = [s.request_id for s in streams if not s.terminal]
+    if ids:
+        gw.abort_soon(ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,43 +199,88 @@ async def _echo_text(gw: Gateway, req: GenerateRequest) -> str:
 async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSEResponse:
     gw = _gateway(request)
     body = requests.parse(await request.body(), cls, gw.admission)
-    kind = requests.kind_of(body)
-    request_id = new_request_id(kind)
-    req = requests.generate_request(body, request_id, gw.reply_stream)
-    stream = bool(body.stream)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    as_ids = bool(body.return_tokens_as_token_ids)
+    request_id = new_request_id(requests.kind_of(body))
+    reqs = requests.generate_requests(body, request_id, gw.reply_stream)
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
-    echo_text = await _echo_text(gw, req) if echo else ""
-    rs = await gw.submit(req, buffered=not stream)
-    events = aiter(rs)
-    handed_off = False  # once SSEResponse owns the stream, it aborts on disconnect itself
-    logprobs = req.params.logprobs is not None
-    tools = tool_mode(body, gw.tool_call_parser)
+    echoes = [await _echo_text(gw, req) if echo else "" for req in reqs]
+    streams = await _submit(gw, reqs, buffered=not body.stream)
+    handed_off = False  # once SSEResponse owns the streams, it aborts on disconnect itself
     try:
-        if stream:
-            first = await or_disconnect(request.receive, anext(events))
-            if isinstance(first, _Disconnected):
-                return Response(status_code=499)
-            head = first[0]
-            if isinstance(head, ErrorReply):
-                return error_from_reply(head).response()
-            if head.finish_reason == "error" and not head.text:
-                return APIError(GENERATION_FAILED, 500).response()
-            handed_off = True
-            return SSEResponse(gw, rs, events, first,
-                               ChunkFormatter(kind, request_id, gw.model_name, include_usage, req.params.n,
-                                              rs.index, logprobs, echo_text, as_ids, tools))
-        out = await or_disconnect(request.receive, _collect(rs, events, as_ids))
-        if isinstance(out, _Disconnected):
+        if body.stream:
+            resp = await _start_stream(request, body, request_id, reqs, streams, echoes)
+            handed_off = isinstance(resp, SSEResponse)
+            return resp
+        outs = await or_disconnect(request.receive, _collect_all(streams, bool(body.return_tokens_as_token_ids)))
+        if isinstance(outs, _Disconnected):
             return Response(status_code=499)
-        resp = json_response(full_response(kind, request_id, gw.model_name, out, logprobs, echo_text, tools))
-        resp.headers.update(_engine_header(rs))
+        logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
+        resp = json_response(batch_response([
+            full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, tools)
+            for out, echo_text in zip(outs, echoes, strict=True)]))
+        resp.headers.update(_engine_header(streams[0]))
         return resp
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
-        if not handed_off and not rs.terminal:
-            gw.abort_soon([request_id])
+        if not handed_off:
+            _abort_unfinished(gw, streams)
+
+
+async def _submit(gw: Gateway, reqs: list[GenerateRequest], buffered: bool) -> list[RequestStream]:
+    """Send each prompt's request; one refused (429, 503) aborts those sent before it."""
+    streams: list[RequestStream] = []
+    try:
+        for req in reqs:
+            streams.append(await gw.submit(req, buffered=buffered))
+    except BaseException:
+        _abort_unfinished(gw, streams)
+        raise
+    return streams
+
+
+async def _start_stream(request: Request, body: GenerateBody, request_id: str, reqs: list[GenerateRequest],
+                        streams: list[RequestStream], echoes: list[str]) -> Response | SSEResponse:
+    """Wait for each prompt's first event, so an error before any token is an HTTP error, not a 200."""
+    gw, n = _gateway(request), reqs[0].params.n
+    firsts = await or_disconnect(request.receive, _first_events(streams))
+    if isinstance(firsts, _Disconnected):
+        return Response(status_code=499)
+    if isinstance(firsts, Response):
+        return firsts
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
+    return SSEResponse(gw, [
+        _Part(rs, events, first, ChunkFormatter(
+            requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,
+            bool(body.return_tokens_as_token_ids), tools, first_index=i * n))
+        for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
+
+
+def _early_error(head: Event) -> Response | None:
+    if isinstance(head, ErrorReply):
+        return error_from_reply(head).response()
+    if head.finish_reason == "error" and not head.text:
+        return APIError(GENERATION_FAILED, 500).response()
+    return None
+
+
+async def _first_events(streams: list[RequestStream]) -> list[_First] | Response:
+    """Each stream's first batch, waited for together; an error in any one answers at once."""
+    iters = [aiter(rs) for rs in streams]
+    if len(iters) == 1:
+        first = await anext(iters[0])
+        return _early_error(first[0]) or [(iters[0], first)]
+    tasks = [asyncio.ensure_future(anext(it)) for it in iters]
+    try:
+        pending: set[asyncio.Future[list[Event]]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if (err := _early_error(task.result()[0])) is not None:
+                    return err
+        return [(it, task.result()) for it, task in zip(iters, tasks, strict=True)]
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens_as_ids: bool) -> Output:
@@ -201,6 +293,18 @@ async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens
             if ev.finish_reason == "error":
                 raise APIError(GENERATION_FAILED, 500)
     return out
+
+
+async def _collect_all(streams: list[RequestStream], tokens_as_ids: bool) -> list[Output]:
+    """Every prompt's output; the first error fails the request at once."""
+    if len(streams) == 1:
+        return [await _collect(streams[0], aiter(streams[0]), tokens_as_ids)]
+    tasks = [asyncio.ensure_future(_collect(rs, aiter(rs), tokens_as_ids)) for rs in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def completions(request: Request) -> Response | SSEResponse:

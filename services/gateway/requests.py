@@ -56,6 +56,7 @@ class Admission:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     ignore_unknown_fields: bool = False
     max_model_len: int = 0  # 0: unknown (no size check before tokenizing)
+    max_batch: int = 0  # most prompts in one completions body (the admission cap); 0: no bound
 
 
 _ERROR = re.compile(r"(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
@@ -170,14 +171,15 @@ def _check_messages(messages: list[Message]) -> None:
                        f"messages[{i}].content")
 
 
-def _check_prompt(prompt: str | list[Any]) -> None:
-    # A batch of one ("text" or [ids] in a list) is unwrapped; larger batches need fan-out (not yet).
+def _check_prompt(prompt: str | list[Any], max_batch: int) -> None:
+    # A list of texts or of token-id lists is a batch: one request each (openai_api fans it out).
     if isinstance(prompt, str) or all(type(t) is int for t in prompt):
         return
     if any(type(t) is int for t in prompt):
-        raise _bad("prompt must be a string, a list of token ids, or a list of one of those.", "prompt")
-    if len(prompt) > 1:
-        raise _bad("Batched prompts are not supported yet; send one prompt per request.", "prompt")
+        raise _bad("prompt must be a string, a list of token ids, or a list of either.", "prompt")
+    if 0 < max_batch < len(prompt):  # it could never be admitted: a 400, not a 429 to retry
+        raise _bad(f"A batch of {len(prompt)} prompts is more than this server lets wait at once "
+                   f"({max_batch}); split it.", "prompt")
 
 
 def max_tokens_of(req: GenerateBody) -> tuple[str, int | None]:
@@ -226,20 +228,21 @@ def _check_size(req: GenerateBody, max_model_len: int) -> None:
     per token of it (no tokenizer's token is that long; the tokenizer checks the rest exactly)."""
     if max_model_len <= 0:
         return
-    if isinstance(req, CompletionRequest):
-        prompt = prompt_of(req.prompt)
-        size, param = len(prompt), "prompt"
-        unit, limit = ("token ids", max_model_len) if isinstance(prompt, list) else \
-            ("characters", max_model_len * MAX_TOKEN_CHARS)
+    if isinstance(req, ChatCompletionRequest):
+        sizes = [("messages", sum(len(_text(m.content)) for m in req.messages), "characters")]
     else:
-        size, param = sum(len(_text(m.content)) for m in req.messages), "messages"
-        unit, limit = "characters", max_model_len * MAX_TOKEN_CHARS
-    if size > limit:
-        raise _bad(f"This model's maximum context length is {max_model_len} tokens; the {param} "
-                   f"({size} {unit}) cannot fit in it.", param)
+        prompts = prompts_of(req.prompt)
+        sizes = [("prompt" if len(prompts) == 1 else f"prompt[{i}]", len(p),
+                  "token ids" if isinstance(p, list) else "characters") for i, p in enumerate(prompts)]
+    for param, size, unit in sizes:
+        if size > (max_model_len if unit == "token ids" else max_model_len * MAX_TOKEN_CHARS):
+            raise _bad(f"This model's maximum context length is {max_model_len} tokens; the {param} "
+                       f"({size} {unit}) cannot fit in it.", param)
 
 
 def _check_frame(req: GenerateBody) -> None:
+    if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
+        raise _bad("A WebSocket frame carries one prompt; send a frame for each.", "prompt")
     # Frames always stream, with usage in the done frame; these would change the text sent.
     for name in ("echo", "return_tokens_as_token_ids"):
         if getattr(req, name, None):
@@ -269,7 +272,7 @@ def check(req: Struct, gate: Admission) -> None:
         _check_messages(req.messages)
         _check_tools(req)
     elif isinstance(req, CompletionRequest):
-        _check_prompt(req.prompt)
+        _check_prompt(req.prompt, gate.max_batch)
     elif isinstance(req, TokenizeBody):
         _check_tokenize(req)
         if req.messages is not None:
@@ -307,10 +310,11 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
                         tool_call_id=getattr(m, "tool_call_id", None)) for m in messages]
 
 
-def prompt_of(prompt: str | list[Any]) -> str | list[int]:
-    if isinstance(prompt, list) and not isinstance(prompt[0], int):
-        return prompt[0]  # a batch of one (check refused larger ones)
-    return prompt
+def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
+    """A completions body's prompts: its one prompt, or each of a batch."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 def sampling_params(req: GenerateBody) -> SamplingParams:
@@ -336,12 +340,16 @@ def kind_of(req: GenerateBody) -> RequestKind:
     return "chat" if isinstance(req, ChatCompletionRequest) else "completion"
 
 
-def generate_request(req: GenerateBody, request_id: str, reply_to: str) -> GenerateRequest:
-    """The checked body as the message the tokenizer consumes."""
+def generate_requests(req: GenerateBody, request_id: str, reply_to: str) -> list[GenerateRequest]:
+    """The checked body as the messages the tokenizer consumes: one, or one per prompt of a
+    batch, `<request_id>-<i>` (the response lists prompt i's n choices from index i * n, as OpenAI)."""
     chat = isinstance(req, ChatCompletionRequest)
-    return GenerateRequest(request_id=request_id, reply_to=reply_to, kind=kind_of(req),
-                           params=sampling_params(req), arrival_time=time.time(),
-                           messages=chat_messages(req.messages) if chat else None,
-                           prompt=None if chat else prompt_of(req.prompt), priority=req.priority or 0,
-                           tools=tool_definitions(req.tools) if chat else None,
-                           chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {})
+    prompts: list[str | list[int] | None] = [None] if chat else list(prompts_of(req.prompt))
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    params, arrival = sampling_params(req), time.time()
+    return [GenerateRequest(request_id=rid, reply_to=reply_to, kind=kind_of(req), params=params,
+                            arrival_time=arrival, messages=chat_messages(req.messages) if chat else None,
+                            prompt=prompt, priority=req.priority or 0,
+                            tools=tool_definitions(req.tools) if chat else None,
+                            chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {})
+            for rid, prompt in zip(ids, prompts, strict=True)]

@@ -175,6 +175,19 @@ def full_response(kind: RequestKind, request_id: str, model: str, out: Output, l
             "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage()}
 
 
+def summed_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    return {k: sum(u[k] for u in usages) for k in usages[0]}
+
+
+def batch_response(responses: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response of a batch's per-prompt responses: prompt i's choices from index i * n."""
+    if len(responses) == 1:
+        return responses[0]
+    choices = [c for r in responses for c in r["choices"]]
+    return {**responses[0], "choices": [{**c, "index": i} for i, c in enumerate(choices)],
+            "usage": summed_usage([r["usage"] for r in responses])}
+
+
 # ---------------------------------------------------------------------------------------------
 # Server-sent events
 
@@ -194,13 +207,15 @@ class ChunkFormatter:
 
     def __init__(self, kind: RequestKind, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
-                 echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None) -> None:
+                 echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None,
+                 first_index: int = 0) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
         self.index = index
+        self.first_index = first_index  # a batch's prompt i: its choices are i * n ... (OpenAI's order)
         self.logprobs = logprobs
         self.echo = echo
         self.output = Output(n, tokens_as_ids)
@@ -222,8 +237,9 @@ class ChunkFormatter:
         return sse(obj)
 
     def _choice(self, i: int, text: str, lps: list[TextLogprob], finish_reason: str | None) -> dict[str, Any]:
+        at = self.first_index + i
         if self.kind == "chat":
-            return {"index": i, "delta": {"content": text} if text else {},
+            return {"index": at, "delta": {"content": text} if text else {},
                     "logprobs": chat_logprobs(lps) if self.logprobs else None, "finish_reason": finish_reason}
         logprobs = None
         if self.logprobs:
@@ -233,16 +249,16 @@ class ChunkFormatter:
             else:
                 logprobs = completion_logprobs(lps, self.text_offsets[i])
             self.text_offsets[i] += sum(len(lp.token) for lp in lps)
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": at, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> bytes:
-        n = len(self.output.choices)
+        at = range(self.first_index, self.first_index + len(self.output.choices))
         if self.kind == "chat":
             return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None} for i in range(n)])
+                                 "logprobs": None, "finish_reason": None} for i in at])
         if self.echo:
             return self._chunk([{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
-                                for i in range(n)])
+                                for i in at])
         return b""
 
     def render(self, batch: list[Event]) -> bytes:
@@ -267,7 +283,7 @@ class ChunkFormatter:
         """A chat delta of a request with tools: content that cannot be a call streams now; at the
         finish, the held text becomes tool-call deltas (or content, if it was none)."""
         assert self.tools is not None
-        stream = self.tools[i]
+        stream, at = self.tools[i], self.first_index + i
         text = stream.feed(ev.text)
         finish = ev.finish_reason
         chunks: list[bytes] = []
@@ -279,15 +295,19 @@ class ChunkFormatter:
             chunks.append(self._chunk([self._choice(i, text, ev.logprobs, None)]))
         if calls:
             delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-            chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            chunks.append(self._chunk([{"index": at, "delta": delta, "logprobs": None, "finish_reason": None}]))
             finish = "tool_calls"
         if finish is not None:
-            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+            chunks.append(self._chunk([{"index": at, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return b"".join(chunks)
 
-    def end(self) -> bytes:
-        tail = b""
-        if self.include_usage and not self.failed:
-            tail = sse({"id": self.request_id, "object": self.object, "created": self.created,
-                        "model": self.model, "choices": [], "usage": self.output.usage()})
-        return tail + DONE
+
+
+def stream_end(fmts: list[ChunkFormatter]) -> bytes:
+    """The end of a stream: the usage chunk (a batch's summed over its prompts) unless a choice
+    failed, then [DONE]."""
+    head = fmts[0]
+    if not head.include_usage or any(f.failed for f in fmts):
+        return DONE
+    return sse({"id": head.request_id, "object": head.object, "created": head.created, "model": head.model,
+                "choices": [], "usage": summed_usage([f.output.usage() for f in fmts])}) + DONE

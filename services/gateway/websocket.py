@@ -192,7 +192,7 @@ class Connection:
         request_id = f"ws-{self.conn_id}-{self.started}-{cid}"
         try:
             body = requests.parse(data, cls, self.gw.admission)
-            req = requests.generate_request(body, request_id, self.gw.reply_stream)
+            req = requests.generate_requests(body, request_id, self.gw.reply_stream)[0]  # frames: one prompt
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n))
