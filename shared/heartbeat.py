@@ -96,11 +96,13 @@ class Heartbeat:
         self.r.close()
 
 
-def replica_heartbeat(url: str, prefix: str, role: str, consumer: str) -> Heartbeat:
+def replica_heartbeat(url: str, prefix: str, role: str, consumer: str, value: bytes = b"1") -> Heartbeat:
     """The started heartbeat of one stateless replica (tokenizer, detokenizer), listed in the
-    role's replica set so gateways can tell whether any replica of the role is alive."""
+    role's replica set so gateways can tell whether any replica of the role is alive; `value`
+    is what its key holds (a tokenizer's: what /tokenizer_info serves)."""
     s = Streams(prefix)
-    return Heartbeat(url, s.heartbeat(role, consumer), members=[(s.replicas_key(role), consumer)]).start()
+    return Heartbeat(url, s.heartbeat(role, consumer), members=[(s.replicas_key(role), consumer)],
+                     value=value).start()
 
 
 ENGINE_ROLES = ("scheduler", "worker")  # an engine lives while both of its processes beat

@@ -425,6 +425,8 @@ async def test_models_health_stats(server: LiveServer, down: Downstream) -> None
         assert missing.value.code == "model_not_found" and "org/other-model" in missing.value.message
 
         assert (await c.get("/stats")).json() == {"engines": []}  # no scheduler wrote stats yet
+        none = await c.get("/tokenizer_info")  # no tokenizer replica beats here
+        assert none.status_code == 503 and "tokenizer" in none.json()["error"]["message"]
         s = Streams(server.prefix)
         await down.r.sadd(s.engines_key(), 0, 1)
         await down.r.set(s.stats_key(0), encode(EngineStats(0, num_running=3, num_blocks=100,

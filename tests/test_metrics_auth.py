@@ -336,7 +336,7 @@ async def test_api_key_guards_the_api_only(make_server, down_of) -> None:
                         {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                  ("GET", "/v1/models"), ("GET", "/v1/models/m"), ("POST", "/tokenize"),
-                                 ("POST", "/detokenize")):
+                                 ("POST", "/detokenize"), ("GET", "/tokenizer_info")):
                 resp = await c.request(method, path, json={"prompt": "x"}, headers=headers)
                 assert resp.status_code == 401, (headers, path)
                 err = resp.json()["error"]
@@ -459,8 +459,8 @@ async def test_openapi_document(make_server) -> None:
     assert spec["openapi"].startswith("3.1")
     documented = set(spec["paths"])
     assert documented == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
-                          "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health", "/metrics", "/stats",
-                          "/openapi.json"}
+                          "/detokenize", "/v1/tokenize", "/v1/detokenize", "/tokenizer_info", "/health", "/metrics",
+                          "/stats", "/openapi.json"}
     # Every HTTP route of the app is documented (the chat page's files and the WebSocket aside).
     served = {getattr(r, "path", None) for r in srv.app.routes} - {"/", "/static/{name}", "/v1/ws"}
     served = {p.replace(":path}", "}") for p in served if p}

@@ -85,6 +85,13 @@ def test_tokenize_and_detokenize_match_the_tokenizer(stack: ServiceStack, hf) ->
         assert c.post("/v1/detokenize", json={"tokens": r["tokens"]}).json() == d
         bad = c.post("/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        # vLLM's /tokenizer_info, which lm-eval's remote tokenizer reads (and then encodes eos_token).
+        info = c.get("/tokenizer_info").json()
+        assert (info["eos_token"], info["bos_token"], info["chat_template"]) == (
+            tok.eos_token, tok.bos_token, tok.chat_template)
+        assert info["model_max_length"] == 2048 and tok.eos_token_id in info["eos_token_ids"]
+        eos = c.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+        assert eos["tokens"] == [tok.eos_token_id]
 
 
 # --------------------------------------------------------------------------- logprobs

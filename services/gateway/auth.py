@@ -1,8 +1,8 @@
 """--api-key (or RILL_API_KEY): every request to the API routes needs `Authorization: Bearer <key>`.
 
 Guarded: /v1/* (the WebSocket /v1/ws too, which also takes the key as `?api_key=` since a
-browser cannot set headers on a WebSocket), /tokenize and /detokenize, as vLLM guards its API
-routes. Open: /health and /metrics (probes and scrapers carry no key), /stats, /openapi.json and
+browser cannot set headers on a WebSocket), /tokenize, /tokenizer_info and /detokenize, as vLLM
+guards its API routes. Open: /health and /metrics (probes and scrapers carry no key), /stats, /openapi.json and
 the chat page's files (the page's own API calls are what need the key). A refused HTTP request
 gets 401 with the OpenAI error JSON; a refused WebSocket handshake gets the same 401 where the
 server can answer a handshake with a response, else it is closed with code 1008 (policy).
@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rill.services.gateway.errors import APIError
 from rill.shared import envs
 
-GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # "/tokenize" covers /tokenizer_info
 MISSING = "Missing API key: send it as the header `Authorization: Bearer <key>`."
 INVALID = "Incorrect API key provided."
 

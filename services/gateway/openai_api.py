@@ -356,6 +356,23 @@ async def model(request: Request) -> Response:
     return json_response(_model_card(gw))
 
 
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's GET /tokenizer_info, as a live tokenizer replica publishes it in its heartbeat."""
+    bus = _gateway(request).bus
+    assert bus is not None
+    s = bus.streams
+    try:
+        names = sorted(m.decode() if isinstance(m, bytes) else m
+                       for m in await bus.r.smembers(s.replicas_key("tokenizer")))
+        values = await bus.mget([s.heartbeat("tokenizer", name) for name in names])
+    except Exception as exc:
+        raise APIError("Redis is unavailable.", 503) from exc
+    info = next((v for v in values if v is not None), None)
+    if info is None:
+        raise APIError("No tokenizer replica is live.", 503, type="server_error")
+    return Response(info, media_type="application/json")
+
+
 async def health(request: Request) -> Response:
     """200 while the broker answers and (for a deployed gateway) an engine and at least one tokenizer
     and one detokenizer replica heartbeat; else 503 with the reason."""
@@ -395,6 +412,7 @@ def routes() -> list[Route]:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
     ]

@@ -138,6 +138,12 @@ def _response_schemas() -> dict[str, Any]:
                                                                              "content": {"type": "string"}}},
                                                   "logprobs": chat_logprobs, "finish_reason": finish}}},
                                           "usage": _ref("Usage")}},
+    }
+
+
+def _endpoint_schemas() -> dict[str, Any]:
+    """The answers of the endpoints beside generation."""
+    return {
         "Model": {"type": "object", "required": ["id", "object"], "properties": {
             "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
             "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}},
@@ -148,6 +154,12 @@ def _response_schemas() -> dict[str, Any]:
             "tokens": {"type": "array", "items": {"type": "integer"}}}},
         "DetokenizeResponse": {"type": "object", "required": ["prompt"],
                                "properties": {"prompt": {"type": "string"}}},
+        "TokenizerInfo": {
+            "type": "object", "required": ["eos_token_ids", "model_max_length", "chat_template"], "properties": {
+                "tokenizer_class": _nullable({"type": "string"}), "bos_token": {"type": "string"},
+                "eos_token": {"type": "string"}, "pad_token": {"type": "string"},
+                "eos_token_ids": {"type": "array", "items": {"type": "integer"}},
+                "model_max_length": {"type": "integer"}, "chat_template": _nullable({"type": "string"})}},
         "Health": {"type": "object", "required": ["status"], "properties": {
             "status": {"enum": ["ok", "unavailable"]}, "reason": {"type": "string"}}},
         "Stats": {"type": "object", "required": ["engines"], "properties": {
@@ -201,6 +213,11 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
         "/metrics": {"get": {"summary": "Prometheus metrics (rill:*)", "security": [], "responses": {
             "200": {"description": "Prometheus text exposition format",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/tokenizer_info": {"get": {
+            "summary": "The tokenizer's special tokens, context length and chat template (as vLLM's)",
+            "security": [{"bearer": []}],
+            "responses": {"200": {"description": "OK", "content": {JSON: {"schema": _ref("TokenizerInfo")}}},
+                          **_error_responses(401, 503)}}},
         "/stats": {"get": {"summary": "Every engine's latest scheduler statistics", "security": [], "responses": {
             "200": {"description": "OK", "content": {JSON: {"schema": _ref("Stats")}}}, **unavailable}}},
         "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {
@@ -211,7 +228,7 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
         "info": {"title": "Rill", "version": "0.1.0",
                  "description": f"OpenAI-compatible API serving `{model_name}` (context {max_model_len} tokens)."},
         "paths": paths,
-        "components": {"schemas": {**_response_schemas(),
+        "components": {"schemas": {**_response_schemas(), **_endpoint_schemas(),
                                    **request_schemas(max_model_len, max_logprobs, ignore_unknown_fields)},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                                       "description": "Only with --api-key / RILL_API_KEY."}}},

@@ -85,6 +85,18 @@ class Tokenizer:
         except TemplateError as exc:  # a template can reject roles or orderings
             raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
 
+    def info(self) -> dict[str, Any]:
+        """What GET /tokenizer_info serves (vLLM's endpoint; lm-eval's remote tokenizer reads it):
+        the special tokens, the context length and the default chat template."""
+        try:
+            template = self.templates.pick(False).source if self.templates else None
+        except TemplateError:
+            template = None
+        flags = {k: self.tok.config[k] for k in ("add_bos_token", "add_eos_token") if k in self.tok.config}
+        return {"tokenizer_class": self.tok.config.get("tokenizer_class"), **self.tok.special_tokens, **flags,
+                "eos_token_ids": self.eos_token_ids, "model_max_length": self.max_model_len,
+                "chat_template": template}
+
     def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
                  tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:
         # The template writes its own special tokens, so none are added (as apply_chat_template does).
@@ -162,7 +174,7 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     bus = Bus(redis_url, prefix, name=consumer)  # the router's
     tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
     router = Router(bus, routing)
-    heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer)
+    heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer, msgspec.json.encode(tokenizer.info()))
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
     try:
         # Every gateway's requests stream; handle_entries runs one batch at a time.
