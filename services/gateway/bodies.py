@@ -251,6 +251,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Annotated[Logprobs, Meta(description="Top logprobs per output token (the sampled token's "
                                                    "always).")] | None = None
     echo: Annotated[bool, Meta(description="Prepend the prompt to the text.")] | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX, description="As on chat; 0 with echo scores the prompt "
+                                                                    "and generates nothing.")] | None = None
 
     suffix: Annotated[Any, NotYet("no fill-in-the-middle", "")] = None
     best_of: Annotated[Any, NotYet("vLLM V1 dropped it too; use n", 1)] = None

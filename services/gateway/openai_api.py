@@ -210,7 +210,8 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
             resp = await _start_stream(request, body, request_id, reqs, streams, echoes)
             handed_off = isinstance(resp, SSEResponse)
             return resp
-        outs = await or_disconnect(request.receive, _collect_all(streams, bool(body.return_tokens_as_token_ids)))
+        outs = await or_disconnect(request.receive, _collect_all(
+            streams, bool(body.return_tokens_as_token_ids), requests.scores_only(body)))
         if isinstance(outs, _Disconnected):
             return Response(status_code=499)
         logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
@@ -248,10 +249,11 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
         return firsts
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
+    as_ids, scores_only = bool(body.return_tokens_as_token_ids), requests.scores_only(body)
     return SSEResponse(gw, [
         _Part(rs, events, first, ChunkFormatter(
             requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,
-            bool(body.return_tokens_as_token_ids), tools, first_index=i * n))
+            as_ids, tools, first_index=i * n, scores_only=scores_only))
         for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
 
 
@@ -283,8 +285,9 @@ async def _first_events(streams: list[RequestStream]) -> list[_First] | Response
             task.cancel()
 
 
-async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens_as_ids: bool) -> Output:
-    out = Output(rs.n, tokens_as_ids)
+async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens_as_ids: bool,
+                   scores_only: bool) -> Output:
+    out = Output(rs.n, tokens_as_ids, scores_only)
     async for batch in events:
         for ev in batch:
             if isinstance(ev, ErrorReply):
@@ -295,11 +298,11 @@ async def _collect(rs: RequestStream, events: AsyncIterator[list[Event]], tokens
     return out
 
 
-async def _collect_all(streams: list[RequestStream], tokens_as_ids: bool) -> list[Output]:
+async def _collect_all(streams: list[RequestStream], tokens_as_ids: bool, scores_only: bool) -> list[Output]:
     """Every prompt's output; the first error fails the request at once."""
     if len(streams) == 1:
-        return [await _collect(streams[0], aiter(streams[0]), tokens_as_ids)]
-    tasks = [asyncio.ensure_future(_collect(rs, aiter(rs), tokens_as_ids)) for rs in streams]
+        return [await _collect(streams[0], aiter(streams[0]), tokens_as_ids, scores_only)]
+    tasks = [asyncio.ensure_future(_collect(rs, aiter(rs), tokens_as_ids, scores_only)) for rs in streams]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

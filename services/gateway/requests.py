@@ -189,6 +189,12 @@ def max_tokens_of(req: GenerateBody) -> tuple[str, int | None]:
     return "max_tokens", req.max_tokens
 
 
+def scores_only(req: GenerateBody) -> bool:
+    """Completions' `echo` with `max_tokens: 0` (OpenAI's legacy scoring): the prompt and its
+    logprobs come back, and the one token the engine is asked for is dropped."""
+    return isinstance(req, CompletionRequest) and bool(req.echo) and req.max_tokens == 0
+
+
 def logprobs_of(req: GenerateBody) -> tuple[str, int | None]:
     """(the field, how many top logprobs per output token): 0 only the sampled token's, None none.
     Completions take `logprobs` as that number; chat takes `logprobs: true` and `top_logprobs`."""
@@ -201,6 +207,8 @@ def logprobs_of(req: GenerateBody) -> tuple[str, int | None]:
 
 def _check_sampling(req: GenerateBody, max_logprobs: int) -> None:
     _, max_tokens = max_tokens_of(req)
+    if max_tokens == 0 and not scores_only(req):
+        raise _bad("max_tokens must be at least 1; 0 is for scoring a prompt, with echo: true.", "max_tokens")
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise _bad(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.",
                    "min_tokens")
@@ -322,7 +330,7 @@ def sampling_params(req: GenerateBody) -> SamplingParams:
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
         if getattr(req, name) is not None}
-    kw["max_tokens"] = max_tokens_of(req)[1]
+    kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]
     if req.top_k is not None:
         kw["top_k"] = max(req.top_k, 0)  # -1 and 0 both disable

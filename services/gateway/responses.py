@@ -60,18 +60,24 @@ class Choice:
 class Output:
     """Every choice of one request plus its prompt size."""
 
-    def __init__(self, n: int = 1, tokens_as_ids: bool = False) -> None:
+    def __init__(self, n: int = 1, tokens_as_ids: bool = False, scores_only: bool = False) -> None:
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = 0
         self.tokens_as_ids = tokens_as_ids
+        self.scores_only = scores_only  # echo with max_tokens 0: the output token is dropped (requests.py)
         # Echo with logprobs: the prompt's, shared by every choice (sample 0 computes the prompt).
         self.prompt_logprobs: list[TextLogprob] = []
 
     def add(self, d: TextDelta, index: int = 0) -> TextDelta:
-        """Take a delta (relabelled when tokens are shown as ids), and return it as taken."""
+        """Take a delta (relabelled when tokens are shown as ids, emptied when only the prompt is
+        scored), and return it as taken."""
         if self.tokens_as_ids and (d.logprobs or d.prompt_logprobs):
             d = msgspec.structs.replace(d, logprobs=as_token_ids(d.logprobs),
                                         prompt_logprobs=as_token_ids(d.prompt_logprobs))
+        if self.scores_only:  # max_tokens 0 is reached before any token, whatever the engine's reason
+            finish = d.finish_reason if d.finish_reason in (None, "error") else "length"
+            d = msgspec.structs.replace(d, text="", logprobs=[], offset=0, num_tokens=0, completion_tokens=0,
+                                        finish_reason=finish)
         if d.prompt_logprobs:
             self.prompt_logprobs = d.prompt_logprobs
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
@@ -208,7 +214,7 @@ class ChunkFormatter:
     def __init__(self, kind: RequestKind, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
                  echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None,
-                 first_index: int = 0) -> None:
+                 first_index: int = 0, scores_only: bool = False) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
@@ -218,7 +224,7 @@ class ChunkFormatter:
         self.first_index = first_index  # a batch's prompt i: its choices are i * n ... (OpenAI's order)
         self.logprobs = logprobs
         self.echo = echo
-        self.output = Output(n, tokens_as_ids)
+        self.output = Output(n, tokens_as_ids, scores_only)
         self.text_offsets = [len(echo)] * n  # completions logprobs: where the next token's text starts
         self.prompt_sent = [False] * n
         self.failed = False
