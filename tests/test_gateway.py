@@ -647,12 +647,14 @@ async def test_batched_prompts_fan_out_and_merge(server: LiveServer, down: Downs
             reqs = [await down.next_request() for _ in range(2)]
             ids = [r.request_id for r in reqs]
             assert ids[0].endswith("-0") and ids[1] == ids[0][:-1] + "1" and [r.prompt for r in reqs] == ["x", [5, 6]]
+            await down.routed(reqs[0], 1)
+            await down.routed(reqs[1], 0)
             for p, req in enumerate(reversed(reqs)):  # the second prompt answers first
                 for i in range(2):
                     sample = sample_request_id(req.request_id, i, 2)
                     await down.reply(req.reply_to, make_deltas(sample, [f"{req.prompt}/{i}", "!"], prompt_tokens=3 + p))
             r = await post
-            assert r.status_code == 200
+            assert r.status_code == 200 and r.headers["x-rill-engine"] == "1,0"  # each prompt's engine
             if stream:
                 chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
                 texts = {i: "".join(ch["text"] for c in chunks for ch in c["choices"] if ch["index"] == i)

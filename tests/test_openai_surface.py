@@ -134,19 +134,6 @@ def test_completion_logprobs_shape_and_stream(client: openai.OpenAI) -> None:
                                               logprobs=3, stream=True))
     tokens = [t for ch in streamed for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
     assert tokens == lp.tokens
-    # OpenAI's legacy scoring: max_tokens 0 with echo gives the prompt and its logprobs, nothing more.
-    score = dict(model=model_name(client), max_tokens=0, echo=True, logprobs=2,
-                 extra_body={"return_tokens_as_token_ids": True})
-    only = client.completions.create(prompt=ids, **score)
-    c = only.choices[0]
-    assert c.text == tok.decode(ids) and c.finish_reason == "length" and only.usage.completion_tokens == 0
-    assert c.logprobs.tokens == lp.tokens[:len(ids)] and c.logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
-    chunks = list(client.completions.create(prompt=ids, stream=True, **score))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
-    assert [t for ch in chunks for x in ch.choices if x.logprobs for t in x.logprobs.tokens] == c.logprobs.tokens
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model_name(client), prompt=ids, max_tokens=0)
-    assert err.value.body["param"] == "max_tokens" and "echo" in err.value.body["message"]
 
 
 # --------------------------------------------------------------------------- penalties

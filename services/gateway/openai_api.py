@@ -51,12 +51,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 # Which data-parallel engine served a generate request (the last one, if it was sent again), as
-# llm-d's gateway names its endpoint: to see routing at work. Absent before the tokenizer routed it.
+# llm-d's gateway names its endpoint: to see routing at work. A batch of prompts lists each prompt's,
+# in order. Absent before the tokenizer routed every one.
 ENGINE_HEADER = "x-rill-engine"
 
 
-def _engine_header(stream: RequestStream) -> dict[str, str]:
-    return {} if stream.engine is None else {ENGINE_HEADER: str(stream.engine)}
+def _engine_header(streams: list[RequestStream]) -> dict[str, str]:
+    engines = [s.engine for s in streams]
+    return {} if None in engines else {ENGINE_HEADER: ",".join(map(str, engines))}
 
 
 def new_request_id(kind: RequestKind) -> str:
@@ -152,7 +154,7 @@ class SSEResponse:
         self.parts = parts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        extra = [(k.encode(), v.encode()) for k, v in _engine_header(self.parts[0].stream).items()]
+        extra = [(k.encode(), v.encode()) for k, v in _engine_header([p.stream for p in self.parts]).items()]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *extra]})
@@ -218,7 +220,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
         resp = json_response(batch_response([
             full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, tools)
             for out, echo_text in zip(outs, echoes, strict=True)]))
-        resp.headers.update(_engine_header(streams[0]))
+        resp.headers.update(_engine_header(streams))
         return resp
     finally:
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
