@@ -9,6 +9,7 @@ with an ErrorReply that becomes the same kind of error here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -168,12 +169,13 @@ class SSEResponse:
         head = b"".join(p.fmt.start() + p.fmt.render(p.first) for p in self.parts)
         await send({"type": "http.response.body", "body": head, "more_body": True})
         if not any(f.failed for f in fmts):
-            async for part, batch in _merged(self.parts):
-                body = part.fmt.render(batch)
-                if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                if part.fmt.failed:
-                    break  # one failed sample fails the request; the others are aborted on return
+            async with contextlib.aclosing(_merged(self.parts)) as batches:
+                async for part, batch in batches:
+                    body = part.fmt.render(batch)
+                    if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if part.fmt.failed:
+                        break  # one failed sample fails the request; the others are aborted on return
         await send({"type": "http.response.body", "body": stream_end(fmts), "more_body": False})
 
 
@@ -204,7 +206,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
     request_id = new_request_id(requests.kind_of(body))
     reqs = requests.generate_requests(body, request_id, gw.reply_stream)
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
-    echoes = [await _echo_text(gw, req) if echo else "" for req in reqs]
+    echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs))) if echo else [""] * len(reqs)
     streams = await _submit(gw, reqs, buffered=not body.stream)
     handed_off = False  # once SSEResponse owns the streams, it aborts on disconnect itself
     try:
