@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from rill.kernels import chooser, gguf_blocks, gguf_native, torch_ops
+from rill.shared import envs
 
 log = logging.getLogger("rill.kernels")
 _warned: set[int] = set()  # formats already reported as falling back, once per process
@@ -65,8 +66,12 @@ def incumbent(bucket: int, qtype: int) -> str:
 
 
 def installed_route(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> chooser.Route:
-    """The installed table's route for a part of this shape, the incumbents where it has none."""
+    """The installed table's route for a part of this shape, the incumbents where it has none;
+    "blocks" at every size under RILL_BATCH_INVARIANT, where the x16 GEMM serves the format (each
+    row's result is the same whatever rows share the call; the routes round differently)."""
     buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
+    if envs.RILL_BATCH_INVARIANT and gguf_native.x16_supported(qtype):
+        return chooser.Route(tuple(buckets), ("blocks",) * len(buckets))
     return chooser.installed().route(OP, gguf_key(n, k, qtype, dtype, logits), buckets,
                                      [incumbent(b, qtype) for b in buckets])
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     RILL_NATIVE_MARCH: str
     RILL_AMX: bool
     RILL_DECODE_LAYERS: bool
+    RILL_BATCH_INVARIANT: bool
     RILL_PREFILL_KERNEL: str
     RILL_GGUF_FLOAT_COPIES: str
     RILL_CUDA_GRAPHS: bool
@@ -81,6 +82,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_AMX": _flag("RILL_AMX"),
     # 0: steps of few rows run op by op from Python, not in the native layer driver (A/B, debugging).
     "RILL_DECODE_LAYERS": _flag("RILL_DECODE_LAYERS"),
+    # 1: a request's output does not depend on what shares its steps (GGUF weights always multiply
+    # on their blocks, whose kernel rounds each row alone), at the cost of the float routes' speed.
+    "RILL_BATCH_INVARIANT": lambda: os.environ.get("RILL_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on"),
     # Force one CPU prefill attention kernel (auto: chosen by measurement; sdpa, native, dot, amx).
     "RILL_PREFILL_KERNEL": _choice("RILL_PREFILL_KERNEL", "auto"),
     # Bytes the float copies of GGUF weights may take where they measured faster than the blocks

@@ -174,6 +174,27 @@ def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str)
     assert torch.equal(run_rows(model, [prompt]), run_rows(ref, [prompt]))
 
 
+@pytest.mark.skipif(not gguf_native.x16_supported(gguf_blocks.Q4_1), reason="the x16 GEMM needs AVX512-VNNI")
+def test_batch_invariant_serves_the_blocks_and_rows_alone(smollm2_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RILL_BATCH_INVARIANT=1: however the table measured the routes (here: float copies at every
+    size), every layer multiplies on its blocks, and a prompt's logits are the same bits whatever
+    shares its step (what makes a seeded or greedy request's text independent of the batch)."""
+    table, _, _ = all_float_table(smollm2_dir)
+    monkeypatch.setenv("RILL_BATCH_INVARIANT", "1")
+    saved = chooser.installed()
+    chooser.install(table)
+    try:
+        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+    finally:
+        chooser.install(saved)
+    assert all(isinstance(lin, QuantLinear) and lin.float_copy_bytes == 0 for lin in model.linears())
+    prompt = chat_ids(smollm2_dir)[0]
+    loud = [int(t) for t in torch.randint(1000, 20000, (300,), generator=torch.Generator().manual_seed(2))]
+    alone = run_rows(model, [prompt])
+    assert torch.equal(alone, run_rows(model, [prompt, loud])[:len(prompt)])
+    assert torch.equal(alone, run_rows(model, [loud, prompt])[-len(prompt):])
+
+
 def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:
     """A table where every bucket of every layer measured fastest from a float copy, cut to a
     budget of 0 bytes: every layer keeps its blocks and no copy, and still agrees with the float model."""
