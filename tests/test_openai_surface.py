@@ -382,6 +382,18 @@ def test_async_stream_with_usage_matches_plain(aclient: AsyncFactory, client: op
     assert text == plain.choices[0].message.content
     assert usage.completion_tokens == plain.usage.completion_tokens == 10
     assert usage.prompt_tokens == plain.usage.prompt_tokens
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    chunks = list(client.chat.completions.create(
+        model=name, messages=CHAT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is not None and c.usage.prompt_tokens == usage.prompt_tokens for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done[0] == 0 and done == sorted(done) and done[-1] == 10
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=name, messages=CHAT, max_tokens=2, stream=True,
+                                       stream_options={"continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+    assert err.value.body["param"] == "stream_options.continuous_usage_stats"
 
 
 def test_prompt_too_long_names_the_numbers(client: openai.OpenAI) -> None:

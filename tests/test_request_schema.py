@@ -93,8 +93,6 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "input_audio", "input_audio": {}}]}]},
          "messages[0].content[1]"),
-        (CHAT, {**CHAT_OK, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-         "stream_options.continuous_usage_stats"),
     ]
 
 

@@ -145,7 +145,8 @@ Messages = Annotated[list[Message], Meta(min_length=1)]
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
-    continuous_usage_stats: Annotated[Any, NotYet("usage comes in the last chunk", False)] = None
+    continuous_usage_stats: Annotated[bool, Meta(description="vLLM's: every chunk carries the usage so far "
+                                                             "(with include_usage).")] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

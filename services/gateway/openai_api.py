@@ -166,7 +166,7 @@ class SSEResponse:
 
     async def _write(self, send: Send) -> None:
         fmts = [p.fmt for p in self.parts]
-        head = b"".join(p.fmt.start() + p.fmt.render(p.first) for p in self.parts)
+        head = b"".join(p.fmt.head(p.first) for p in self.parts)
         await send({"type": "http.response.body", "body": head, "more_body": True})
         if not any(f.failed for f in fmts):
             async with contextlib.aclosing(_merged(self.parts)) as batches:
@@ -252,12 +252,13 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
     if isinstance(firsts, Response):
         return firsts
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
     as_ids, scores_only = bool(body.return_tokens_as_token_ids), requests.scores_only(body)
     return SSEResponse(gw, [
         _Part(rs, events, first, ChunkFormatter(
             requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,
-            as_ids, tools, first_index=i * n, scores_only=scores_only))
+            as_ids, tools, first_index=i * n, scores_only=scores_only, continuous_usage=continuous))
         for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
 
 

@@ -217,6 +217,9 @@ def _check_sampling(req: GenerateBody, max_logprobs: int) -> None:
         raise _bad(f"Requested sample logprobs of {n}, which is greater than max allowed: {max_logprobs}.", name)
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true.", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats \
+            and not req.stream_options.include_usage:
+        raise _bad("continuous_usage_stats needs include_usage: true.", "stream_options.continuous_usage_stats")
 
 
 def _check_tools(req: ChatCompletionRequest) -> None:

@@ -214,12 +214,13 @@ class ChunkFormatter:
     def __init__(self, kind: RequestKind, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
                  echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None,
-                 first_index: int = 0, scores_only: bool = False) -> None:
+                 first_index: int = 0, scores_only: bool = False, continuous_usage: bool = False) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
         self.index = index
         self.first_index = first_index  # a batch's prompt i: its choices are i * n ... (OpenAI's order)
         self.logprobs = logprobs
@@ -239,7 +240,7 @@ class ChunkFormatter:
         obj: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
                                "model": self.model, "choices": choices}
         if self.include_usage:
-            obj["usage"] = None
+            obj["usage"] = self.output.usage() if self.continuous_usage else None
         return sse(obj)
 
     def _choice(self, i: int, text: str, lps: list[TextLogprob], finish_reason: str | None) -> dict[str, Any]:
@@ -256,6 +257,11 @@ class ChunkFormatter:
                 logprobs = completion_logprobs(lps, self.text_offsets[i])
             self.text_offsets[i] += sum(len(lp.token) for lp in lps)
         return {"index": at, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def head(self, first: list[Event]) -> bytes:
+        """The opening chunk, then the first events' (which tell the prompt's size)."""
+        self.output.prompt_tokens = max([ev.prompt_tokens for ev in first if isinstance(ev, TextDelta)], default=0)
+        return self.start() + self.render(first)
 
     def start(self) -> bytes:
         at = range(self.first_index, self.first_index + len(self.output.choices))
