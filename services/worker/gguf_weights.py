@@ -25,6 +25,7 @@ import torch
 from rill.kernels import gguf_blocks, gguf_linear, gguf_native, ops
 from rill.kernels.gguf_linear import BlockPart, QuantLinear
 from rill.services.worker.memory import held_bytes
+from rill.shared import envs
 from rill.shared.config import ModelConfig
 from rill.shared.gguf_header import read_header
 from rill.shared.model_files import converted_from
@@ -99,6 +100,8 @@ class Report:
         kinds = ", ".join(f"{n}x{k}" for k, n in sorted(self.formats.items()))
         mib, params = 2 ** 20, sum(self.float_params.values())
         copies = f" ({with_copy} also from a float copy at the batch sizes it measured faster)" if with_copy else ""
+        if envs.RILL_BATCH_INVARIANT:
+            copies += " (RILL_BATCH_INVARIANT: on the blocks at every batch size where the format allows)"
         return (f"gguf ({kinds}): {self.from_blocks} linear layers served from their blocks{copies}, "
                 f"{self.measured_float} from float copies (faster on this CPU at every batch size), "
                 f"{self.kept_float} float (blocks not servable); weights held {held_bytes / mib:.0f} MiB "
