@@ -34,15 +34,19 @@ REPLY_TTL_S = 60
 
 
 class Heartbeat:
-    """SET key EX ttl every interval from a daemon thread; also re-adds set memberships and
-    refreshes TTLs of other keys each beat, so all of it comes back after a broker restart."""
+    """SET key EX ttl every interval from a daemon thread; also re-adds set memberships, refreshes
+    TTLs of other keys and keeps published keys each beat, so all of it comes back after a broker
+    restart."""
 
     def __init__(self, url: str, key: str, *, members: Sequence[tuple[str, str | int]] = (),
-                 expire: Sequence[tuple[str, int]] = (), interval_s: float = INTERVAL_S,
-                 ttl_s: int = TTL_S, value: bytes | str = b"1") -> None:
+                 expire: Sequence[tuple[str, int]] = (), published: Sequence[tuple[str, bytes]] = (),
+                 interval_s: float = INTERVAL_S, ttl_s: int = TTL_S, value: bytes | str = b"1") -> None:
         self.key = key
         self.members = list(members)  # (set key, member) pairs, removed again on stop
         self.expire = list(expire)  # (key, seconds): keys that live only while we beat
+        # (key, value): held while we (or a peer publishing the same) beat; the value is written
+        # again only when the key is gone, so a large one does not cross the wire every beat.
+        self.published = list(published)
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.value = value
@@ -60,7 +64,16 @@ class Heartbeat:
                 pipe.sadd(set_key, member)
             for key, seconds in self.expire:
                 pipe.expire(key, seconds)
-            pipe.execute()
+            for key, _ in self.published:
+                pipe.expire(key, self.ttl_s)
+            done = pipe.execute()
+            refreshed = done[len(done) - len(self.published):]
+            gone = [(key, value) for (key, value), ok in zip(self.published, refreshed, strict=True) if not ok]
+            if gone:  # the first beat, or the broker lost them (a restart, a failover)
+                pipe = self.r.pipeline(transaction=False)
+                for key, value in gone:
+                    pipe.set(key, value, ex=self.ttl_s)
+                pipe.execute()
         except redis.RedisError as exc:  # broker away: keep trying, log once per outage
             if not self._failing:
                 log.warning("heartbeat %s failed, retrying: %r", self.key, exc)
@@ -96,13 +109,14 @@ class Heartbeat:
         self.r.close()
 
 
-def replica_heartbeat(url: str, prefix: str, role: str, consumer: str, value: bytes = b"1") -> Heartbeat:
+def replica_heartbeat(url: str, prefix: str, role: str, consumer: str,
+                      published: Sequence[tuple[str, bytes]] = ()) -> Heartbeat:
     """The started heartbeat of one stateless replica (tokenizer, detokenizer), listed in the
-    role's replica set so gateways can tell whether any replica of the role is alive; `value`
-    is what its key holds (a tokenizer's: what /tokenizer_info serves)."""
+    role's replica set so gateways can tell whether any replica of the role is alive, and keeping
+    the `published` keys (a tokenizer's: what /tokenizer_info serves)."""
     s = Streams(prefix)
     return Heartbeat(url, s.heartbeat(role, consumer), members=[(s.replicas_key(role), consumer)],
-                     value=value).start()
+                     published=published).start()
 
 
 ENGINE_ROLES = ("scheduler", "worker")  # an engine lives while both of its processes beat

@@ -90,6 +90,10 @@ class Streams:
         each one lives while its heartbeat(role, name) key does."""
         return f"{self.prefix}:replicas:{role}"
 
+    def tokenizer_info_key(self) -> str:
+        """What GET /tokenizer_info serves (JSON), kept by the tokenizer replicas' heartbeats."""
+        return f"{self.prefix}:tokenizer_info"
+
     def gateways_key(self) -> str:
         """Set of the reply streams of gateways that have announced themselves."""
         return f"{self.prefix}:gateways"

@@ -35,6 +35,7 @@ from rill.services.gateway.gateway import BROKER_FAILED_OVER, BROKER_RESTARTED, 
 from rill.services.gateway.request_tracker import DeltaSequencer, RequestTracker
 from rill.services.gateway.responses import GENERATION_FAILED
 from rill.shared.bus import FIELD
+from rill.shared.heartbeat import Heartbeat
 from rill.shared.request_params import sample_request_id
 from rill.shared.schema import (
     ENGINE_LOST_PREFIX,
@@ -676,6 +677,24 @@ async def test_batched_prompts_fan_out_and_merge(server: LiveServer, down: Downs
     with serving(max_waiting_requests=2) as small:
         r = httpx.post(f"{small.url}/v1/completions", json={"prompt": ["a", "b", "c"]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "3 prompts" in r.text
+
+
+def test_published_keys_are_written_again_only_when_gone() -> None:
+    """A heartbeat's published key (the tokenizers' /tokenizer_info) is refreshed each beat, not
+    rewritten: written at the first beat and again only after the broker lost it."""
+    key = f"test-published-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(REDIS_URL)
+    beat = Heartbeat(REDIS_URL, f"{key}:hb", published=[(key, b"info")]).start()
+    try:
+        assert r.get(key) == b"info" and 0 < r.ttl(key) <= beat.ttl_s
+        r.set(key, b"other", ex=1)  # a peer's value (the same, in a deployment): kept, TTL refreshed
+        assert beat.beat() and r.get(key) == b"other" and r.ttl(key) > 1
+        r.delete(key)  # lost with a broker restart
+        assert beat.beat() and r.get(key) == b"info"
+    finally:
+        beat.stop()
+        r.delete(key)
+        r.close()
 
 
 async def test_failed_sample_fails_its_request_at_once(server: LiveServer, down: Downstream) -> None:

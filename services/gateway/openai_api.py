@@ -365,17 +365,13 @@ async def model(request: Request) -> Response:
 
 
 async def tokenizer_info(request: Request) -> Response:
-    """vLLM's GET /tokenizer_info, as a live tokenizer replica publishes it in its heartbeat."""
+    """vLLM's GET /tokenizer_info, as the live tokenizer replicas' heartbeats keep it."""
     bus = _gateway(request).bus
     assert bus is not None
-    s = bus.streams
     try:
-        names = sorted(m.decode() if isinstance(m, bytes) else m
-                       for m in await bus.r.smembers(s.replicas_key("tokenizer")))
-        values = await bus.mget([s.heartbeat("tokenizer", name) for name in names])
+        info = await bus.r.get(bus.streams.tokenizer_info_key())
     except Exception as exc:
         raise APIError("Redis is unavailable.", 503) from exc
-    info = next((v for v in values if v is not None), None)
     if info is None:
         raise APIError("No tokenizer replica is live.", 503, type="server_error")
     return Response(info, media_type="application/json")

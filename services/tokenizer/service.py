@@ -174,7 +174,8 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     bus = Bus(redis_url, prefix, name=consumer)  # the router's
     tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
     router = Router(bus, routing)
-    heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer, msgspec.json.encode(tokenizer.info()))
+    heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer,
+                                  [(bus.streams.tokenizer_info_key(), msgspec.json.encode(tokenizer.info()))])
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
     try:
         # Every gateway's requests stream; handle_entries runs one batch at a time.
