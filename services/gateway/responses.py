@@ -314,7 +314,6 @@ class ChunkFormatter:
         return b"".join(chunks)
 
 
-
 def stream_end(fmts: list[ChunkFormatter]) -> bytes:
     """The end of a stream: the usage chunk (a batch's summed over its prompts) unless a choice
     failed, then [DONE]."""
