@@ -362,6 +362,35 @@ def test_forced_tool_calls_stream_as_deltas(client: openai.OpenAI, mid: str) -> 
     assert text
 
 
+def test_forced_tool_calls_cut_short_say_length(client: openai.OpenAI, stack: ServiceStack, mid: str) -> None:
+    """max_tokens inside a forced call: finish_reason "length" (not "tool_calls", so that no
+    client runs a tool on unfinished arguments), the call so far, no grammar text as content."""
+    offered = {t["function"]["name"] for t in TOOLS}
+    r = client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=12)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and msg.content is None, r
+    assert msg.tool_calls and {c.function.name for c in msg.tool_calls} <= offered, r
+    chunks = list(client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS,
+                                                 tool_choice="required", temperature=0, max_tokens=12, stream=True))
+    assert not any(ch.delta.content for c in chunks for ch in c.choices)
+    streamed = [d.function.arguments for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
+    assert streamed == [msg.tool_calls[0].function.arguments]
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["length"]
+
+    async def ws_done() -> dict:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat", "id": 1, "messages": ASK_WEATHER, "tools": TOOLS,
+                                      "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                                      "max_tokens": 3, "temperature": 0}))
+            while (frame := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] not in ("done", "error"):
+                assert frame["type"] != "delta" or not frame.get("text")
+            return frame
+
+    done = asyncio.run(ws_done())
+    assert done["finish_reason"] == "length" and done["tool_calls"][0]["function"]["name"] == "get_time", done
+
+
 def test_websocket_tool_call_in_done_frame(stack: ServiceStack) -> None:
     async def run() -> list[dict]:
         async with websockets.connect(stack.ws_url) as ws:

@@ -16,6 +16,7 @@ from rill.services.gateway.tool_calls import (
     Llama3Json,
     ToolMode,
     ToolStream,
+    calls_finish,
     forced_schema,
     pick_parser,
 )
@@ -97,6 +98,32 @@ def test_forced_modes_turn_json_into_calls() -> None:
     assert ToolMode("auto", Hermes(), parallel=False).message(
         "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\"}</tool_call>"
     )[1][0]["function"]["name"] == "a"
+
+
+def test_forced_calls_cut_short_keep_what_was_generated() -> None:
+    """max_tokens in the middle of a forced call: the calls so far, the last one's arguments as
+    generated, never the grammar's array as content; the finish stays "length"."""
+    required = ToolMode("required", Hermes())
+    whole = '{"name":"get_weather","parameters":{"city":"Oslo"}}'
+    for text, names, last_args in (
+        ("[" + whole + ',{"name":"get_time","parameters":{"ci', ["get_weather", "get_time"], '{"ci'),
+        ('[{"name":"get_weather","parameters":', ["get_weather"], ""),
+        ('[{"name":"get_wea', [], None),
+        ("[" + whole, ["get_weather"], '{"city":"Oslo"}'),
+    ):
+        content, calls = required.message(text)
+        assert content is None and [c["function"]["name"] for c in calls] == names, text
+        if calls:
+            got = calls[-1]["function"]["arguments"]
+            assert got == last_args or json.loads(got) == json.loads(last_args)
+        stream = ToolStream(required)
+        assert stream.feed(text) == ""
+        tail, streamed = stream.finish()
+        assert tail == "" and [c["function"]["name"] for c in streamed] == names
+    cut_named = ToolMode("get_weather", Hermes()).message('{"city": "Os')[1]
+    assert calls_finish("length", cut_named) == "length"
+    assert calls_finish("stop", cut_named) == "stop"  # a stop string inside the arguments
+    assert calls_finish("stop", required.message("[" + whole + "]")[1]) == "tool_calls"
 
 
 def test_tool_choice_rules() -> None:

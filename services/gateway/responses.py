@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.tool_calls import ToolMode, ToolStream
+from rill.services.gateway.tool_calls import ToolMode, ToolStream, calls_finish
 from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
 
@@ -158,8 +158,8 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolMode | None) -
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = tools.message(text)
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": content}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, calls_finish(finish_reason, calls)
 
 
 def full_response(kind: RequestKind, request_id: str, model: str, out: Output, logprobs: bool,
@@ -308,7 +308,7 @@ class ChunkFormatter:
         if calls:
             delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
             chunks.append(self._chunk([{"index": at, "delta": delta, "logprobs": None, "finish_reason": None}]))
-            finish = "tool_calls"
+            finish = calls_finish(finish, calls)
         if finish is not None:
             chunks.append(self._chunk([{"index": at, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return b"".join(chunks)

@@ -14,6 +14,10 @@
 Streaming: content streams as it comes until a call may be starting (the parser's marker, or
 any text at all for forced calls); from there the text is held and, at the finish, sent as
 complete tool-call deltas (id, name and arguments in one chunk per call, as clients accumulate).
+
+Cut short by max_tokens, forced calls keep what was generated (the last call's arguments end
+where the output did, as OpenAI's do) and the finish reason stays "length", so that a client
+does not run a tool on arguments the model never finished.
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ class Llama3Json:
         return head.startswith("{") or head.startswith(self._tag)
 
 
+def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+    """The finish reason of a choice whose text became calls: "tool_calls" when the model ended
+    them whole; otherwise its own ("length", or "stop" at a stop string: arguments cut short)."""
+    whole = all(_json_object(c["function"]["arguments"]) is not None for c in calls)
+    return "tool_calls" if reason == "stop" and whole else reason
+
+
 def _json_object(text: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(text)
@@ -142,6 +153,32 @@ def forced_schema(tools: list[Any], choice: str | None, parallel: bool) -> dict[
     return schema
 
 
+_CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)', re.S)
+
+
+def _cut_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a "required" array cut short: its whole items, then the last item's name
+    with its arguments so far (the grammar writes "name" before "parameters")."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    pos = 1
+    while True:
+        while pos < len(body) and body[pos] in ", \t\r\n":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            break
+        calls.append(_call(item["name"], item["parameters"]))
+    cut = _CUT_ITEM.match(body, pos)
+    if cut:
+        calls.append(_call(json.loads(cut.group(1)), cut.group(2)))
+    return calls
+
+
 # ---------------------------------------------------------------------------------------------
 # One request's mode, and one choice's stream
 
@@ -164,7 +201,7 @@ class ToolMode:
             try:
                 items = json.loads(text)
             except ValueError:
-                return text, []  # cut short (max_tokens): no call to make of it
+                return None, _cut_calls(text)  # cut short (max_tokens)
             return None, [_call(i["name"], i["parameters"]) for i in items]
         return None, [_call(self.choice, text)]
 
@@ -204,9 +241,7 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the finish: (content still to stream, tool calls)."""
         content, calls = self.mode.message(self.text)
-        if not calls:
-            return self.text[self.sent:], []
-        head = content or ""
+        head = content or ""  # the whole text when no call parsed ("auto"); forced calls have none
         return head[self.sent:] if len(head) > self.sent else "", calls
 
 

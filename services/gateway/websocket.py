@@ -35,7 +35,7 @@ from rill.services.gateway import requests
 from rill.services.gateway.bodies import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
-from rill.services.gateway.tool_calls import ToolStream, tool_mode
+from rill.services.gateway.tool_calls import ToolStream, calls_finish, tool_mode
 from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class Connection:
 
     def _done_frame(self, entry: _Entry, finish_reason: str | None = None) -> dict[str, Any]:
         choices = entry.output.choices
-        reasons = [finish_reason or ("tool_calls" if i in entry.calls else c.finish_reason)
+        reasons = [finish_reason or (calls_finish(c.finish_reason, entry.calls[i]) if i in entry.calls else c.finish_reason)
                    for i, c in enumerate(choices)]
         frame: dict[str, Any] = {"id": entry.client_id, "type": "done", "finish_reason": reasons[0],
                                  "usage": entry.output.usage()}
