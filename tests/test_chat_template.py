@@ -6,6 +6,7 @@ torch nor transformers. Tools and a tool-call history also go through the real g
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import redis
 from rill.services.gateway.errors import APIError
 from rill.services.tokenizer.chat_template import ChatTemplates, TemplateError
 from rill.services.tokenizer.service import RequestError, Tokenizer
+from rill.services.tokenizer.tool_prompt import with_tools
 from rill.shared.request_params import ChatMessage, ChatToolCall
 from rill.shared.schema import GenerateRequest
 
@@ -59,8 +61,6 @@ CASES: dict[str, Case] = {
          {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1", "name": "get_weather"}],
         [WEATHER]),
 }
-# Cases a template cannot render (Gemma's alternates user/model turns and has no tool turns).
-UNSUPPORTED = {("gemma.jinja", "tool round trip")}
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +85,59 @@ def _hf_template(name: str) -> str | None:
 @pytest.mark.parametrize("template", ["model", *(f.name for f in TEMPLATE_FILES)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_and_ids_equal_transformers(hf, tokenizers: dict[str, Tokenizer], template: str, case: str) -> None:
-    if (template, case) in UNSUPPORTED:
-        pytest.skip("the template has no tool turns")
+    """Templates that render tools get them as transformers passes them; the others (SmolLM2's,
+    Gemma's) would drop them, so they get the messages tool_prompt.py writes, rendered as
+    transformers renders those."""
     ours, theirs, tools = CASES[case]
     tok = tokenizers[template]
+    in_text = tools is not None and not template.endswith("_tools.jinja")
+    if in_text:
+        theirs, tools_arg = with_tools(theirs, tools), None
+    else:
+        tools_arg = tools
     for gen in (True, False):
-        want = hf.apply_chat_template(theirs, tools=tools, chat_template=_hf_template(template),
+        want = hf.apply_chat_template(theirs, tools=tools_arg, chat_template=_hf_template(template),
                                       add_generation_prompt=gen, tokenize=False)
         assert tok.render(ours, gen, tools) == want
-    want_ids = hf.apply_chat_template(theirs, tools=tools, chat_template=_hf_template(template),
+    want_ids = hf.apply_chat_template(theirs, tools=tools_arg, chat_template=_hf_template(template),
                                       add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.chat_ids(ours, True, tools) == list(want_ids)
-    if tools and template.endswith("_tools.jinja"):  # the others ignore tools
-        assert "get_weather" in tok.render(ours, True, tools)
+    if tools:  # every template now shows the model the tools, and the calls of its history
+        prompt = tok.render(ours, True, tools)
+        assert "get_weather" in prompt
+        assert case != "tool round trip" or '{"temp": 21}' in prompt
+
+
+def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:
+    """A template that never reads `tools`: the signatures in the system turn (or the first user
+    turn when it refuses a system one), calls and results as hermes blocks; one that reads
+    them is left alone."""
+    calls = [ChatToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}'),
+             ChatToolCall(id="c2", name="now", arguments="{}")]
+    hist = [ChatMessage(role="user", content="Weather?"),
+            ChatMessage(role="assistant", content="Looking.", tool_calls=calls),
+            ChatMessage(role="tool", content="21C", tool_call_id="c1"),
+            ChatMessage(role="tool", content="noon", tool_call_id="c2")]
+    plain = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    no_system = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not "
+                 "supported') }}{% endif %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    reads = "{% if tools %}T{{ tools | length }}{% endif %}{% for m in messages %}[{{ m.role }}]{% endfor %}"
+    out = {}
+    for name, src in (("plain", plain), ("no_system", no_system), ("reads", reads)):
+        (tmp_path / f"{name}.jinja").write_text(src)
+        out[name] = Tokenizer(smollm2_dir, 256, chat_template=str(tmp_path / f"{name}.jinja")).render(
+            hist, True, [WEATHER, CLOCK])
+    sig = json.dumps(WEATHER, ensure_ascii=False)
+    assert out["plain"].startswith("[system]# Tools") and sig in out["plain"]
+    turns = re.split(r"\[(?:system|user|assistant|tool)\]", out["plain"])[2:]
+    assert turns[0] == "Weather?"
+    assert turns[1].startswith("Looking.\n<tool_call>\n")
+    assert [json.loads(b.split("\n</tool_call>")[0]) for b in turns[1].split("<tool_call>\n")[1:]] == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]
+    assert out["plain"].count("[user]") == 2 and turns[2] == "<tool_response>\n21C\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
+    assert out["no_system"].startswith("[user]# Tools") and out["no_system"].count(sig) == 1
+    assert out["no_system"].split("</tools>")[1].split("[assistant]")[0].endswith("Weather?")
+    assert out["reads"] == "T2[user][assistant][tool][tool]"
 
 
 def test_text_prompts_eos_and_decode_equal_transformers(hf, tokenizers: dict[str, Tokenizer]) -> None:

@@ -8,7 +8,8 @@
   by the parser the chat template implies or `--tool-call-parser` names: "hermes"
   (`<tool_call>{"name": .., "arguments": ..}</tool_call>`, Qwen 2.5/3, Hermes, SmolLM3) or
   "llama3_json" (`{"name": .., "parameters": ..}` objects separated by ";", optionally after
-  `<|python_tag|>`). Text that does not parse stays content.
+  `<|python_tag|>`). Text that does not parse stays content. A chat template that renders no
+  tools gets them as hermes text (services/tokenizer/tool_prompt.py), so hermes is parsed.
 - "none" leaves the output as text.
 
 Streaming: content streams as it comes until a call may be starting (the parser's marker, or

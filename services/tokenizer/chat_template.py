@@ -20,7 +20,8 @@ How OpenAI messages become template messages (vLLM's rules, `chat_utils.py`): co
 string (text parts joined with newlines, null as ""), `name` is kept when given, assistant
 `tool_calls` keep OpenAI's shape but with `function.arguments` parsed into a dict (the form
 tool-use templates expect; arguments that are not a JSON object become {}), an empty
-`tool_calls` list is dropped, and tool messages carry `tool_call_id`.
+`tool_calls` list is dropped, and tool messages carry `tool_call_id`. A template that never
+reads `tools` would drop them: tool_prompt.py writes them, the calls and the results as text.
 """
 
 from __future__ import annotations

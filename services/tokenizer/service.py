@@ -23,6 +23,7 @@ from rill.services.tokenizer.chat_template import (
     template_messages,
 )
 from rill.services.tokenizer.router import DEFAULT_POLICY, Router
+from rill.services.tokenizer.tool_prompt import reads_tools, with_tools
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
@@ -79,9 +80,15 @@ class Tokenizer:
             extra = template_kwargs(template, kwargs or {})
         except TemplateError as exc:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
+        msgs, special = template_messages(messages), self.tok.special_tokens
         try:
-            return template.render(template_messages(messages), tools, add_generation_prompt,
-                                   self.tok.special_tokens, extra)
+            if tools is None or reads_tools(template.variables):
+                return template.render(msgs, tools, add_generation_prompt, special, extra)
+            try:  # the template would drop the tools: they go in as text (tool_prompt.py)
+                return template.render(with_tools(msgs, tools), None, add_generation_prompt, special, extra)
+            except TemplateError:  # e.g. "System role not supported"
+                return template.render(with_tools(msgs, tools, in_system=False), None, add_generation_prompt,
+                                       special, extra)
         except TemplateError as exc:  # a template can reject roles or orderings
             raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
 
@@ -177,6 +184,8 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer,
                                   [(bus.streams.tokenizer_info_key(), msgspec.json.encode(tokenizer.info()))])
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
+    if tokenizer.templates and not any(reads_tools(t.variables) for t in tokenizer.templates.templates.values()):
+        log.info("the chat template renders no tools: a request's tools go in as text (hermes format)")
     try:
         # Every gateway's requests stream; handle_entries runs one batch at a time.
         serve_streams(redis_url, prefix, TOKENIZER_GROUP, consumer, gateway_request_streams,
