@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, websocket
+from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, responses_api, websocket
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS
 from rill.services.gateway.auth import BearerAuth
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
@@ -77,7 +77,7 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
 
     app = Starlette(
         routes=[*openai_api.routes(), *websocket.routes(), *chat_page.routes(), *metrics.routes(),
-                *openapi_spec.routes()],
+                *openapi_spec.routes(), *responses_api.routes()],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_exception_handler, APIError: api_error_handler,
                             Exception: internal_error_handler},

@@ -36,7 +36,9 @@ from rill.services.gateway.responses import (
     GENERATION_FAILED,
     ChunkFormatter,
     Event,
+    Formatter,
     Output,
+    Shape,
     batch_response,
     error_from_reply,
     full_response,
@@ -107,7 +109,7 @@ class _Part:
     stream: RequestStream
     events: AsyncIterator[list[Event]]
     first: list[Event]
-    fmt: ChunkFormatter
+    fmt: Formatter
 
 
 _First = tuple[AsyncIterator[list[Event]], list[Event]]  # a stream's events, and the batch taken first
@@ -150,9 +152,10 @@ class SSEResponse:
     and sends one body chunk per wake-up without thread hops.
     """
 
-    def __init__(self, gateway: Gateway, parts: list[_Part]) -> None:
+    def __init__(self, gateway: Gateway, parts: list[_Part], shape: Shape | None = None) -> None:
         self.gateway = gateway
         self.parts = parts
+        self.shape = shape
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extra = [(k.encode(), v.encode()) for k, v in _engine_header([p.stream for p in self.parts]).items()]
@@ -165,10 +168,9 @@ class SSEResponse:
             _abort_unfinished(self.gateway, [p.stream for p in self.parts])
 
     async def _write(self, send: Send) -> None:
-        fmts = [p.fmt for p in self.parts]
         head = b"".join(p.fmt.head(p.first) for p in self.parts)
         await send({"type": "http.response.body", "body": head, "more_body": True})
-        if not any(f.failed for f in fmts):
+        if not any(p.fmt.failed for p in self.parts):
             async with contextlib.aclosing(_merged(self.parts)) as batches:
                 async for part, batch in batches:
                     body = part.fmt.render(batch)
@@ -176,7 +178,8 @@ class SSEResponse:
                         await send({"type": "http.response.body", "body": body, "more_body": True})
                     if part.fmt.failed:
                         break  # one failed sample fails the request; the others are aborted on return
-        await send({"type": "http.response.body", "body": stream_end(fmts), "more_body": False})
+        end = self.shape.end() if self.shape else stream_end([p.fmt for p in self.parts])
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 def _abort_unfinished(gw: Gateway, streams: list[RequestStream]) -> None:
@@ -201,9 +204,13 @@ async def _echo_text(gw: Gateway, req: GenerateRequest) -> str:
 
 
 async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSEResponse:
+    return await generate(request, requests.parse(await request.body(), cls, _gateway(request).admission))
+
+
+async def generate(request: Request, body: GenerateBody, shape: Shape | None = None) -> Response | SSEResponse:
+    """Run a checked body; its results in OpenAI's completions or chat objects, or `shape`'s."""
     gw = _gateway(request)
-    body = requests.parse(await request.body(), cls, gw.admission)
-    request_id = new_request_id(requests.kind_of(body))
+    request_id = shape.request_id if shape else new_request_id(requests.kind_of(body))
     reqs = requests.generate_requests(body, request_id, gw.reply_stream)
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
     echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs))) if echo else [""] * len(reqs)
@@ -211,7 +218,7 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
     handed_off = False  # once SSEResponse owns the streams, it aborts on disconnect itself
     try:
         if body.stream:
-            resp = await _start_stream(request, body, request_id, reqs, streams, echoes)
+            resp = await _start_stream(request, body, request_id, reqs, streams, echoes, shape)
             handed_off = isinstance(resp, SSEResponse)
             return resp
         outs = await or_disconnect(request.receive, _collect_all(
@@ -219,6 +226,8 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
         if isinstance(outs, _Disconnected):
             return Response(status_code=499)
         logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
+        if shape is not None:
+            return json_response(shape.full(outs[0], tools))
         resp = json_response(batch_response([
             full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, tools)
             for out, echo_text in zip(outs, echoes, strict=True)]))
@@ -243,18 +252,19 @@ async def _submit(gw: Gateway, reqs: list[GenerateRequest], buffered: bool) -> l
 
 
 async def _start_stream(request: Request, body: GenerateBody, request_id: str, reqs: list[GenerateRequest],
-                        streams: list[RequestStream], echoes: list[str]) -> Response | SSEResponse:
+                        streams: list[RequestStream], echoes: list[str], shape: Shape | None) -> Response | SSEResponse:
     """Wait for each prompt's first event, so an error before any token is an HTTP error, not a 200."""
     gw, n = _gateway(request), reqs[0].params.n
     firsts = await or_disconnect(request.receive, _first_events(streams))
     if isinstance(firsts, _Disconnected):
         return Response(status_code=499)
-    if isinstance(firsts, Response):
-        return firsts
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
     as_ids, scores_only = bool(body.return_tokens_as_token_ids), requests.scores_only(body)
+    if shape is not None:
+        (events, first), = firsts
+        return SSEResponse(gw, [_Part(streams[0], events, first, shape.formatter(tools))], shape)
     return SSEResponse(gw, [
         _Part(rs, events, first, ChunkFormatter(
             requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,
@@ -262,28 +272,27 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
         for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
 
 
-def _early_error(head: Event) -> Response | None:
+def _raise_early_error(head: Event) -> None:
     if isinstance(head, ErrorReply):
-        return error_from_reply(head).response()
+        raise error_from_reply(head)
     if head.finish_reason == "error" and not head.text:
-        return APIError(GENERATION_FAILED, 500).response()
-    return None
+        raise APIError(GENERATION_FAILED, 500)
 
 
-async def _first_events(streams: list[RequestStream]) -> list[_First] | Response:
+async def _first_events(streams: list[RequestStream]) -> list[_First]:
     """Each stream's first batch, waited for together; an error in any one answers at once."""
     iters = [aiter(rs) for rs in streams]
     if len(iters) == 1:
         first = await anext(iters[0])
-        return _early_error(first[0]) or [(iters[0], first)]
+        _raise_early_error(first[0])
+        return [(iters[0], first)]
     tasks = [asyncio.ensure_future(anext(it)) for it in iters]
     try:
         pending: set[asyncio.Future[list[Event]]] = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if (err := _early_error(task.result()[0])) is not None:
-                    return err
+                _raise_early_error(task.result()[0])
         return [(it, task.result()) for it, task in zip(iters, tasks, strict=True)]
     finally:
         for task in tasks:

@@ -25,13 +25,14 @@ from rill.services.gateway.bodies import (
     TokenizeBody,
 )
 from rill.services.gateway.requests import not_yet_fields
+from rill.services.gateway.responses_api import ResponsesRequest
 
 if TYPE_CHECKING:
     from rill.services.gateway.gateway import Gateway
 
 JSON = "application/json"
 SSE = "text/event-stream"
-BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeBody)
+BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeBody, ResponsesRequest)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -119,6 +120,11 @@ def _response_schemas() -> dict[str, Any]:
                            "param": _nullable({"type": "string"}),
                            "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}}}}},
         "Usage": usage,
+        "Response": {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+                     "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                    "created_at": {"type": "integer"}, "model": {"type": "string"},
+                                    "status": {"enum": ["completed", "incomplete"]},
+                                    "output": {"type": "array", "items": {"type": "object", "required": ["type"]}}}},
         "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {**common, "object": {"const": "text_completion"},
                                       "choices": {"type": "array", "items": {
@@ -172,11 +178,11 @@ def _endpoint_schemas() -> dict[str, Any]:
 # Paths
 
 
-def _post(summary: str, request: str, ok: dict[str, Any], *, streams: bool, guarded: bool = True) -> dict[str, Any]:
+def _post(summary: str, request: str, ok: dict[str, Any], *, streams: bool, guarded: bool = True,
+          events: str = "`data: <chunk JSON>` events, then `data: [DONE]`") -> dict[str, Any]:
     content = {JSON: {"schema": ok}}
     if streams:
-        content[SSE] = {"schema": {"type": "string"},
-                        "description": "With stream: true, `data: <chunk JSON>` events, then `data: [DONE]`."}
+        content[SSE] = {"schema": {"type": "string"}, "description": f"With stream: true, {events}."}
     statuses = (400, 401, 404, 413, 503) if guarded else (400, 413, 503)
     return {"post": {
         "summary": summary,
@@ -193,6 +199,10 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
         "/v1/completions": _post("Text completion", "CompletionRequest", _ref("Completion"), streams=True),
         "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", _ref("ChatCompletion"),
                                       streams=True),
+        "/v1/responses": _post("A response (OpenAI's Responses API; nothing is stored)", "ResponsesRequest",
+                               _ref("Response"), streams=True,
+                               events="`event: <type>` / `data: <event JSON>` pairs, response.created first and "
+                                      "response.completed, response.incomplete or response.failed last"),
         **{f"{prefix}/tokenize": _post("Token ids of a prompt or of templated chat messages", "TokenizeBody",
                                        _ref("TokenizeResponse"), streams=False) for prefix in ("", "/v1")},
         **{f"{prefix}/detokenize": _post("Text of token ids", "DetokenizeBody", _ref("DetokenizeResponse"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -206,6 +206,28 @@ def sse(obj: Any) -> bytes:
 
 
 Event = TextDelta | ErrorReply
+
+
+class Formatter(Protocol):
+    """Writes one request's events as SSE (ChunkFormatter; responses_api.EventFormatter)."""
+
+    failed: bool
+
+    def head(self, first: list[Event]) -> bytes: ...
+
+    def render(self, batch: list[Event]) -> bytes: ...
+
+
+class Shape(Protocol):
+    """Another API over the chat machinery (responses_api.py): its id, full object and stream."""
+
+    request_id: str
+
+    def full(self, out: Output, tools: ToolMode | None) -> dict[str, Any]: ...
+
+    def formatter(self, tools: ToolMode | None) -> Formatter: ...
+
+    def end(self) -> bytes: ...
 
 
 class ChunkFormatter:

@@ -1,0 +1,385 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+
+A body becomes a chat completion request (instructions as the system turn, input items as
+messages: function_call items as the assistant's tool calls, function_call_output items as tool
+turns; `text.format` as response_format; flat function tools as chat tools), which is checked
+and run as /v1/chat/completions runs it; its result becomes a Response object, or the typed
+stream events (response.created ... response.completed, or response.incomplete when
+max_output_tokens cut it).
+
+Rill keeps no responses: `store` must be false or absent and `previous_response_id` is refused,
+so a conversation is sent whole as `input`. Usage counts no cached tokens (0): the engine does not
+report prefix-cache hits per request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rill.services.gateway import requests
+from rill.services.gateway.bodies import ChatCompletionRequest
+from rill.services.gateway.errors import APIError
+from rill.services.gateway.fields import Body, NotYet
+from rill.services.gateway.openai_api import SSEResponse, generate
+from rill.services.gateway.requests import Admission
+from rill.services.gateway.responses import GENERATION_FAILED, Event, Output, error_from_reply
+from rill.services.gateway.structured import JsonObjectFormat, TextFormat
+from rill.services.gateway.tool_calls import ToolMode, ToolStream
+from rill.shared.schema import ErrorReply
+
+NO_STORE = "Rill keeps no responses; send the whole conversation as input"
+
+
+# ---------------------------------------------------------------------------------------------
+# The request
+
+
+class InputText(Body, tag_field="type", tag="input_text"):
+    text: str
+
+
+class OutputText(Body, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Body, kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputText]
+    type: Literal["message"] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Body, kw_only=True):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Body, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+ITEMS: dict[str, type[Body]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                "function_call_output": FunctionCallOutputItem}
+
+
+class FlatFunctionTool(Body, tag_field="type", tag="function"):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Body, tag_field="type", tag="function"):
+    name: str
+
+
+class FlatJsonSchemaFormat(Body, tag_field="type", tag="json_schema"):
+    name: str
+    schema: dict[str, Any]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | JsonObjectFormat | FlatJsonSchemaFormat | None = None
+    verbosity: Annotated[Any, NotYet("no verbosity control", "medium")] = None
+
+
+class ResponsesRequest(Body, kw_only=True):
+    """POST /v1/responses."""
+
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    tools: list[FlatFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: Annotated[Any, NotYet(NO_STORE, False)] = None
+    previous_response_id: Annotated[Any, NotYet(NO_STORE)] = None
+    conversation: Annotated[Any, NotYet(NO_STORE)] = None
+    include: Annotated[Any, NotYet("no extra output data", [])] = None
+    reasoning: Annotated[Any, NotYet("no reasoning models")] = None
+    truncation: Annotated[Any, NotYet("no truncation", "disabled")] = None
+    background: Annotated[Any, NotYet("no background responses", False)] = None
+    service_tier: Annotated[Any, NotYet("one service tier", "auto", "default")] = None
+    top_logprobs: Annotated[Any, NotYet("no logprobs on /v1/responses", 0)] = None
+    max_tool_calls: Annotated[Any, NotYet("no built-in tools")] = None
+    prompt: Annotated[Any, NotYet("no stored prompts")] = None
+    stream_options: Annotated[Any, NotYet("no stream options on /v1/responses")] = None
+
+
+def _renamed(err: APIError, param: str | None) -> APIError:
+    """An error of the chat body as one of the Responses body."""
+    if err.param is None or param is None:
+        return err
+    return APIError(err.message.replace(err.param, param), err.status, err.type, param, err.code, err.headers)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if isinstance(body.input, str):
+        return [*out, {"role": "user", "content": body.input}]
+    for i, raw in enumerate(body.input):
+        kind = raw.get("type", "message")
+        if not isinstance(kind, str) or kind not in ITEMS:
+            raise APIError(f"input[{i}].type: {kind!r} items are not supported (only {', '.join(ITEMS)}).",
+                           400, param=f"input[{i}].type")
+        try:
+            item = msgspec.convert(raw, ITEMS[kind])
+        except msgspec.ValidationError as exc:
+            err = requests.validation_error(exc)
+            raise _renamed(err, f"input[{i}]" + (f".{err.param}" if err.param else "")) from None
+        if isinstance(item, MessageItem):
+            content = item.content if isinstance(item.content, str) else [
+                {"type": "text", "text": part.text} for part in item.content]
+            out.append({"role": item.role, "content": content})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":  # the calls of one assistant turn
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            assert isinstance(item, FunctionCallOutputItem)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
+
+
+def _untagged(obj: Body) -> dict[str, Any]:
+    """A flat Responses object as the nested chat one: its fields without the `type` tag."""
+    return {k: v for k, v in msgspec.to_builtins(obj).items() if k != "type"}
+
+
+_FIELDS = {"model": "model", "max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+           "parallel_tool_calls": "parallel_tool_calls", "metadata": "metadata", "user": "user",
+           "safety_identifier": "safety_identifier", "prompt_cache_key": "prompt_cache_key"}
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def chat_request(body: ResponsesRequest, gate: Admission) -> ChatCompletionRequest:
+    """The chat completion request that runs `body`, checked as /v1/chat/completions checks one."""
+    chat: dict[str, Any] = {"messages": _messages(body), "stream": bool(body.stream)}
+    chat.update({dst: getattr(body, src) for src, dst in _FIELDS.items() if getattr(body, src) is not None})
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}
+    if body.tools is not None:
+        chat["tools"] = [{"type": "function", "function": _untagged(t)} for t in body.tools]
+    if isinstance(body.tool_choice, FunctionChoice):
+        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    elif body.tool_choice is not None:
+        chat["tool_choice"] = body.tool_choice
+    fmt = body.text.format if body.text else None
+    if isinstance(fmt, JsonObjectFormat):
+        chat["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, FlatJsonSchemaFormat):
+        chat["response_format"] = {"type": "json_schema", "json_schema": _untagged(fmt)}
+    return requests.parse(msgspec.json.encode(chat), ChatCompletionRequest, gate)
+
+
+def _responses_error(err: APIError) -> APIError:
+    """An error that names a field of the chat request, naming the Responses field instead."""
+    head = (err.param or "").split(".")[0].split("[")[0]
+    param = err.param and (err.param.replace(head, _PARAMS[head], 1) if head in _PARAMS else
+                           err.param.replace(".function.", ".", 1))
+    renamed = _renamed(err, param)
+    if head in _PARAMS:  # messages that name the chat field without its path
+        renamed.message = renamed.message.replace(head, _PARAMS[head])
+    return renamed
+
+
+# ---------------------------------------------------------------------------------------------
+# The response
+
+
+def _usage(out: Output) -> dict[str, Any]:
+    u = out.usage()
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _function_call(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def _new_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+class ResponseShape:
+    """One /v1/responses request's Response object and stream (openai_api.Shape)."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.body = body
+        self.model = model
+        self.request_id = _new_id("resp")
+        self.created = int(time.time())
+        self.seq = 0
+
+    def object(self, status: str, output: list[dict[str, Any]], out: Output | None) -> dict[str, Any]:
+        b = self.body
+        tool_choice = msgspec.to_builtins(b.tool_choice) if b.tool_choice is not None else "auto"
+        fmt = msgspec.to_builtins(b.text.format) if b.text and b.text.format else {"type": "text"}
+        return {"id": self.request_id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "model": self.model, "output": output, "usage": _usage(out) if out else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "temperature": b.temperature, "top_p": b.top_p, "tool_choice": tool_choice,
+                "tools": msgspec.to_builtins(b.tools or []), "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "text": {"format": fmt}, "metadata": b.metadata or {}, "user": b.user, "store": False,
+                "previous_response_id": None, "reasoning": None, "truncation": "disabled"}
+
+    def full(self, out: Output, tools: ToolMode | None) -> dict[str, Any]:
+        content, calls = tools.message(out.text) if tools else (out.text, [])
+        status = _status(out.finish_reason)
+        output = [_message(_new_id("msg"), content or "", status)] if content or not calls else []
+        output += [_function_call(_new_id("fc"), c, status) for c in calls]
+        return self.object(status, output, out)
+
+    def formatter(self, tools: ToolMode | None) -> EventFormatter:
+        return EventFormatter(self, tools)
+
+    def end(self) -> bytes:
+        return b""  # the Responses stream ends with its last event; no [DONE]
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(
+            {"type": kind, "sequence_number": self.seq - 1, **fields}) + b"\n\n"
+
+
+_json = msgspec.json.Encoder()
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+class EventFormatter:
+    """The typed events of one streamed response (openai_api.Formatter)."""
+
+    def __init__(self, shape: ResponseShape, tools: ToolMode | None) -> None:
+        self.shape = shape
+        self.output = Output()
+        self.tools = ToolStream(tools) if tools is not None else None
+        self.msg_id: str | None = None  # the message item, once text started
+        self.text = ""
+        self.failed = False
+
+    def head(self, first: list[Event]) -> bytes:
+        s = self.shape
+        started = s.object("in_progress", [], None)
+        return s.event("response.created", response=started) + s.event("response.in_progress", response=started) \
+            + self.render(first)
+
+    def _text(self, delta: str) -> bytes:
+        s, out = self.shape, b""
+        if self.msg_id is None:
+            self.msg_id = _new_id("msg")
+            item = {**_message(self.msg_id, "", "in_progress"), "content": []}
+            out += s.event("response.output_item.added", output_index=0, item=item)
+            out += s.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        self.text += delta
+        return out + s.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+                             delta=delta, logprobs=[])
+
+    def _finish(self, finish_reason: str | None) -> bytes:
+        s, out, status = self.shape, b"", _status(finish_reason)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            tail, calls = self.tools.finish()
+            out += self._text(tail) if tail else b""
+        output: list[dict[str, Any]] = []
+        if self.msg_id is not None:
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            item = _message(self.msg_id, self.text, status)
+            out += s.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                           text=self.text, logprobs=[])
+            out += s.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                           part=part)
+            out += s.event("response.output_item.done", output_index=0, item=item)
+            output.append(item)
+        for call in calls:
+            at, item = len(output), _function_call(_new_id("fc"), call, status)
+            out += s.event("response.output_item.added", output_index=at,
+                           item={**item, "arguments": "", "status": "in_progress"})
+            out += s.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                           delta=item["arguments"])
+            out += s.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                           arguments=item["arguments"])
+            out += s.event("response.output_item.done", output_index=at, item=item)
+            output.append(item)
+        return out + s.event(f"response.{status}", response=s.object(status, output, self.output))
+
+    def _fail(self, err: APIError) -> bytes:
+        self.failed = True
+        failed = {**self.shape.object("failed", [], self.output),
+                  "error": {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}}
+        return self.shape.event("response.failed", response=failed)
+
+    def render(self, batch: list[Event]) -> bytes:
+        out = b""
+        for ev in batch:
+            if isinstance(ev, ErrorReply):
+                return out + self._fail(error_from_reply(ev))
+            ev = self.output.add(ev)
+            if ev.finish_reason == "error":
+                return out + self._fail(APIError(GENERATION_FAILED, 500))
+            text = self.tools.feed(ev.text) if self.tools is not None else ev.text
+            out += self._text(text) if text else b""
+            if ev.finish_reason is not None:
+                out += self._finish(ev.finish_reason)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The endpoint
+
+
+async def create_response(request: Request) -> Response | SSEResponse:
+    gw = request.app.state.gateway
+    body = requests.decode(await request.body(), ResponsesRequest, gw.admission.ignore_unknown_fields)
+    requests.check(body, gw.admission)  # the model, and the fields Rill does not honour
+    try:  # checked and run as a chat request: its errors until the first token
+        return await generate(request, chat_request(body, gw.admission), ResponseShape(body, gw.model_name))
+    except APIError as err:
+        raise _responses_error(err) from None
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/responses", create_response, methods=["POST"])]

@@ -1,0 +1,134 @@
+"""POST /v1/responses through the official openai client against the real stack (SmolLM2): the
+same greedy text, usage and tool calls as /v1/chat/completions for the same conversation, the
+typed stream events in order, structured output, and a 400 naming each field Rill refuses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from service_stack import ServiceStack, fresh_stack, openai_client
+
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city"],
+                  "properties": {"city": {"type": "string", "maxLength": 20}}}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": WEATHER_PARAMS, "strict": True}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
+    with fresh_stack(redis_url, smollm2_dir, "resp") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceStack) -> openai.OpenAI:
+    return openai_client(stack, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mid(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_text_and_usage_equal_chat(client: openai.OpenAI, mid: str) -> None:
+    for max_tokens in (8, 200):
+        r = client.responses.create(model=mid, instructions="Be brief.", input="Name three colours.",
+                                    max_output_tokens=max_tokens, temperature=0)
+        c = client.chat.completions.create(model=mid, max_tokens=max_tokens, temperature=0, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}])
+        assert r.output_text == c.choices[0].message.content and r.output_text
+        assert r.status == ("incomplete" if c.choices[0].finish_reason == "length" else "completed")
+        assert (r.incomplete_details is not None) == (r.status == "incomplete")
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+        assert r.id.startswith("resp_") and r.output[0].type == "message" and r.output[0].role == "assistant"
+
+
+def test_stream_events_in_order(client: openai.OpenAI, mid: str) -> None:
+    events = list(client.responses.create(model=mid, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Say hello."}]}], max_output_tokens=24, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == events[-2].item.content[0].text
+    whole = client.responses.create(model=mid, input="Say hello.", max_output_tokens=24, temperature=0)
+    assert whole.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_tool_round_trip_equals_chat(client: openai.OpenAI, mid: str) -> None:
+    """A forced call as a function_call item (streamed too), sent back with its output: the next
+    answer is the one chat gives for the same history."""
+    r = client.responses.create(model=mid, input="What is the weather in Paris?", tools=TOOLS,
+                                tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                max_output_tokens=60)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed" and all(c.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), WEATHER_PARAMS)
+    events = list(client.responses.create(model=mid, input="What is the weather in Paris?", tools=TOOLS,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          temperature=0, max_output_tokens=60, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments)["city"]
+    assert events[-1].response.output[-1].arguments == done[0].arguments
+
+    call = calls[0]
+    items = [{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, clear"}]
+    answer = client.responses.create(model=mid, input=items, tools=TOOLS, temperature=0, max_output_tokens=30)
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, clear"}]
+    chat = client.chat.completions.create(model=mid, messages=history, tools=CHAT_TOOLS, temperature=0, max_tokens=30)
+    assert answer.output_text == (chat.choices[0].message.content or "")
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_structured_output(client: openai.OpenAI, mid: str) -> None:
+    class City(pydantic.BaseModel):
+        city: str
+        country: str
+
+    parsed = client.responses.parse(model=mid, input="Where is the Eiffel tower?", text_format=City,
+                                    max_output_tokens=80, temperature=0).output_parsed
+    assert isinstance(parsed, City)
+    r = client.responses.create(model=mid, input="Give a JSON object.", text={"format": {"type": "json_object"}},
+                                max_output_tokens=60, temperature=0)
+    assert r.status == "incomplete" or isinstance(json.loads(r.output_text), dict)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"type": []}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user"}]}, "input[0].content"),
+    ({"input": "x " * 9000}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "frob"}}}}, "text.format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"seed": 1}, "seed"),
+])
+def test_refusals_name_the_field(stack: ServiceStack, mid: str, body: dict, param: str) -> None:
+    r = httpx.post(f"{stack.base_url}/v1/responses", json={"model": mid, "input": "Hi", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(param), err
+    assert param.split("[")[0].split(".")[0] in err["message"] or "context length" in err["message"], err
