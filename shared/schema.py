@@ -298,6 +298,8 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     logprobs: list[list[TokenLogprobs]] = []
     # Per row, its prompt's logprobs (with its first output token only); empty when no row has any.
     prompt_logprobs: list[list[TokenLogprobs]] = []
+    # Per row, prompt tokens the prefix cache held (with its first output token only); empty when none.
+    cached_tokens: list[int] = []
 
 
 class TopLogprob(Struct, array_like=True):
@@ -326,6 +328,7 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     completion_tokens: int = 0
     logprobs: list[TextLogprob] = []  # one per token of this delta, when the request asked
     prompt_logprobs: list[TextLogprob] = []  # with the first delta, when the request asked
+    cached_tokens: int = 0  # with the first delta: prompt tokens the prefix cache held
 
 
 class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):

@@ -164,13 +164,15 @@ async def down(server: LiveServer) -> AsyncIterator[Downstream]:
     await d.close()
 
 
-def make_deltas(request_id: str, pieces: list[str], finish: str = "stop", prompt_tokens: int = 7) -> list[TextDelta]:
+def make_deltas(request_id: str, pieces: list[str], finish: str = "stop", prompt_tokens: int = 7,
+                cached_tokens: int = 0) -> list[TextDelta]:
     """One delta per piece; piece i covers 1 or 2 tokens so offsets are not simply indexes."""
     out, off = [], 0
     for i, text in enumerate(pieces):
         n = 1 + i % 2
         last = i == len(pieces) - 1
-        out.append(TextDelta(request_id, off, n, text, finish if last else None, prompt_tokens, off + n))
+        out.append(TextDelta(request_id, off, n, text, finish if last else None, prompt_tokens, off + n,
+                             cached_tokens=cached_tokens if i == 0 else 0))
         off += n
     return out
 
@@ -653,7 +655,8 @@ async def test_batched_prompts_fan_out_and_merge(server: LiveServer, down: Downs
             for p, req in enumerate(reversed(reqs)):  # the second prompt answers first
                 for i in range(2):
                     sample = sample_request_id(req.request_id, i, 2)
-                    await down.reply(req.reply_to, make_deltas(sample, [f"{req.prompt}/{i}", "!"], prompt_tokens=3 + p))
+                    await down.reply(req.reply_to, make_deltas(sample, [f"{req.prompt}/{i}", "!"], prompt_tokens=3 + p,
+                                                               cached_tokens=(2 + p) * (i + 1)))
             r = await post
             assert r.status_code == 200 and r.headers["x-rill-engine"] == "1,0"  # each prompt's engine
             if stream:
@@ -666,7 +669,9 @@ async def test_batched_prompts_fan_out_and_merge(server: LiveServer, down: Downs
                 texts = {ch["index"]: ch["text"] for ch in r.json()["choices"]}
                 usage = r.json()["usage"]
             assert texts == {0: "x/0!", 1: "x/1!", 2: "[5, 6]/0!", 3: "[5, 6]/1!"}
-            assert usage == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+            # Cached tokens as each prompt's sample 0 found them (2 and 3), summed over the prompts.
+            assert usage == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
+                             "prompt_tokens_details": {"cached_tokens": 5}}
 
         post = asyncio.create_task(c.post("/v1/completions", json={"prompt": ["x", "y"], "stream": True}))
         reqs = [await down.next_request() for _ in range(2)]
@@ -812,7 +817,7 @@ async def test_ws_concurrent_cancel_and_complete(server: LiveServer, down: Downs
         assert "".join(f["text"] for f in c2 if f["type"] == "delta") == EXPECTED
         assert c2[-1] == {"id": "c2", "type": "done", "finish_reason": "stop",
                           "usage": {"prompt_tokens": 7, "completion_tokens": NUM_TOKENS,
-                                    "total_tokens": 7 + NUM_TOKENS}}
+                                    "total_tokens": 7 + NUM_TOKENS, "prompt_tokens_details": {"cached_tokens": 0}}}
         assert all(f["text"] for f in c2 if f["type"] == "delta")
 
         # The id is free again after it finished.

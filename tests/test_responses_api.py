@@ -5,6 +5,7 @@ typed stream events in order, structured output, and a 400 naming each field Ril
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -50,6 +51,21 @@ def test_text_and_usage_equal_chat(client: openai.OpenAI, mid: str) -> None:
         assert r.id.startswith("resp_") and r.output[0].type == "message" and r.output[0].role == "assistant"
 
 
+def test_cached_prompt_tokens_are_reported(client: openai.OpenAI, mid: str) -> None:
+    """usage's cached tokens: none for a new prompt, its shared full blocks when it comes again,
+    the same count through /v1/responses."""
+    system = f"Session {uuid.uuid4().hex}. Answer in one word."
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Rivers " * 60}]
+    first, again = (client.chat.completions.create(model=mid, messages=msgs, max_tokens=2, temperature=0)
+                    for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens, again.usage
+    r = client.responses.create(model=mid, instructions=system, input="Rivers " * 60, max_output_tokens=2,
+                                temperature=0)
+    assert r.usage.input_tokens_details.cached_tokens == cached
+
+
 def test_stream_events_in_order(client: openai.OpenAI, mid: str) -> None:
     events = list(client.responses.create(model=mid, input=[{"role": "user", "content": [
         {"type": "input_text", "text": "Say hello."}]}], max_output_tokens=24, temperature=0, stream=True))
@@ -82,6 +98,8 @@ def test_tool_round_trip_equals_chat(client: openai.OpenAI, mid: str) -> None:
                                           temperature=0, max_output_tokens=60, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments)["city"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == done[0].arguments  # streamed as generated
     assert events[-1].response.output[-1].arguments == done[0].arguments
 
     call = calls[0]

@@ -340,17 +340,19 @@ def test_forced_tool_calls_stream_as_deltas(client: openai.OpenAI, mid: str) -> 
                                             parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=120,
                                             stream=True)
     calls: dict[int, dict[str, str]] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in stream:
         for ch in chunk.choices:
             assert not ch.delta.content  # a forced call streams no text
             for d in ch.delta.tool_calls or []:
+                pieces += 1
                 c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
                 c["id"] += d.id or ""
                 c["name"] += (d.function.name or "") if d.function else ""
                 c["arguments"] += (d.function.arguments or "") if d.function else ""
             finish = ch.finish_reason or finish
     assert finish == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: one call
+    assert pieces > 2  # the arguments streamed as they were generated
     call = calls[0]
     tool = next(t for t in TOOLS if t["function"]["name"] == call["name"])
     jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
@@ -374,8 +376,10 @@ def test_forced_tool_calls_cut_short_say_length(client: openai.OpenAI, stack: Se
     chunks = list(client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS,
                                                  tool_choice="required", temperature=0, max_tokens=12, stream=True))
     assert not any(ch.delta.content for c in chunks for ch in c.choices)
-    streamed = [d.function.arguments for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
-    assert streamed == [msg.tool_calls[0].function.arguments]
+    streamed: dict[int, str] = {}
+    for d in (d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []):
+        streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+    assert streamed[0] == msg.tool_calls[0].function.arguments
     assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["length"]
 
     async def ws_done() -> dict:

@@ -78,16 +78,40 @@ def test_forced_schemas_accept_exactly_the_offered_calls() -> None:
 
 def test_stream_holds_back_a_possible_call_and_releases_plain_text() -> None:
     s = ToolStream(ToolMode("auto", Hermes()))
-    assert s.feed("Sure, ") == "Sure, "
-    assert s.feed("<tool") == ""  # may be a marker starting
-    assert s.feed("_call>") == ""
-    s.feed('{"name": "get_time", "arguments": {}}</tool_call>')
-    tail, calls = s.finish()
-    assert tail == "" and calls[0]["function"]["name"] == "get_time"
+    assert s.feed("Sure, ") == ("Sure, ", [])
+    assert s.feed("<tool") == ("", [])  # may be a marker starting
+    assert s.feed("_call>") == ("", [])
+    assert s.feed('{"name": "get_time", "arguments": {}}</tool_call>') == ("", [])
+    tail, deltas, calls = s.finish()
+    assert tail == "" and calls[0]["function"]["name"] == "get_time" and deltas == [{"index": 0, **calls[0]}]
     plain = ToolStream(ToolMode("auto", Hermes()))
-    assert plain.feed("a <tool") == "a "
-    assert plain.feed("box> is fine") == "<toolbox> is fine"
-    assert plain.finish() == ("", [])
+    assert plain.feed("a <tool") == ("a ", [])
+    assert plain.feed("box> is fine") == ("<toolbox> is fine", [])
+    assert plain.finish() == ("", [], [])
+
+
+def test_forced_calls_stream_their_arguments_as_generated() -> None:
+    """Piece by piece, as OpenAI streams them: a call's id and name once its name is whole, then
+    its arguments; the deltas add up to the calls of the finished text, with the same ids."""
+    whole = '[{"name":"get_weather","parameters":{"city":"Oslo","unit":"c"}},{"name":"get_time","parameters":{}}]'
+    for mode, text in ((ToolMode("required", Hermes()), whole),
+                       (ToolMode("get_weather", Hermes()), '{"city":"Oslo","unit":"c"}')):
+        s = ToolStream(mode)
+        deltas = []
+        for i in range(0, len(text), 3):
+            content, got = s.feed(text[i:i + 3])
+            assert content == ""
+            deltas += got
+        tail, more, calls = s.finish()
+        deltas += more
+        assert tail == "" and calls == [{**c, "id": calls[k]["id"]} for k, c in enumerate(mode.message(text)[1])]
+        assert len(deltas) > 2 * len(calls)  # arguments arrived in pieces
+        for k, call in enumerate(calls):
+            mine = [d for d in deltas if d["index"] == k]
+            assert mine[0]["id"] == call["id"] and mine[0]["function"]["name"] == call["function"]["name"]
+            assert all("id" not in d for d in mine[1:])
+            assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]
+            json.loads(call["function"]["arguments"])
 
 
 def test_forced_modes_turn_json_into_calls() -> None:
@@ -117,8 +141,8 @@ def test_forced_calls_cut_short_keep_what_was_generated() -> None:
             got = calls[-1]["function"]["arguments"]
             assert got == last_args or json.loads(got) == json.loads(last_args)
         stream = ToolStream(required)
-        assert stream.feed(text) == ""
-        tail, streamed = stream.finish()
+        assert stream.feed(text)[0] == ""
+        tail, _, streamed = stream.finish()
         assert tail == "" and [c["function"]["name"] for c in streamed] == names
     cut_named = ToolMode("get_weather", Hermes()).message('{"city": "Os')[1]
     assert calls_finish("length", cut_named) == "length"

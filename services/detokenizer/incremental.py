@@ -321,7 +321,8 @@ class Detokenizer:
                                   finish_reason=out.finish_reason, prompt_tokens=batch.prompt_tokens[i],
                                   completion_tokens=offset + len(new),
                                   logprobs=[self.text_logprob(lp) for lp in lps],
-                                  prompt_logprobs=[self.text_logprob(lp) for lp in prompt_lps])
+                                  prompt_logprobs=[self.text_logprob(lp) for lp in prompt_lps],
+                                  cached_tokens=_get(batch.cached_tokens, i, 0))
                 if out.stopped and reason is None:
                     stopped.append(request_id)
             except Exception as exc:  # bad ids or columns: fail this request only

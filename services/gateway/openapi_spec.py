@@ -97,8 +97,11 @@ def request_schemas(max_model_len: int, max_logprobs: int, ignore_unknown_fields
 
 def _response_schemas() -> dict[str, Any]:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-             "properties": {k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+             "properties": {**{k: {"type": "integer", "minimum": 0}
+                               for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                            "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {
+                                "type": "integer", "minimum": 0,
+                                "description": "Prompt tokens whose KV the prefix cache held."}}}}}
     finish = _nullable({"type": "string", "enum": ["stop", "length", "abort", "error"]})
     top = {"type": "object", "required": ["token", "logprob"],
            "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},

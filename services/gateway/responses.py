@@ -63,6 +63,7 @@ class Output:
     def __init__(self, n: int = 1, tokens_as_ids: bool = False, scores_only: bool = False) -> None:
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, as sample 0 found them (the others share its blocks)
         self.tokens_as_ids = tokens_as_ids
         self.scores_only = scores_only  # echo with max_tokens 0: the output token is dropped (requests.py)
         # Echo with logprobs: the prompt's, shared by every choice (sample 0 computes the prompt).
@@ -81,6 +82,8 @@ class Output:
         if d.prompt_logprobs:
             self.prompt_logprobs = d.prompt_logprobs
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
+        if index == 0 and d.cached_tokens:
+            self.cached_tokens = d.cached_tokens
         self.choices[index].add(d)
         return d
 
@@ -96,10 +99,11 @@ class Output:
     def failed(self) -> bool:
         return any(c.finish_reason == "error" for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,8 +185,9 @@ def full_response(kind: RequestKind, request_id: str, model: str, out: Output, l
             "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage()}
 
 
-def summed_usage(usages: list[dict[str, int]]) -> dict[str, int]:
-    return {k: sum(u[k] for u in usages) for k in usages[0]}
+def summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: summed_usage([u[k] for u in usages]) if isinstance(v, dict) else sum(u[k] for u in usages)
+            for k, v in usages[0].items()}
 
 
 def batch_response(responses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +293,9 @@ class ChunkFormatter:
     def start(self) -> bytes:
         at = range(self.first_index, self.first_index + len(self.output.choices))
         if self.kind == "chat":
-            return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+            # A forced call has no content: null, as OpenAI sends it (clients open no text part).
+            content = None if self.tools and self.tools[0].mode.choice != "auto" else ""
+            return self._chunk([{"index": i, "delta": {"role": "assistant", "content": content},
                                  "logprobs": None, "finish_reason": None} for i in at])
         if self.echo:
             return self._chunk([{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
@@ -314,22 +321,24 @@ class ChunkFormatter:
         return b"".join(out)
 
     def _tool_chunks(self, i: int, ev: TextDelta) -> bytes:
-        """A chat delta of a request with tools: content that cannot be a call streams now; at the
-        finish, the held text becomes tool-call deltas (or content, if it was none)."""
+        """A chat delta of a request with tools: content that cannot be a call streams now, and
+        tool-call deltas as the ToolStream releases them (forced calls as generated; parsed ones,
+        or the held text as content, at the finish)."""
         assert self.tools is not None
         stream, at = self.tools[i], self.first_index + i
-        text = stream.feed(ev.text)
+        text, deltas = stream.feed(ev.text)
         finish = ev.finish_reason
         chunks: list[bytes] = []
         calls: list[dict[str, Any]] = []
         if finish is not None:
-            tail, calls = stream.finish()
-            text += tail
+            tail, more, calls = stream.finish()
+            text, deltas = text + tail, deltas + more
         if text or (self.logprobs and ev.logprobs):
             chunks.append(self._chunk([self._choice(i, text, ev.logprobs, None)]))
+        if deltas:
+            chunks.append(self._chunk([{"index": at, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                        "finish_reason": None}]))
         if calls:
-            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-            chunks.append(self._chunk([{"index": at, "delta": delta, "logprobs": None, "finish_reason": None}]))
             finish = calls_finish(finish, calls)
         if finish is not None:
             chunks.append(self._chunk([{"index": at, "delta": {}, "logprobs": None, "finish_reason": finish}]))

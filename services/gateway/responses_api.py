@@ -8,8 +8,7 @@ stream events (response.created ... response.completed, or response.incomplete w
 max_output_tokens cut it).
 
 Rill keeps no responses: `store` must be false or absent and `previous_response_id` is refused,
-so a conversation is sent whole as `input`. Usage counts no cached tokens (0): the engine does not
-report prefix-cache hits per request.
+so a conversation is sent whole as `input`.
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ def _responses_error(err: APIError) -> APIError:
 
 def _usage(out: Output) -> dict[str, Any]:
     u = out.usage()
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"]}
 
@@ -298,6 +297,7 @@ class EventFormatter:
         self.tools = ToolStream(tools) if tools is not None else None
         self.msg_id: str | None = None  # the message item, once text started
         self.text = ""
+        self.calls: list[tuple[str, int]] = []  # each function_call item's id and output index
         self.failed = False
 
     def head(self, first: list[Event]) -> bytes:
@@ -318,11 +318,27 @@ class EventFormatter:
         return out + s.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                              delta=delta, logprobs=[])
 
+    def _call_events(self, deltas: list[dict[str, Any]]) -> bytes:
+        """Function-call items from the ToolStream's chat deltas: a new call, then its arguments."""
+        s, out = self.shape, b""
+        for d in deltas:
+            if "id" in d:  # a new call
+                at, fn = len(self.calls) + (self.msg_id is not None), d["function"]
+                item = _function_call(_new_id("fc"), {**d, "function": {**fn, "arguments": ""}}, "in_progress")
+                self.calls.append((item["id"], at))
+                out += s.event("response.output_item.added", output_index=at, item=item)
+            item_id, at = self.calls[d["index"]]
+            if d["function"]["arguments"]:
+                out += s.event("response.function_call_arguments.delta", item_id=item_id, output_index=at,
+                               delta=d["function"]["arguments"])
+        return out
+
     def _finish(self, finish_reason: str | None) -> bytes:
         s, out, status = self.shape, b"", _status(finish_reason)
         calls: list[dict[str, Any]] = []
+        deltas: list[dict[str, Any]] = []
         if self.tools is not None:
-            tail, calls = self.tools.finish()
+            tail, deltas, calls = self.tools.finish()
             out += self._text(tail) if tail else b""
         output: list[dict[str, Any]] = []
         if self.msg_id is not None:
@@ -334,13 +350,10 @@ class EventFormatter:
                            part=part)
             out += s.event("response.output_item.done", output_index=0, item=item)
             output.append(item)
-        for call in calls:
-            at, item = len(output), _function_call(_new_id("fc"), call, status)
-            out += s.event("response.output_item.added", output_index=at,
-                           item={**item, "arguments": "", "status": "in_progress"})
-            out += s.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
-                           delta=item["arguments"])
-            out += s.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+        out += self._call_events(deltas)
+        for (item_id, at), call in zip(self.calls, calls, strict=True):
+            item = _function_call(item_id, call, status)
+            out += s.event("response.function_call_arguments.done", item_id=item_id, output_index=at,
                            arguments=item["arguments"])
             out += s.event("response.output_item.done", output_index=at, item=item)
             output.append(item)
@@ -360,8 +373,8 @@ class EventFormatter:
             ev = self.output.add(ev)
             if ev.finish_reason == "error":
                 return out + self._fail(APIError(GENERATION_FAILED, 500))
-            text = self.tools.feed(ev.text) if self.tools is not None else ev.text
-            out += self._text(text) if text else b""
+            text, deltas = self.tools.feed(ev.text) if self.tools is not None else (ev.text, [])
+            out += (self._text(text) if text else b"") + self._call_events(deltas)
             if ev.finish_reason is not None:
                 out += self._finish(ev.finish_reason)
         return out

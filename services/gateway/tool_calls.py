@@ -12,9 +12,11 @@
   tools gets them as hermes text (services/tokenizer/tool_prompt.py), so hermes is parsed.
 - "none" leaves the output as text.
 
-Streaming: content streams as it comes until a call may be starting (the parser's marker, or
-any text at all for forced calls); from there the text is held and, at the finish, sent as
-complete tool-call deltas (id, name and arguments in one chunk per call, as clients accumulate).
+Streaming: content streams as it comes until a call may be starting (the parser's marker);
+from there the text is held and, at the finish, sent as complete tool-call deltas (id, name and
+arguments in one chunk per call, as clients accumulate). Forced calls, whose format the grammar
+guarantees, stream as they are generated: a call's id and name once its name is complete, then
+its arguments piece by piece, as OpenAI streams them.
 
 Cut short by max_tokens, forced calls keep what was generated (the last call's arguments end
 where the output did, as OpenAI's do) and the finish reason stays "length", so that a client
@@ -154,30 +156,35 @@ def forced_schema(tools: list[Any], choice: str | None, parallel: bool) -> dict[
     return schema
 
 
-_CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)', re.S)
+_ITEM_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+_ITEM_END = re.compile(r"\s*\}")
 
 
-def _cut_calls(text: str) -> list[dict[str, Any]]:
-    """The calls of a "required" array cut short: its whole items, then the last item's name
-    with its arguments so far (the grammar writes "name" before "parameters")."""
+def required_calls(text: str) -> list[tuple[str, str]]:
+    """(name, arguments as written) of each call of a "required" array so far: its whole items,
+    then one cut short (max_tokens, or still streaming) with its arguments so far. The grammar
+    writes "name" before "parameters", so a call is known once its name is."""
     body = text.lstrip()
     if not body.startswith("["):
         return []
     decoder = json.JSONDecoder()
-    calls: list[dict[str, Any]] = []
+    calls: list[tuple[str, str]] = []
     pos = 1
     while True:
         while pos < len(body) and body[pos] in ", \t\r\n":
             pos += 1
+        head = _ITEM_HEAD.match(body, pos)
+        if head is None:
+            return calls
         try:
-            item, pos = decoder.raw_decode(body, pos)
+            _, end = decoder.raw_decode(body, head.end())
         except ValueError:
-            break
-        calls.append(_call(item["name"], item["parameters"]))
-    cut = _CUT_ITEM.match(body, pos)
-    if cut:
-        calls.append(_call(json.loads(cut.group(1)), cut.group(2)))
-    return calls
+            return [*calls, (json.loads(head.group(1)), body[head.end():])]
+        calls.append((json.loads(head.group(1)), body[head.end():end]))
+        close = _ITEM_END.match(body, end)
+        if close is None:
+            return calls
+        pos = close.end()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,18 +200,16 @@ class ToolMode:
     parser: Parser
     parallel: bool = True  # parallel_tool_calls; false keeps the first call the model made
 
+    def forced_calls(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments as written) of a forced choice's calls so far."""
+        return required_calls(text) if self.choice == "required" else [(self.choice, text)]
+
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) of a finished output."""
         if self.choice == "auto":
             content, calls = self.parser.parse(text)
             return content, calls if self.parallel else calls[:1]
-        if self.choice == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return None, _cut_calls(text)  # cut short (max_tokens)
-            return None, [_call(i["name"], i["parameters"]) for i in items]
-        return None, [_call(self.choice, text)]
+        return None, [_call(name, args) for name, args in self.forced_calls(text)]
 
     def holds(self, text: str) -> int:
         """How much of `text` (everything streamed so far) may already be a tool call, counted
@@ -223,27 +228,50 @@ class ToolMode:
 
 
 class ToolStream:
-    """One choice's streamed text with the tool-call tail held back."""
+    """One choice's streamed text with the tool-call tail held back. Forced calls stream as
+    they are generated (OpenAI's deltas: the id and name first, then pieces of arguments);
+    calls parsed from the model's own format ("auto") go out whole at the finish."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self.text = ""
         self.sent = 0  # characters of `text` already streamed as content
+        self.ids: list[str] = []  # forced calls announced so far
+        self.args_sent: list[int] = []
 
-    def feed(self, piece: str) -> str:
-        """The content that may stream now, given the next piece of text."""
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content that may stream now and the tool-call deltas, given the next piece of text."""
         self.text += piece
+        if self.mode.choice != "auto":
+            return "", self._call_deltas()
         free = len(self.text) - self.mode.holds(self.text)
         if free <= self.sent:
-            return ""
+            return "", []
         out, self.sent = self.text[self.sent:free], free
+        return out, []
+
+    def _call_deltas(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for k, (name, args) in enumerate(self.mode.forced_calls(self.text)):
+            if k == len(self.ids):
+                self.ids.append(call_id())
+                self.args_sent.append(len(args))
+                out.append({"index": k, "id": self.ids[k], "type": "function",
+                            "function": {"name": name, "arguments": args}})
+            elif len(args) > self.args_sent[k]:
+                out.append({"index": k, "function": {"arguments": args[self.args_sent[k]:]}})
+                self.args_sent[k] = len(args)
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the finish: (content still to stream, tool calls)."""
+    def finish(self) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+        """At the finish: (content still to stream, tool-call deltas still to send, the calls)."""
         content, calls = self.mode.message(self.text)
         head = content or ""  # the whole text when no call parsed ("auto"); forced calls have none
-        return head[self.sent:] if len(head) > self.sent else "", calls
+        tail = head[self.sent:] if len(head) > self.sent else ""
+        if self.mode.choice == "auto":
+            return tail, [{"index": k, **c} for k, c in enumerate(calls)], calls
+        deltas = self._call_deltas()
+        return tail, deltas, [{**c, "id": self.ids[k]} for k, c in enumerate(calls)]
 
 
 def tool_mode(req: Any, parser: str) -> ToolMode | None:

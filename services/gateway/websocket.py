@@ -230,9 +230,9 @@ class Connection:
                     parts, lps = pending.setdefault(i, ([], []))
                     text = ev.text
                     if entry.tools is not None:
-                        text = entry.tools[i].feed(text)
+                        text = entry.tools[i].feed(text)[0]  # calls go in the done frame
                         if ev.finish_reason is not None:
-                            tail, calls = entry.tools[i].finish()
+                            tail, _, calls = entry.tools[i].finish()
                             text += tail
                             if calls:
                                 entry.calls[i] = calls

@@ -18,6 +18,7 @@ class DetokRows:
         self.context: list[list[int]] = []
         self.reasons: list[FinishReason | None] = []
         self.prompt_tokens: list[int] = []
+        self.cached_tokens: list[int] = []
         self.stop: list[list[str]] = []
         self.skip_special: list[bool] = []
         self.include_stop: list[bool] = []
@@ -38,6 +39,7 @@ class DetokRows:
         self.context.append(req.output_token_ids[max(0, offset - ctx):offset])
         self.reasons.append(reason)
         self.prompt_tokens.append(len(req.prompt_token_ids))
+        self.cached_tokens.append(req.num_cached_tokens if offset == 0 else 0)
         self.stop.append(p.stop)
         self.skip_special.append(p.skip_special_tokens)
         self.include_stop.append(p.include_stop_str_in_output)
@@ -52,4 +54,5 @@ class DetokRows:
                           skip_special_tokens=self.skip_special, include_stop_str=self.include_stop,
                           # Columns nobody asked for stay empty, so they cost nothing on the wire.
                           logprobs=self.logprobs if any(self.logprobs) else [],
-                          prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [])
+                          prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [],
+                          cached_tokens=self.cached_tokens if any(self.cached_tokens) else [])

@@ -45,6 +45,7 @@ class Request:
     known_to_worker: bool = False
     num_blocks_sent: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage)
     block_hashes: list[bytes] = field(default_factory=list)
     seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
     detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)

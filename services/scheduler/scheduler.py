@@ -184,6 +184,8 @@ class Scheduler(RequestStates):
             if self.kv.allocate(req.request_id, computed + n, prefix_blocks=shared) is None:
                 break
             self.kv.record_query(req.num_tokens, computed, preempted=req.num_preemptions > 0)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
             del self.waiting[j]
             req.num_computed_tokens = computed
             req.status = Status.RUNNING
