@@ -51,29 +51,30 @@ class OutputText(Body, tag_field="type", tag="output_text"):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(Body, kw_only=True):
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText | OutputText]
-    type: Literal["message"] | None = None
+class _Item(Body, kw_only=True):
+    """An input item; `id` and `status` come back as a response gave them and are not read."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(Body, kw_only=True):
+class MessageItem(_Item, kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputText]
+    type: Literal["message"] | None = None
+
+
+class FunctionCallItem(_Item, kw_only=True):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Body, kw_only=True):
+class FunctionCallOutputItem(_Item, kw_only=True):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 ITEMS: dict[str, type[Body]] = {"message": MessageItem, "function_call": FunctionCallItem,
