@@ -139,6 +139,7 @@ def test_structured_output(client: openai.OpenAI, mid: str) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": "x " * 9000}, "input"),
+    ({"instructions": "x " * 9000}, "input"),  # the prompt as a whole is too long
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "frob"}}}}, "text.format"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -150,3 +151,19 @@ def test_refusals_name_the_field(stack: ServiceStack, mid: str, body: dict, para
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].startswith(param), err
     assert param.split("[")[0].split(".")[0] in err["message"] or "context length" in err["message"], err
+
+
+def test_chat_errors_name_the_responses_field() -> None:
+    """An error of the chat request behind a response names the field the client sent: a message
+    by the input item (or the instructions) it came from, max_tokens as max_output_tokens."""
+    from rill.services.gateway.errors import APIError
+    from rill.services.gateway.responses_api import _responses_error
+
+    origins = ["instructions", "input[0]", "input[3]"]  # items 1 and 2 became message 1's tool calls
+    err = _responses_error(APIError("Invalid value for messages[2].content: too long.", param="messages[2].content"),
+                           origins)
+    assert (err.param, err.message) == ("input[3].content", "Invalid value for input[3].content: too long.")
+    assert _responses_error(APIError("bad", param="messages[0]"), origins).param == "instructions"
+    err = _responses_error(APIError("max_tokens is too large.", param="max_tokens"), origins)
+    assert (err.param, err.message) == ("max_output_tokens", "max_output_tokens is too large.")
+    assert _responses_error(APIError("x", param="tools[1].function.parameters"), origins).param == "tools[1].parameters"

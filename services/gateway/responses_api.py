@@ -13,6 +13,7 @@ so a conversation is sent whole as `input`.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -144,9 +145,11 @@ def _renamed(err: APIError, param: str | None) -> APIError:
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    """The chat messages of `body`; each carries `origin`, the field it came from (popped later)."""
+    out: list[dict[str, Any]] = [
+        {"role": "system", "content": body.instructions, "origin": "instructions"}] if body.instructions else []
     if isinstance(body.input, str):
-        return [*out, {"role": "user", "content": body.input}]
+        return [*out, {"role": "user", "content": body.input, "origin": "input"}]
     for i, raw in enumerate(body.input):
         kind = raw.get("type", "message")
         if not isinstance(kind, str) or kind not in ITEMS:
@@ -160,16 +163,16 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             content = item.content if isinstance(item.content, str) else [
                 {"type": "text", "text": part.text} for part in item.content]
-            out.append({"role": item.role, "content": content})
+            out.append({"role": item.role, "content": content, "origin": f"input[{i}]"})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":  # the calls of one assistant turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append({"role": "assistant", "content": None, "tool_calls": [call], "origin": f"input[{i}]"})
         else:
             assert isinstance(item, FunctionCallOutputItem)
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output, "origin": f"input[{i}]"})
     return out
 
 
@@ -184,9 +187,12 @@ _FIELDS = {"model": "model", "max_output_tokens": "max_tokens", "temperature": "
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def chat_request(body: ResponsesRequest, gate: Admission) -> ChatCompletionRequest:
-    """The chat completion request that runs `body`, checked as /v1/chat/completions checks one."""
-    chat: dict[str, Any] = {"messages": _messages(body), "stream": bool(body.stream)}
+def chat_request(body: ResponsesRequest, gate: Admission) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat completion request that runs `body`, checked as /v1/chat/completions checks one,
+    and the Responses field each of its messages came from."""
+    messages = _messages(body)
+    origins = [m.pop("origin") for m in messages]
+    chat: dict[str, Any] = {"messages": messages, "stream": bool(body.stream)}
     chat.update({dst: getattr(body, src) for src, dst in _FIELDS.items() if getattr(body, src) is not None})
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
@@ -201,12 +207,22 @@ def chat_request(body: ResponsesRequest, gate: Admission) -> ChatCompletionReque
         chat["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, FlatJsonSchemaFormat):
         chat["response_format"] = {"type": "json_schema", "json_schema": _untagged(fmt)}
-    return requests.parse(msgspec.json.encode(chat), ChatCompletionRequest, gate)
+    try:
+        return requests.parse(msgspec.json.encode(chat), ChatCompletionRequest, gate), origins
+    except APIError as err:
+        raise _responses_error(err, origins) from None
 
 
-def _responses_error(err: APIError) -> APIError:
-    """An error that names a field of the chat request, naming the Responses field instead."""
+def _responses_error(err: APIError, origins: list[str]) -> APIError:
+    """An error that names a field of the chat request, naming the Responses field instead
+    (messages[j] as the input item or the instructions it came from)."""
     head = (err.param or "").split(".")[0].split("[")[0]
+    at = re.match(r"messages\[(\d+)\]", err.param or "")
+    if at and int(at[1]) < len(origins):
+        param: str | None = origins[int(at[1])] + (err.param or "")[at.end():]
+        renamed = _renamed(err, param)
+        renamed.message = renamed.message.replace(at[0], origins[int(at[1])])
+        return renamed
     param = err.param and (err.param.replace(head, _PARAMS[head], 1) if head in _PARAMS else
                            err.param.replace(".function.", ".", 1))
     renamed = _renamed(err, param)
@@ -389,10 +405,11 @@ async def create_response(request: Request) -> Response | SSEResponse:
     gw = request.app.state.gateway
     body = requests.decode(await request.body(), ResponsesRequest, gw.admission.ignore_unknown_fields)
     requests.check(body, gw.admission)  # the model, and the fields Rill does not honour
-    try:  # checked and run as a chat request: its errors until the first token
-        return await generate(request, chat_request(body, gw.admission), ResponseShape(body, gw.model_name))
+    chat, origins = chat_request(body, gw.admission)
+    try:  # run as a chat request: its errors until the first token
+        return await generate(request, chat, ResponseShape(body, gw.model_name))
     except APIError as err:
-        raise _responses_error(err) from None
+        raise _responses_error(err, origins) from None
 
 
 def routes() -> list[Route]:
