@@ -138,6 +138,8 @@ def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Pa
     assert out["no_system"].startswith("[user]# Tools") and out["no_system"].count(sig) == 1
     assert out["no_system"].split("</tools>")[1].split("[assistant]")[0].endswith("Weather?")
     assert out["reads"] == "T2[user][assistant][tool][tool]"
+    plain_tok = Tokenizer(smollm2_dir, 256, chat_template=str(tmp_path / "plain.jinja"))
+    assert plain_tok.render(hist[:1], True, []) == plain_tok.render(hist[:1]) == "[user]Weather?"  # no tools offered
 
 
 def test_text_prompts_eos_and_decode_equal_transformers(hf, tokenizers: dict[str, Tokenizer]) -> None:

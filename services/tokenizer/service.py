@@ -82,7 +82,7 @@ class Tokenizer:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
         msgs, special = template_messages(messages), self.tok.special_tokens
         try:
-            if tools is None or reads_tools(template.variables):
+            if not tools or reads_tools(template.variables):  # an empty list offers nothing to describe
                 return template.render(msgs, tools, add_generation_prompt, special, extra)
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return template.render(with_tools(msgs, tools), None, add_generation_prompt, special, extra)
