@@ -261,8 +261,7 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     # With the first output token of a request that asked for prompt_logprobs: one entry per
     # prompt token (the first has no logprobs), aligned with request_ids; empty when none did.
     prompt_logprobs: list[list[TokenLogprobs]] = []
-    # Requests that failed on their own this step (not in request_ids): id -> why. The rest of
-    # the step stands.
+    # Requests that failed on their own this step (not in request_ids): id -> why; the rest stands.
     errors: dict[str, str] = {}
     # Speculative decoding: how many of token_ids (and of logprobs) each request got, aligned
     # with request_ids: its accepted drafts plus one. Empty when every request got one token.
@@ -296,9 +295,9 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     include_stop_str: list[bool]
     # Per row, one entry per new token (empty for rows without logprobs); empty when no row has any.
     logprobs: list[list[TokenLogprobs]] = []
-    # Per row, its prompt's logprobs (with its first output token only); empty when no row has any.
+    # Per row, with its first output token only (empty when no row has any): its prompt's logprobs,
+    # and the prompt tokens the prefix cache held.
     prompt_logprobs: list[list[TokenLogprobs]] = []
-    # Per row, prompt tokens the prefix cache held (with its first output token only); empty when none.
     cached_tokens: list[int] = []
 
 
@@ -309,8 +308,7 @@ class TopLogprob(Struct, array_like=True):
 
 
 class TextLogprob(Struct, array_like=True):
-    """One token with its logprob and the most likely alternatives at its position (a prompt's
-    first token has neither: logprob None, no alternatives)."""
+    """A token, its logprob and the likeliest alternatives there (a prompt's first: None, none)."""
 
     token: str
     logprob: float | None
@@ -426,8 +424,7 @@ class EngineStats(Struct, omit_defaults=True):
     kv_import_seconds_sum: float = 0.0
     kv_handoff_seconds_sum: float = 0.0
     # Speculative decoding: steps that verified drafts for a request, draft tokens proposed, of
-    # those accepted (acceptance rate = accepted / draft tokens; mean accepted length = 1 +
-    # accepted / drafts).
+    # those accepted (acceptance rate = accepted / draft tokens; mean accepted length 1 + acc/drafts).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
