@@ -40,7 +40,7 @@ class Heartbeat:
 
     def __init__(self, url: str, key: str, *, members: Sequence[tuple[str, str | int]] = (),
                  expire: Sequence[tuple[str, int]] = (), published: Sequence[tuple[str, bytes]] = (),
-                 interval_s: float = INTERVAL_S, ttl_s: int = TTL_S, value: bytes | str = b"1") -> None:
+                 interval_s: float = INTERVAL_S, ttl_s: int = TTL_S) -> None:
         self.key = key
         self.members = list(members)  # (set key, member) pairs, removed again on stop
         self.expire = list(expire)  # (key, seconds): keys that live only while we beat
@@ -49,7 +49,6 @@ class Heartbeat:
         self.published = list(published)
         self.interval_s = interval_s
         self.ttl_s = ttl_s
-        self.value = value
         # Its own connection with a read timeout: a beat must never wait behind a blocking read.
         self.r = connect(url, socket_timeout=5.0)
         self._stop = threading.Event()
@@ -59,7 +58,7 @@ class Heartbeat:
     def beat(self) -> bool:
         try:
             pipe = self.r.pipeline(transaction=False)
-            pipe.set(self.key, self.value, ex=self.ttl_s)
+            pipe.set(self.key, b"1", ex=self.ttl_s)
             for set_key, member in self.members:
                 pipe.sadd(set_key, member)
             for key, seconds in self.expire:
