@@ -44,8 +44,8 @@ def _text(name: str) -> str | None:
     return value if value else None
 
 
-def _flag(name: str) -> Callable[[], bool]:
-    return lambda: os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+def _flag(name: str, default: bool = True) -> Callable[[], bool]:
+    return lambda: (os.environ.get(name) or ("1" if default else "0")).strip().lower() not in ("0", "false", "no", "off")
 
 
 def _choice(name: str, default: str) -> Callable[[], str]:
@@ -84,7 +84,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_DECODE_LAYERS": _flag("RILL_DECODE_LAYERS"),
     # 1: a request's output does not depend on what shares its steps (GGUF weights always multiply
     # on their blocks, whose kernel rounds each row alone), at the cost of the float routes' speed.
-    "RILL_BATCH_INVARIANT": lambda: os.environ.get("RILL_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on"),
+    "RILL_BATCH_INVARIANT": _flag("RILL_BATCH_INVARIANT", default=False),
     # Force one CPU prefill attention kernel (auto: chosen by measurement; sdpa, native, dot, amx).
     "RILL_PREFILL_KERNEL": _choice("RILL_PREFILL_KERNEL", "auto"),
     # Bytes the float copies of GGUF weights may take where they measured faster than the blocks
