@@ -258,13 +258,14 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
     firsts = await or_disconnect(request.receive, _first_events(streams))
     if isinstance(firsts, _Disconnected):
         return Response(status_code=499)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
-    as_ids, scores_only = bool(body.return_tokens_as_token_ids), requests.scores_only(body)
+    tools = tool_mode(body, gw.tool_call_parser)
     if shape is not None:
         (events, first), = firsts
         return SSEResponse(gw, [_Part(streams[0], events, first, shape.formatter(tools))], shape)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    logprobs = reqs[0].params.logprobs is not None
+    as_ids, scores_only = bool(body.return_tokens_as_token_ids), requests.scores_only(body)
     return SSEResponse(gw, [
         _Part(rs, events, first, ChunkFormatter(
             requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,

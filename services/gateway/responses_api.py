@@ -137,11 +137,12 @@ class ResponsesRequest(Body, kw_only=True):
     stream_options: Annotated[Any, NotYet("no stream options on /v1/responses")] = None
 
 
-def _renamed(err: APIError, param: str | None) -> APIError:
-    """An error of the chat body as one of the Responses body."""
-    if err.param is None or param is None:
+def _renamed(err: APIError, old: str, new: str) -> APIError:
+    """`err` with `old`, a part of the field it names, read as `new` (in its param and message)."""
+    if not err.param or old not in err.param:
         return err
-    return APIError(err.message.replace(err.param, param), err.status, err.type, param, err.code, err.headers)
+    return APIError(err.message.replace(old, new), err.status, err.type, err.param.replace(old, new, 1),
+                    err.code, err.headers)
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -159,7 +160,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             item = msgspec.convert(raw, ITEMS[kind])
         except msgspec.ValidationError as exc:
             err = requests.validation_error(exc)
-            raise _renamed(err, f"input[{i}]" + (f".{err.param}" if err.param else "")) from None
+            raise _renamed(err, err.param or "", f"input[{i}].{err.param}") from None
         if isinstance(item, MessageItem):
             content = item.content if isinstance(item.content, str) else [
                 {"type": "text", "text": part.text} for part in item.content]
@@ -216,19 +217,17 @@ def chat_request(body: ResponsesRequest, gate: Admission) -> tuple[ChatCompletio
 def _responses_error(err: APIError, origins: list[str]) -> APIError:
     """An error that names a field of the chat request, naming the Responses field instead
     (messages[j] as the input item or the instructions it came from)."""
-    head = (err.param or "").split(".")[0].split("[")[0]
-    at = re.match(r"messages\[(\d+)\]", err.param or "")
+    if err.param is None:
+        return err
+    at = re.match(r"messages\[(\d+)\]", err.param)
+    head = err.param.split(".")[0].split("[")[0]
     if at and int(at[1]) < len(origins):
-        param: str | None = origins[int(at[1])] + (err.param or "")[at.end():]
-        renamed = _renamed(err, param)
-        renamed.message = renamed.message.replace(at[0], origins[int(at[1])])
-        return renamed
-    param = err.param and (err.param.replace(head, _PARAMS[head], 1) if head in _PARAMS else
-                           err.param.replace(".function.", ".", 1))
-    renamed = _renamed(err, param)
-    if head in _PARAMS:  # messages that name the chat field without its path
-        renamed.message = renamed.message.replace(head, _PARAMS[head])
-    return renamed
+        old, new = at[0], origins[int(at[1])]
+    elif head in _PARAMS:
+        old, new = head, _PARAMS[head]
+    else:
+        old, new = ".function.", "."  # tools[i].function.x is tools[i].x
+    return _renamed(err, old, new)
 
 
 # ---------------------------------------------------------------------------------------------
