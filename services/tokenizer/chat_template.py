@@ -148,6 +148,11 @@ class ChatTemplate:
         """The names the template reads from its context (chat_template_kwargs may set these)."""
         return frozenset(jinja2.meta.find_undeclared_variables(self._env.parse(self.source)))
 
+    @property
+    def reads_tools(self) -> bool:
+        """Whether it renders a request's tools at all (else tool_prompt.py writes them as text)."""
+        return "tools" in self.variables
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, special_tokens: Mapping[str, str] | None = None,
                kwargs: Mapping[str, Any] | None = None) -> str:

@@ -23,7 +23,7 @@ from rill.services.tokenizer.chat_template import (
     template_messages,
 )
 from rill.services.tokenizer.router import DEFAULT_POLICY, Router
-from rill.services.tokenizer.tool_prompt import reads_tools, with_tools
+from rill.services.tokenizer.tool_prompt import with_tools
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
@@ -82,7 +82,7 @@ class Tokenizer:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
         msgs, special = template_messages(messages), self.tok.special_tokens
         try:
-            if not tools or reads_tools(template.variables):  # an empty list offers nothing to describe
+            if not tools or template.reads_tools:  # an empty list offers nothing to describe
                 return template.render(msgs, tools, add_generation_prompt, special, extra)
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return template.render(with_tools(msgs, tools), None, add_generation_prompt, special, extra)
@@ -184,7 +184,7 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer,
                                   [(bus.streams.tokenizer_info_key(), msgspec.json.encode(tokenizer.info()))])
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
-    if tokenizer.templates and not any(reads_tools(t.variables) for t in tokenizer.templates.templates.values()):
+    if tokenizer.templates and not any(t.reads_tools for t in tokenizer.templates.templates.values()):
         log.info("the chat template renders no tools: a request's tools go in as text (hermes format)")
     try:
         # Every gateway's requests stream; handle_entries runs one batch at a time.

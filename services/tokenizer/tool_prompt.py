@@ -24,11 +24,6 @@ _OUTRO = ("\n</tools>\n\nTo call a function, answer with one JSON object per cal
           "<arguments as a JSON object>}\n</tool_call>")
 
 
-def reads_tools(variables: frozenset[str]) -> bool:
-    """Whether a template with these undeclared variables renders the request's tools."""
-    return "tools" in variables
-
-
 def tools_text(tools: list[dict[str, Any]]) -> str:
     return _INTRO + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + _OUTRO
 
