@@ -32,6 +32,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     chat_template_kwargs: dict[str, Any] = {}
+    avoid_engine: int = -1  # sent again after this engine lost it: elsewhere while another runs
 
 
 class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=True):
@@ -430,9 +431,7 @@ class EngineStats(Struct, omit_defaults=True):
     spec_num_accepted_tokens: int = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Codecs: one encoder/decoder per union, built once per process.
-
+# Codecs: one encoder/decoder per union, built once per process. -------------------------------
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -595,9 +595,12 @@ async def test_request_lost_with_its_engine_unseen_is_sent_again_once(server: Li
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
         post = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "stream": True}))
         req = await down.next_request()
+        await down.routed(req, 1)
+        await asyncio.sleep(0.1)
         await down.error(req, lost, status=503)
         again = await down.next_request()
         assert again.request_id != req.request_id and (again.prompt, again.reply_to) == (req.prompt, req.reply_to)
+        assert (req.avoid_engine, again.avoid_engine) == (-1, 1)  # the tokenizers pick another engine
         assert await down.aborted_ids(0) == [req.request_id]
         await down.reply(req.reply_to, make_deltas(req.request_id, ["stale"], finish="length"))
         await send_scrambled(down, again, seed=3)

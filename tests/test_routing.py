@@ -118,6 +118,19 @@ def test_dead_engines_are_skipped(bus: Bus) -> None:
         assert {Router(bus, policy).pick(PROMPT) for _ in range(3)} == {1}
 
 
+def test_a_request_sent_again_avoids_the_engine_that_lost_it(bus: Bus) -> None:
+    """A restarted engine can look alive, idle and holding the prompt to a router that read it
+    before the restart: a re-send names the engine that lost it, and goes elsewhere if it can."""
+    engine(bus, 0, cached=PROMPT)
+    engine(bus, 1, load=3)
+    for policy in ("cache-aware", "least-loaded", "round-robin"):
+        router = Router(bus, policy)
+        assert router.pick(PROMPT) == 0
+        assert {router.pick(PROMPT, avoid=0) for _ in range(3)} == {1}
+    bus.r.delete(bus.streams.stats_key(1), *engine_beat_keys(bus.streams, [1]))
+    assert Router(bus, "cache-aware").pick(PROMPT, avoid=0) == 0  # no other candidate: it waits there
+
+
 def test_decode_engines_take_no_prompts(bus: Bus) -> None:
     engine(bus, 0, cached=PROMPT, role="decode")
     engine(bus, 1, load=3, role="prefill")

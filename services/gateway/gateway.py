@@ -319,18 +319,18 @@ class Gateway:
                 or not err.message.startswith(ENGINE_LOST_PREFIX) or self.draining or self.bus is None
                 or (self.watch_engine and not self.engine_live)):
             return False
-        lost = stream.engine_request_id
+        lost, engine = stream.engine_request_id, stream.engine
         self.tracker.renew(stream, f"{stream.request_id}~{stream.resent + 1}")
         log.debug("request %s lost with its engine before its client saw it: sent again", lost)
         self.metrics.resent.inc()
-        self._in_background(self._resend(stream, lost, err))
+        self._in_background(self._resend(stream, lost, err, -1 if engine is None else engine))
         return True
 
-    async def _resend(self, stream: RequestStream, lost: str, err: ErrorReply) -> None:
+    async def _resend(self, stream: RequestStream, lost: str, err: ErrorReply, engine: int) -> None:
         assert self.bus is not None and stream.sent is not None
-        try:
-            await self.bus.send(self.requests_stream, msgspec.structs.replace(stream.sent,
-                                                                              request_id=stream.engine_request_id))
+        try:  # not to the engine that lost it, while another runs (router.py)
+            await self.bus.send(self.requests_stream, msgspec.structs.replace(
+                stream.sent, request_id=stream.engine_request_id, avoid_engine=engine))
         except Exception as exc:  # the first error stands
             log.warning("could not send %s again: %r", stream.request_id, exc)
             self.tracker.fail(stream.request_id, err)

@@ -142,11 +142,12 @@ class SchedulerService:
     # ------------------------------------------------------------------------- main loop
 
     def run(self) -> None:
-        self.held.answer_left_over(self.bus)  # before the worker answers: it may be loading for minutes
         # What an earlier scheduler published (its load, its cached prefixes) must not draw requests
         # here before this one is ready: with no stats, routers pass over this engine until then.
+        # Deleted before its requests are answered, since the gateways send some of them again.
         s = self.bus.streams
         self.bus.r.delete(s.stats_key(self.e), s.prefix_summary_key(self.e))
+        self.held.answer_left_over(self.bus)  # before the worker answers: it may be loading for minutes
         ready = self.handshake()
         if ready is None:
             return

@@ -9,6 +9,10 @@ Policies (`--routing`):
                 router does; no match anywhere, a tie or an overload: least-loaded.
   round-robin   the live engines in turn.
 
+A request the gateway sends again because its engine was lost (killed, or restarted: what this
+router last read of it may still look alive and idle) names that engine, and goes elsewhere
+while another engine is a candidate.
+
 Common rules: only engines that run prompts (role "both" or "prefill"; a "decode" engine gets
 its requests from prefill engines, with their KV). Engines that have published no stats yet
 (role unknown) are used only when no engine's role is known to run prompts. An engine whose
@@ -116,11 +120,13 @@ class Router:
         unknown = [e for e, v in self.engines.items() if v.role is None]
         return sorted(runs_prompts or unknown or self.engines) or [0]
 
-    def pick(self, prompt_token_ids: Sequence[int] = ()) -> int:
-        """The engine for a new request with this prompt (the prompt matters to cache-aware only)."""
+    def pick(self, prompt_token_ids: Sequence[int] = (), avoid: int = -1) -> int:
+        """The engine for a new request with this prompt (the prompt matters to cache-aware only),
+        other than `avoid` (the engine that lost it: a re-send) while another one is a candidate."""
         if time.monotonic() - self._read_at >= SUMMARY_REFRESH_S:
             self._refresh()
         candidates = self.candidates()
+        candidates = [e for e in candidates if e != avoid] or candidates
         if self.policy == "round-robin":
             later = [e for e in candidates if self._last_rr is None or e > self._last_rr]
             choice = (later or candidates)[0]

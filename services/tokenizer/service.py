@@ -225,7 +225,7 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
     except Exception as exc:  # never let one request take the replica down
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply.of(req.request_id, f"tokenization failed: {exc}", 500))]
-    engine = router.pick(out.prompt_token_ids)
+    engine = router.pick(out.prompt_token_ids, avoid=req.avoid_engine)
     sends: list[tuple[str, Struct]] = [(bus.streams.engine_in(engine), out)]
     if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
         sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine)))
