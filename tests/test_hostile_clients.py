@@ -127,6 +127,44 @@ async def _eof(reader: asyncio.StreamReader, within: float) -> bool:
         return False
 
 
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP response's status line (its body read past, by Content-Length)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length"))
+    await reader.readexactly(length)
+    return head.split(b"\r\n")[0]
+
+
+def test_kept_alive_connection_idles_past_the_header_deadline() -> None:
+    """Idle between requests is the keep-alive timer's, not the header deadline's: a client whose
+    pool keeps a connection as long as the server does loses requests sent as it closes."""
+    with served(ServerLimits(header_timeout_s=0.5, keep_alive_s=2.5)) as srv:
+        get = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+        async def client() -> tuple[bytes, bytes, bool, float]:
+            r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+            w.write(get)
+            first = await _response(r)
+            await asyncio.sleep(1.2)  # idle past the header deadline
+            w.write(get)
+            second = await _response(r)
+            w.write(b"GET /health HTTP/1.1\r\n")  # then a trickle: the deadline runs from its first byte
+            trickle_cut = await _eof(r, 1.5)
+            w.close()
+            r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+            w.write(get)
+            await _response(r)
+            start = time.monotonic()
+            await _eof(r, 6.0)
+            w.close()
+            return first, second, trickle_cut, time.monotonic() - start
+
+        first, second, trickle_cut, idle_closed_after = asyncio.run(client())
+        assert first.startswith(b"HTTP/1.1 ") and second.split()[1] == first.split()[1], (first, second)
+        assert trickle_cut
+        assert 2.0 < idle_closed_after < 4.5, idle_closed_after
+
+
 def test_connection_cap_answers_503_then_frees() -> None:
     with served(ServerLimits(header_timeout_s=30.0, max_connections=8)) as srv:
 

@@ -12,6 +12,7 @@ from rill.services.gateway.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from rill.services.gateway.server import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
     DEFAULT_MAX_CONNECTIONS,
     ServerLimits,
 )
@@ -38,6 +39,8 @@ def _count(text: str) -> int:
 FLAGS: list[tuple[str, Any, float | int, str]] = [
     ("--header-timeout", _seconds, DEFAULT_HEADER_TIMEOUT_S, "seconds a request's headers may take to arrive"),
     ("--body-timeout", _seconds, DEFAULT_BODY_TIMEOUT_S, "seconds its body may take after them"),
+    ("--keep-alive-timeout", _seconds, DEFAULT_KEEP_ALIVE_S,
+     "seconds an idle kept-alive connection stays open (keep it above your proxy's idle timeout)"),
     ("--max-connections", _count, DEFAULT_MAX_CONNECTIONS, "open sockets per gateway; more get 503"),
     ("--ws-idle-timeout", _seconds, DEFAULT_WS_IDLE_TIMEOUT_S,
      "a WebSocket with no frame and no request in flight this long is closed (0: never)"),
@@ -63,7 +66,7 @@ def limit_argv(ns: argparse.Namespace) -> list[str]:
 def limit_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """app.run's keyword arguments from the flags."""
     return {"server_limits": ServerLimits(header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
-                                          max_connections=ns.max_connections),
+                                          max_connections=ns.max_connections, keep_alive_s=ns.keep_alive_timeout),
             "ws_idle_timeout_s": ns.ws_idle_timeout, "max_waiting_requests": ns.max_waiting_requests,
             "progress_timeout_s": ns.progress_timeout, "shutdown_timeout_s": ns.shutdown_timeout}
 

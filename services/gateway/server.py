@@ -2,9 +2,11 @@
 
 uvicorn alone never closes a connection that trickles its request headers (its only timer is the
 keep-alive one, armed after a response), takes any number of sockets, and accepts 16 MiB
-WebSocket frames. `GuardedH11` adds a read deadline per request (headers, then body) and a cap
-on open connections (HTTP and WebSocket alike); `server_config` sets the frame limit to the
-request body limit. `DrainingServer` turns the first SIGTERM/SIGINT into a drain (drain.py)
+WebSocket frames. `GuardedH11` adds a read deadline per request (headers from the connection's
+first byte or, kept alive, the next request's; then the body) and a cap on open connections
+(HTTP and WebSocket alike); `server_config` sets the frame limit to the request body limit, and
+keeps an idle connection longer than clients and proxies keep theirs: where both wait 5 s
+(uvicorn's default, httpx's), a request sent as the server closes the socket is lost. `DrainingServer` turns the first SIGTERM/SIGINT into a drain (drain.py)
 before uvicorn's own shutdown; a second signal exits at once.
 """
 
@@ -27,6 +29,7 @@ from rill.services.gateway.errors import APIError
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (slowloris)
 DEFAULT_BODY_TIMEOUT_S = 60.0  # and its body within this after them (16 MiB at ~280 KB/s)
 DEFAULT_MAX_CONNECTIONS = 4096  # open sockets, HTTP and WebSocket; above it new ones get 503 (0: no cap)
+DEFAULT_KEEP_ALIVE_S = 75.0  # an idle kept-alive connection, as nginx: over proxies' 60 s and clients' 5-15 s
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ServerLimits:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
 
 
 def _busy_response() -> bytes:
@@ -51,8 +55,7 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if 0 < limits.max_connections < len(self.connections):
-                # Refused before reading a byte: under a flood, the cheapest answer is the best one.
+            if 0 < limits.max_connections < len(self.connections):  # refused unread: cheapest under a flood
                 transport.write(BUSY_RESPONSE)
                 transport.close()
                 return
@@ -64,7 +67,7 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._rearm()  # a kept-alive connection's next request gets its own header deadline
+            self._rearm()  # idle: uvicorn's keep-alive timer; the next request's first byte arms ours
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -74,7 +77,9 @@ def guarded_h11(limits: ServerLimits) -> type[H11Protocol]:
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 self._disarm()  # closed, or upgraded to a WebSocket (its own limits apply)
             elif self.conn.their_state is h11.IDLE:
-                if self._deadline is None:
+                if not self.conn.trailing_data[0]:
+                    self._disarm()  # nothing of a next request yet: idle, not slow
+                elif self._deadline is None:
                     self._arm(limits.header_timeout_s)
             elif self.conn.their_state is h11.SEND_BODY:
                 if self._phase != "body":
@@ -112,6 +117,7 @@ def server_config(app: Any, host: str, port: int, limits: ServerLimits, ws_max_s
     graceful timeout stops a stream whose engine died from holding the process open."""
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
                           http=guarded_h11(limits), ws_max_size=ws_max_size,
+                          timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=max(1, round(graceful_s)))
 
 
