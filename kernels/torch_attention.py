@@ -5,6 +5,11 @@ kernel that reads the paged KV in place (cpu_native) when it is available, else 
 batched matmuls over rows grouped by length; the multi-token (prefill chunk) rows likewise go to
 one call of the native prefill kernel, else each chunk runs through SDPA on its own. Softmax
 always runs in fp32. Which kernel runs is the measured choice (chooser.py).
+
+RILL_BATCH_INVARIANT: every row, prompt rows included, is a decode row for the native decode
+kernel (each over its own positions), since a row's bits must not depend on the kernel its step's
+shape picked: a prompt's last token alone (a prefix-cache hit, a chunk of one) would take the
+decode kernel, the same token in a longer chunk the prompt kernel, and they round differently.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,10 +202,30 @@ def _native_tables(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
     return meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
 
 
-class _NativeDecode:
-    """The single-token rows' block tables, lengths and q rows, for the native kernel."""
+def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table and context length as a single-token decode: a sequence's rows see
+    its positions up to their own (row r of q rows ending at length L sees L - q + 1 + r)."""
+    if meta.max_query_len == 1:
+        return meta.block_tables, meta.seq_lens
+    qsl = np.asarray(meta.query_start_loc_host)
+    qlens = np.diff(qsl)
+    seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
+    lens = np.asarray(meta.seq_lens_host)[seq_of_row] - (qsl[seq_of_row + 1] - 1 - np.arange(int(qsl[-1])))
+    return (meta.block_tables.index_select(0, torch.from_numpy(seq_of_row)).contiguous(),
+            torch.from_numpy(lens.astype(np.int32)))
 
-    def __init__(self, meta: AttentionMetadata, seqs: list[int]) -> None:
+
+class _NativeDecode:
+    """The single-token rows' block tables, lengths and q rows, for the native kernel (`seqs`
+    None: every row of the step, each a decode over its own positions, see row_tables)."""
+
+    def __init__(self, meta: AttentionMetadata, seqs: list[int] | None) -> None:
+        if seqs is None:
+            tables, self.seq_lens = row_tables(meta)
+            self.block_tables = tables.to(torch.int32).contiguous()
+            self.rows = torch.arange(int(meta.query_start_loc_host[-1]), dtype=torch.int64)
+            self.max_len = int(self.seq_lens.max())
+            return
         self.block_tables = _native_tables(meta, seqs)
         self.seq_lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], dtype=torch.int32)
         self.rows = torch.tensor([meta.query_start_loc_host[i] for i in seqs], dtype=torch.int64)
@@ -230,6 +256,10 @@ class _AttentionPlan:
         self.window = window or None  # sliding-window size of the layers this plan serves
         decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
         prefills = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] > 1]
+        if prefills and decode_kernel != "torch" and envs.RILL_BATCH_INVARIANT:  # see the module docstring
+            self.native_prefill, self.prefills, self.decode_groups = None, [], []
+            self.native: _NativeDecode | None = _NativeDecode(meta, None)
+            return
         # Multi-token rows: one call of the native kernel, which reads the paged KV in place;
         # else SDPA per row over its keys (gathered when it has context).
         native_prefill = prefill_kernel != "sdpa"

@@ -13,9 +13,10 @@ few seconds (the supervisor restarts it). Prints one table:
   lost         neither, within --request-timeout: the request hung
   dup deltas   tokens a completed stream showed more than once (repeats)
   missing      tokens a completed stream generated but did not show
-  diverged     completed streams that showed each token once but not the reference's text:
-               another greedy path, not a fault (a batch of another size rounds differently
-               and a near-tie flips)
+  diverged     completed streams that showed each token once but not the reference's text.
+               The server runs with RILL_BATCH_INVARIANT=1 (a greedy request's text does not
+               depend on what shares its steps), so this is a fault; with --no-batch-invariant,
+               another greedy path (a batch of another size rounds differently, a near-tie flips)
 
 Each chunk carries its tokens (`logprobs`) and the stream ends with its usage, so a stream's
 delivered tokens are counted against the tokens the engine generated; a stream without usage (its
@@ -241,12 +242,13 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
 
 @contextmanager
 def rill_serve(model: str, broker_url: str, prefix: str, port: int, args: list[str], log: IO[str],
-               stop_timeout: float = 30.0) -> Iterator[subprocess.Popen[str]]:
+               stop_timeout: float = 30.0, invariant: bool = False) -> Iterator[subprocess.Popen[str]]:
     """`rill serve` on the broker, ready to serve; SIGTERMed (then killed) on the way out."""
     serve = subprocess.Popen(
         [sys.executable, "-m", "rill.services.cli", "serve", model, "--redis-url", broker_url,
          "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        stdout=subprocess.PIPE, stderr=log, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", RILL_BATCH_INVARIANT="1" if invariant else "0"))
     try:
         wait_ready(serve, 600)
         time.sleep(1.0)  # every gateway replica has seen the engine live
@@ -275,6 +277,8 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve with RILL_BATCH_INVARIANT=1, so that a diverged stream is a fault")
     ap.add_argument("--log", default="chaos-serve.log", help="where rill serve's logs go")
     ns = ap.parse_args()
 
@@ -289,7 +293,7 @@ def main() -> None:
                 "--tokenizer-replicas", str(ns.tokenizer_replicas),
                 "--detokenizer-replicas", str(ns.detokenizer_replicas),
                 "--gateway-replicas", str(ns.gateway_replicas)]
-        with rill_serve(model, broker.url, "chaos", port, args, log) as serve:
+        with rill_serve(model, broker.url, "chaos", port, args, log, invariant=ns.batch_invariant) as serve:
             t0 = time.monotonic()
             reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
             bad = [o for o in reference if o.finish is None]

@@ -193,6 +193,27 @@ def test_batch_invariant_serves_the_blocks_and_rows_alone(smollm2_dir: str, monk
     alone = run_rows(model, [prompt])
     assert torch.equal(alone, run_rows(model, [prompt, loud])[:len(prompt)])
     assert torch.equal(alone, run_rows(model, [loud, prompt])[-len(prompt):])
+    # A prompt short enough for the few-rows driver alone, and a prompt whose last token runs alone
+    # (a prefix-cache hit, or a chunk of one): each row's bits still do not depend on the step.
+    short = prompt[:12]
+    assert torch.equal(run_rows(model, [short]), run_rows(model, [short, loud])[:12])
+    assert torch.equal(last_row_in_chunks(model, loud, [len(loud)]), last_row_in_chunks(model, loud, [len(loud) - 1, 1]))
+    assert torch.equal(last_row_in_chunks(model, loud, [len(loud)]), last_row_in_chunks(model, loud, [200, 90, 10]))
+
+
+def last_row_in_chunks(model: LlamaModel, prompt: list[int], chunks: list[int]) -> torch.Tensor:
+    """fp32 logits of the prompt's last row, its prompt run in steps of `chunks` tokens."""
+    from rill.kernels.ops import make_attention_metadata
+
+    blocks = list(range(-(-len(prompt) // 16)))
+    kv = model.allocate_kv_cache(len(blocks), 16)
+    done = 0
+    for n in chunks:
+        positions, meta = make_attention_metadata([blocks], [done], [n], 16)
+        with torch.inference_mode():
+            logits = model.forward(torch.tensor(prompt[done:done + n]), positions, meta, kv, torch.tensor([n - 1]))
+        done += n
+    return logits
 
 
 def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:

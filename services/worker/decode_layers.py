@@ -22,13 +22,12 @@ import ctypes
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from rill.kernels import chooser, cpu_native, gguf_linear, ops, torch_ops
 from rill.kernels.gguf_linear import QuantLinear
 from rill.kernels.ops import AttentionMetadata
-from rill.kernels.torch_attention import attention_key
+from rill.kernels.torch_attention import attention_key, row_tables
 from rill.shared import envs
 
 if TYPE_CHECKING:
@@ -133,19 +132,6 @@ def why_not(model: LlamaModel) -> str | None:
     if _decode_kernel(model) == "torch":
         return "decode attention measured faster in torch here"
     return None
-
-
-def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's block table and context length as a single-token decode: a sequence's rows see
-    its positions up to their own (row r of q rows ending at length L sees L - q + 1 + r)."""
-    if meta.max_query_len == 1:
-        return meta.block_tables, meta.seq_lens
-    qsl = np.asarray(meta.query_start_loc_host)
-    qlens = np.diff(qsl)
-    seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
-    lens = np.asarray(meta.seq_lens_host)[seq_of_row] - (qsl[seq_of_row + 1] - 1 - np.arange(int(qsl[-1])))
-    return (meta.block_tables.index_select(0, torch.from_numpy(seq_of_row)).contiguous(),
-            torch.from_numpy(lens.astype(np.int32)))
 
 
 class DecodeLayers:
