@@ -6,8 +6,9 @@ WebSocket frames. `GuardedH11` adds a read deadline per request (headers from th
 first byte or, kept alive, the next request's; then the body) and a cap on open connections
 (HTTP and WebSocket alike); `server_config` sets the frame limit to the request body limit, and
 keeps an idle connection longer than clients and proxies keep theirs: where both wait 5 s
-(uvicorn's default, httpx's), a request sent as the server closes the socket is lost. `DrainingServer` turns the first SIGTERM/SIGINT into a drain (drain.py)
-before uvicorn's own shutdown; a second signal exits at once.
+(uvicorn's default, httpx's), a request sent as the server closes the socket is lost.
+`DrainingServer` turns the first SIGTERM/SIGINT into a drain (drain.py) before uvicorn's own
+shutdown; a second signal exits at once.
 """
 
 from __future__ import annotations
