@@ -240,3 +240,20 @@ def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) 
     seqs = [tok(" ".join(text for _, text in chat))["input_ids"] for chat in CHATS]
     agreement, mean_diff, _ = quality(LlamaModel.load(smollm2_dir, torch.float32), model, seqs)
     assert agreement >= MIN_TOP1_AGREEMENT and mean_diff <= MAX_MEAN_LOGPROB_DIFF
+
+
+def test_batch_invariance_names_what_it_cannot_pin(smollm2_dir: str) -> None:
+    """RILL_BATCH_INVARIANT=1 pins GGUF layers on the x16 GEMM and the attention rows; the worker
+    names whatever else keeps a kernel chosen by the step's shape, rather than promise in silence."""
+    from rill.services.worker.invariance import invariance_gaps
+
+    gguf = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
+    gaps = invariance_gaps(gguf, "cpu")
+    if gguf_native.x16_supported(gguf_blocks.Q4_1) and gguf_native.x16_supported(gguf_blocks.Q8_0):
+        assert gaps == []
+    else:
+        assert any("x16" in gap for gap in gaps), gaps
+    assert invariance_gaps(gguf, "cuda") == ["the cuda kernels (the mode pins CPU kernels only)"]
+    plain = LlamaModel.load(smollm2_dir, torch.float32)
+    layers = [lin for lin in plain.linears() if lin is not None]
+    assert invariance_gaps(plain, "cpu")[0] == f"{len(layers)} float linear layers (GEMM kernel chosen per batch size)"

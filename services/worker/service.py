@@ -30,6 +30,7 @@ import redis
 import torch
 
 from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
+from rill.services.worker.invariance import invariance_gaps
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.memory import resident_bytes, weight_bytes
 from rill.services.worker.model_runner import ModelRunner
@@ -112,6 +113,9 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     rank = f"rank {tp.rank}/{tp.size} " if tp else ""
     log.info("%sweights: %d MiB held (process resident +%d MiB since before the load)", rank,
              weight_bytes(runner.model) >> 20, (resident_bytes() - rss) >> 20)
+    if envs.RILL_BATCH_INVARIANT and tp is None and (gaps := invariance_gaps(runner.model, device)):
+        log.warning("RILL_BATCH_INVARIANT=1 does not pin %s: a greedy text may still depend on the batch",
+                    "; ".join(gaps))
     dtype = runner.dtype
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
