@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rill.kernels import cpu_native, gguf_native
+from rill.kernels import cpu_native, gguf_blocks, gguf_native
 from rill.kernels.gguf_linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -27,11 +27,11 @@ def invariance_gaps(model: LlamaModel, device: str) -> list[str]:
         return [f"the {device} kernels (the mode pins CPU kernels only)"]
     linears = [lin for lin in model.linears() if lin is not None]
     floats = sum(not isinstance(lin, QuantLinear) for lin in linears)
-    formats = sorted({p.qtype for lin in linears if isinstance(lin, QuantLinear) for p in lin.parts
-                      if not gguf_native.x16_supported(p.qtype)})
+    formats = sorted({gguf_blocks.name(p.qtype) for lin in linears if isinstance(lin, QuantLinear)
+                      for p in lin.parts if not gguf_native.x16_supported(p.qtype)})
     gaps = [f"{floats} float linear layers (GEMM kernel chosen per batch size)"] if floats else []
     if formats:
-        gaps.append(f"GGUF formats {formats} without the x16 GEMM on this CPU (it needs AVX512-VNNI)")
+        gaps.append(f"GGUF formats {', '.join(formats)} without the x16 GEMM on this CPU (it needs AVX512-VNNI)")
     c = model.cfg
     q = torch.empty(1, c.num_attention_heads, c.head_dim, dtype=model.dtype)
     if not cpu_native.decode_supported(q, torch.empty(1, 16, c.num_key_value_heads, c.head_dim, dtype=model.dtype)):
