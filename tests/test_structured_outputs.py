@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -16,7 +15,7 @@ import pydantic
 import pytest
 import torch
 import websockets
-from service_stack import ServiceStack, fresh_stack, openai_client
+from service_stack import ServiceStack
 
 from rill.kernels import cpu_native
 from rill.services.gateway.structured import _from_json
@@ -47,22 +46,6 @@ FLAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "
 SCHEMAS = {"person": PERSON, "order": ORDER, "flags": FLAGS}
 ASK = {"person": "Describe a user of a web shop as JSON.", "order": "Write an example order as JSON.",
        "flags": "Give tags and a score as JSON."}
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, smollm2_dir: str) -> Iterator[ServiceStack]:
-    with fresh_stack(redis_url, smollm2_dir, "so") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(stack: ServiceStack) -> openai.OpenAI:
-    return openai_client(stack, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def mid(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def json_schema_format(name: str) -> dict:
