@@ -102,7 +102,8 @@ async def conversation(client: httpx.AsyncClient, model: str, c: int, args: argp
         if t and args.think_time > 0:  # the user reads the reply and types the next message
             await asyncio.sleep(rng.expovariate(1 / args.think_time))
         doc = f"My document: {text(rng, args.doc_words)}.\n\n" if t == 0 and args.doc_words else ""
-        messages.append({"role": "user", "content": f"{doc}Passage {t}: {text(rng, args.user_words)}. "
+        words = rng.randint(*args.user_words_range) if args.user_words_range else args.user_words
+        messages.append({"role": "user", "content": f"{doc}Passage {t}: {text(rng, words)}. "
                                                      f"What does passage {t} say about the {rng.choice(WORDS)}?"})
         prompts[(t, c)] = list(messages)
         ttft, reply, engine, generated[(t, c)] = await turn(client, model, messages, args.max_tokens)
@@ -206,6 +207,9 @@ def main() -> None:
     p.add_argument("--systems", type=int, default=2, help="distinct system prompts, shared by the chats")
     p.add_argument("--system-words", type=int, default=300, help="about 1.3 tokens a word")
     p.add_argument("--user-words", type=int, default=80)
+    p.add_argument("--user-words-range", type=lambda v: tuple(int(x) for x in v.split(":")), default=None,
+                   metavar="MIN:MAX", help="words of each user turn drawn uniformly from MIN..MAX (overrides "
+                   "--user-words): turns of equal length keep an engine's chats in step, their prompts arriving together")
     p.add_argument("--doc-words", type=int, default=0,
                    help="a document of its own opening each chat's first user turn (document chats); 0: none")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -221,7 +225,7 @@ def main() -> None:
     print(f"CPU: {cpu_line()}")
     print(f"{args.conversations} chats x {args.turns} turns, {args.systems} system prompts of ~{args.system_words} "
           f"words, {f'a ~{args.doc_words}-word document a chat, ' if args.doc_words else ''}"
-          f"user turns of ~{args.user_words} words, max_tokens {args.max_tokens}, {args.engines} engines, "
+          f"user turns of {'-'.join(map(str, args.user_words_range)) if args.user_words_range else f'~{args.user_words}'} words, max_tokens {args.max_tokens}, {args.engines} engines, "
           f"KV cache {args.kv_cache_memory} each", flush=True)
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
