@@ -223,9 +223,10 @@ def main() -> None:
     args = p.parse_args()
     model_dir = str(resolve_model(args.model))
     print(f"CPU: {cpu_line()}")
+    turn_words = "-".join(map(str, args.user_words_range)) if args.user_words_range else f"~{args.user_words}"
     print(f"{args.conversations} chats x {args.turns} turns, {args.systems} system prompts of ~{args.system_words} "
           f"words, {f'a ~{args.doc_words}-word document a chat, ' if args.doc_words else ''}"
-          f"user turns of {'-'.join(map(str, args.user_words_range)) if args.user_words_range else f'~{args.user_words}'} words, max_tokens {args.max_tokens}, {args.engines} engines, "
+          f"user turns of {turn_words} words, max_tokens {args.max_tokens}, {args.engines} engines, "
           f"KV cache {args.kv_cache_memory} each", flush=True)
     policies = args.policies.split(",")
     rows = [run_policy(model_dir, policy, args) for _ in range(args.repeat) for policy in policies]
