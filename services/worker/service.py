@@ -113,7 +113,7 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     rank = f"rank {tp.rank}/{tp.size} " if tp else ""
     log.info("%sweights: %d MiB held (process resident +%d MiB since before the load)", rank,
              weight_bytes(runner.model) >> 20, (resident_bytes() - rss) >> 20)
-    if envs.RILL_BATCH_INVARIANT and tp is None and (gaps := invariance_gaps(runner.model, device)):
+    if envs.RILL_BATCH_INVARIANT and (tp is None or tp.rank == 0) and (gaps := invariance_gaps(runner.model, device)):
         log.warning("RILL_BATCH_INVARIANT=1 does not pin %s: a greedy text may still depend on the batch",
                     "; ".join(gaps))
     dtype = runner.dtype
