@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 HASH_BYTES = 16
 NONE_HASH = b"\x00" * HASH_BYTES
-SHORT_HASH_BYTES = 8  # what an engine's prefix summary keeps of each hash (collisions: ~2^-64)
-SUMMARY_REFRESH_S = 0.25  # routers read the summaries this often; schedulers write no faster
+SHORT_HASH_BYTES = 8  # what an engine's prefix stream keeps of each hash (collisions: ~2^-64)
+SUMMARY_REFRESH_S = 0.25  # routers read the prefix streams this often; schedulers write no faster
 
 
 def hash_block(parent: bytes, tokens: list[int]) -> bytes:
@@ -33,19 +33,13 @@ def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | Non
 
 
 def pack_summary(hashes: Sequence[bytes]) -> bytes:
-    """An engine's prefix summary value: the first SHORT_HASH_BYTES of each hash, concatenated, no
-    order (every other 8-byte word of the hashes joined: 3x cheaper than slicing each)."""
+    """The first SHORT_HASH_BYTES of each hash, concatenated, as an engine's prefix stream carries
+    them (every other 8-byte word of the hashes joined: 3x cheaper than slicing each)."""
     joined = b"".join(hashes)
     assert len(joined) == HASH_BYTES * len(hashes) and HASH_BYTES == 2 * SHORT_HASH_BYTES
     return memoryview(joined).cast("Q")[::2].tobytes()
 
 
 def short_words(hashes: Sequence[bytes]) -> list[int]:
-    """Hashes as a parsed summary holds them: their short hashes as 8-byte words, in order."""
+    """Hashes as the routers hold them (shared/prefix_stream.py): short hashes as 8-byte words, in order."""
     return array("Q", pack_summary(hashes)).tolist()
-
-
-def parse_summary(value: bytes | None) -> frozenset[int]:
-    """The short hashes a summary value holds, as 8-byte words (empty for a missing key): a set of
-    ints builds in half the time of a set of 8-byte strings (5 against 10 ms at 65,536)."""
-    return frozenset(array("Q", value or b""))

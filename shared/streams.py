@@ -64,9 +64,9 @@ class Streams:
     def stats_key(self, engine: int) -> str:
         return f"{self.prefix}:{{engine:{engine}}}:stats"
 
-    def prefix_summary_key(self, engine: int) -> str:
+    def prefix_stream(self, engine: int) -> str:
         """The short hashes of the prompt-prefix blocks the engine has cached, for cache-aware
-        routing (services/scheduler/prefix_summary.py has the format)."""
+        routing: a snapshot, then the changes (shared/prefix_stream.py has the format)."""
         return f"{self.prefix}:{{engine:{engine}}}:prefixes"
 
     def held_key(self, engine: int) -> str:

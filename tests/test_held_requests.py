@@ -62,17 +62,17 @@ def test_a_starting_scheduler_withdraws_what_its_predecessor_published(redis_url
     bus = Bus(redis_url, prefix, name="test")
     s = bus.streams
     bus.r.set(s.stats_key(0), b"old stats")
-    bus.r.set(s.prefix_summary_key(0), b"old summary")
+    bus.r.set(s.prefix_stream(0), b"old summary")
     live = s.reply("gw-live")
     bus.r.set(s.heartbeat("gateway", live), b"1", ex=60)
     bus.exchange(HeldRequests(s.held_key(0)).commands({"a": held("a", live)})[0])
     published_at_answer: list[int] = []
     send_many = bus.send_many
-    bus.send_many = lambda sends: (published_at_answer.append(bus.r.exists(s.stats_key(0), s.prefix_summary_key(0))),
+    bus.send_many = lambda sends: (published_at_answer.append(bus.r.exists(s.stats_key(0), s.prefix_stream(0))),
                                    send_many(sends))[1]  # type: ignore[method-assign]
     stop = StopFlag(install=False)
     stop.set()  # no worker here: run() returns from the handshake at once
     SchedulerService(bus, EngineArgs(model_dir="unused"), stop).run()
-    assert not bus.r.exists(s.stats_key(0), s.prefix_summary_key(0))
+    assert not bus.r.exists(s.stats_key(0), s.prefix_stream(0))
     assert published_at_answer == [0] and bus.r.xlen(live) == 1
     bus.close()

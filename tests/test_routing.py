@@ -1,23 +1,33 @@
 """Data-parallel routing (services/tokenizer/router.py) against a real Redis: stats, heartbeats
-and prefix summaries written by hand for fake engines; and a real scheduler's summary."""
+and prefix streams written by hand for fake engines; the prefix stream's publisher and reader
+(services/scheduler/prefix_summary.py, shared/prefix_stream.py); and a real scheduler's stream."""
 
 from __future__ import annotations
 
 import sys
 import time
+from array import array
 from collections.abc import Iterator
 
 import pytest
 import test_plan_timing
 from test_plan_timing import slow_engine, submit
 
+from rill.services.scheduler import prefix_summary
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
-from rill.services.scheduler.prefix_summary import PrefixSummary, summary_bytes
+from rill.services.scheduler.prefix_summary import SNAPSHOT_S, PrefixSummary, summary_bytes
 from rill.services.tokenizer.router import BALANCE_ABS, Router
-from rill.shared.block_hash import SHORT_HASH_BYTES, block_hashes, pack_summary, parse_summary, short_words
+from rill.shared.block_hash import (
+    SHORT_HASH_BYTES,
+    SUMMARY_REFRESH_S,
+    block_hashes,
+    pack_summary,
+    short_words,
+)
 from rill.shared.bus import Bus
 from rill.shared.config import EngineArgs
 from rill.shared.heartbeat import engine_beat_keys
+from rill.shared.prefix_stream import ADDED, REMOVED, SNAPSHOT, PrefixView, changes_command, snapshot_command
 from rill.shared.schema import EngineStats, encode
 
 BS = 16
@@ -42,7 +52,7 @@ def engine(bus: Bus, e: int, load: int = 0, cached: list[int] | None = None, ali
     s = bus.streams
     bus.r.sadd(s.engines_key(), e)
     bus.r.set(s.stats_key(e), encode(EngineStats(e, role=role, num_waiting=load, block_size=BS)))
-    bus.r.set(s.prefix_summary_key(e), pack_summary(block_hashes(cached or [], BS)))
+    bus.r.execute_command(*snapshot_command(s.prefix_stream(e), b"test", 1, pack_summary(block_hashes(cached or [], BS))))
     for key in engine_beat_keys(s, [e]):
         if alive:
             bus.r.set(key, b"1", ex=60)
@@ -55,8 +65,6 @@ def test_summary_round_trips_short_hashes() -> None:
     assert pack_summary(hashes) == b"".join(h[:SHORT_HASH_BYTES] for h in hashes)
     words = [int.from_bytes(h[:SHORT_HASH_BYTES], sys.byteorder) for h in hashes]
     assert short_words(hashes) == words
-    assert parse_summary(pack_summary(hashes[::-1])) == set(words)
-    assert parse_summary(None) == parse_summary(b"") == frozenset()
     kv = KVCacheManager(64, BS)
     kv.allocate("a", len(PROMPT))
     kv.register_full_blocks("a", hashes, len(PROMPT))
@@ -64,17 +72,90 @@ def test_summary_round_trips_short_hashes() -> None:
     assert len(summary_bytes(kv, max_entries=2)) == 2 * SHORT_HASH_BYTES
 
 
-def test_summary_is_rewritten_only_when_changed_and_not_too_often() -> None:
+def fields(command: tuple) -> dict:
+    """The fields of an XADD command, as redis-py parses an entry's."""
+    i = command.index("*") + 1
+    return {k: (str(v).encode() if isinstance(v, int) else v)
+            for k, v in zip(command[i::2], command[i + 1::2], strict=True)}
+
+
+def words_of(blob: bytes) -> set[int]:
+    return set(array("Q", blob))
+
+
+def test_the_stream_gets_a_snapshot_then_changes_only_when_changed_and_not_too_often() -> None:
     kv, summary = KVCacheManager(64, BS), PrefixSummary("k", min_interval_s=0.25)
-    assert summary.command(kv, now=10.0) == ("SET", "k", b"")
+    first = summary.command(kv, now=10.0)
+    assert first is not None and fields(first)[SNAPSHOT] == b"" and "MAXLEN" in first
     assert summary.command(kv, now=20.0) is None  # unchanged
+    hashes = block_hashes(PROMPT, BS)
     kv.allocate("a", len(PROMPT))
-    kv.register_full_blocks("a", block_hashes(PROMPT, BS), len(PROMPT))
-    assert summary.command(kv, now=20.1) is not None
+    kv.register_full_blocks("a", hashes, len(PROMPT))
+    added = summary.command(kv, now=20.1)
+    assert added is not None and "MAXLEN" not in added
+    assert words_of(fields(added)[ADDED]) == set(short_words(hashes)) and fields(added)[REMOVED] == b""
     kv.free("a")
     kv.allocate("b", 64 * BS)  # evicts every cached block
     assert summary.command(kv, now=20.2) is None  # too soon
-    assert summary.command(kv, now=20.4) == ("SET", "k", b"")
+    removed = summary.command(kv, now=20.4)
+    assert removed is not None and words_of(fields(removed)[REMOVED]) == set(short_words(hashes))
+    assert [fields(c)[b"n"] for c in (first, added, removed)] == [b"1", b"2", b"3"]
+    kv.free("b")
+    kv.allocate("c", len(PROMPT))
+    kv.register_full_blocks("c", hashes, len(PROMPT))
+    late = summary.command(kv, now=20.4 + SNAPSHOT_S)  # a snapshot now and then, whatever changed
+    assert late is not None and words_of(fields(late)[SNAPSHOT]) == set(short_words(hashes))
+    summary.reset()  # a new loop: a snapshot of a new generation
+    again = summary.command(kv, now=21.0 + SNAPSHOT_S)
+    assert again is not None and SNAPSHOT in fields(again) and fields(again)[b"g"] != fields(late)[b"g"]
+
+
+@pytest.mark.parametrize("cap", [64, 20])
+def test_a_router_following_the_stream_holds_what_the_cache_holds(bus: Bus, monkeypatch: pytest.MonkeyPatch,
+                                                                  cap: int) -> None:
+    """Prompts come and go in a small cache (evictions, a snapshot forced by many changes): a
+    router reading every entry as it comes, and one that joins at the end and reads the whole
+    stream, both hold exactly the cache's short hashes; with a cap below the cache's size, at
+    most that many of them, the newest prompt's among them."""
+    monkeypatch.setattr(prefix_summary, "MIN_SNAPSHOT_WORDS", 8)
+    key = bus.streams.prefix_stream(0)
+    kv, summary, follower = KVCacheManager(24, BS), PrefixSummary(key, min_interval_s=0, max_entries=cap), PrefixView()
+    kinds = []
+    for i in range(40):
+        prompt = SYSTEM + list(range(1000 * i, 1000 * i + (i % 5 + 1) * BS))
+        kv.allocate(f"r{i}", len(prompt))
+        kv.register_full_blocks(f"r{i}", block_hashes(prompt, BS), len(prompt))
+        kv.free(f"r{i}")
+        command = summary.command(kv, now=float(i))
+        assert command is not None
+        kinds.append(SNAPSHOT in fields(command))
+        bus.r.execute_command(*command)
+        assert follower.apply(bus.r.xrange(key, follower.start_from(float(i)), "+"))
+        cached = set(array("Q", summary_bytes(kv)))
+        if cap >= kv.num_blocks:
+            assert follower.words == cached
+        else:
+            newest = set(short_words(block_hashes(prompt, BS))[4:])  # after SYSTEM: registered last
+            assert newest <= follower.words <= cached and len(follower.words) <= cap
+    assert kinds[0] and any(kinds[1:]) and not all(kinds[1:])
+    late = PrefixView()
+    assert late.apply(bus.r.xrange(key, late.start_from(0.0), "+")) and late.words == follower.words
+    assert bus.r.xlen(key) == kinds[::-1].index(True) + 1  # the last snapshot and the changes since
+
+
+def test_an_entry_that_does_not_follow_on_sends_the_reader_back_to_the_snapshot() -> None:
+    view = PrefixView()
+    snap = {b"g": b"a", b"n": b"1", SNAPSHOT: bytes(array("Q", [1, 2]))}
+    assert view.apply([(b"1-0", snap)]) and view.words == {1, 2}
+    step = {b"g": b"a", b"n": b"2", ADDED: bytes(array("Q", [3])), REMOVED: bytes(array("Q", [1]))}
+    assert view.apply([(b"1-1", step)]) and view.words == {2, 3}
+    assert not view.apply([(b"1-2", {**step, b"n": b"4"})])  # entry 3 was lost
+    assert view.start_from(0.0) == "-"
+    assert not PrefixView().apply([(b"1-1", step)])  # a whole stream must start with its snapshot
+    other = {**step, b"g": b"b", b"n": b"3"}
+    view.apply([(b"1-0", snap), (b"1-1", step)])
+    assert not view.apply([(b"2-0", other)])  # another generation's changes
+    assert view.apply([]) and view.words == set()  # a whole stream that is empty: nothing cached
 
 
 def test_cache_aware_picks_the_longest_cached_prefix(bus: Bus) -> None:
@@ -85,6 +166,19 @@ def test_cache_aware_picks_the_longest_cached_prefix(bus: Bus) -> None:
     assert router.pick(PROMPT) == 1
     assert router.pick(SYSTEM + [7] * 40) == 0  # 0 and 1 tie on 4 blocks: the less loaded one
     assert router.pick(list(range(900, 1000))) == 2  # no match anywhere: least-loaded
+
+
+def test_a_router_sees_changes_at_its_next_refresh_and_survives_an_unreadable_stream(bus: Bus) -> None:
+    engine(bus, 0, load=1)
+    engine(bus, 1, load=2)
+    router = Router(bus, "cache-aware")
+    assert router.pick(PROMPT) == 0  # nothing cached anywhere: least-loaded
+    s = bus.streams
+    bus.r.execute_command(*changes_command(s.prefix_stream(1), b"test", 2, pack_summary(block_hashes(PROMPT, BS)), b""))
+    bus.r.set(s.prefix_stream(0), b"an older scheduler's summary")  # not a stream: read as no cache
+    time.sleep(SUMMARY_REFRESH_S)
+    assert router.pick(PROMPT) == 1
+    assert router.engines[0].cached == set()
 
 
 def test_ties_go_to_the_least_loaded(bus: Bus) -> None:
@@ -152,20 +246,21 @@ def test_least_loaded_ignores_the_cache(bus: Bus) -> None:
 
 def test_a_real_scheduler_publishes_its_served_prompt_blocks(redis_url: str, prefix: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scheduler (real, over the broker; the worker a stand-in) serves a prompt: its summary
-    then holds the short hash of each of the prompt's full blocks."""
+    """A scheduler (real, over the broker; the worker a stand-in) serves a prompt: its prefix
+    stream then holds the short hash of each of the prompt's full blocks."""
     monkeypatch.setattr(test_plan_timing, "STEP_S", 0.01)
     args = EngineArgs(model_dir="unused", max_num_seqs=8, max_num_batched_tokens=64, block_size=BS)
     with slow_engine(redis_url, prefix, args) as (client, _, _):
         submit(client, "a", 3 * BS + 3)  # token ids 3, 4, ...: three full blocks (+ 200 tokens: max_model_len)
         want = set(short_words(block_hashes(list(range(3, 3 + 3 * BS + 3)), BS)))
         deadline = time.monotonic() + 20
+        view = PrefixView()
         while time.monotonic() < deadline:
-            got = parse_summary(client.r.get(client.streams.prefix_summary_key(0)))
-            if want <= got:
+            assert view.apply(client.r.xrange(client.streams.prefix_stream(0), view.start_from(time.monotonic()), "+"))
+            if want <= view.words:
                 break
             time.sleep(0.05)
-        assert len(want) == 3 and want <= got
+        assert len(want) == 3 and want <= view.words
 
 
 def test_serve_starts_data_parallel_engines_and_hands_the_tokenizer_its_policy() -> None:

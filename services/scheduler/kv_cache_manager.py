@@ -50,9 +50,11 @@ class KVCacheManager:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
-        # Bumped whenever `cached` gains or loses a hash: the engine republishes its prefix
-        # summary (services/scheduler/prefix_summary.py) only when this moved.
+        # Bumped whenever `cached` gains or loses a hash: the engine publishes its prefix cache
+        # (services/scheduler/prefix_summary.py) only when this moved. `changed` lists those
+        # hashes since the publisher last took them (None: nobody publishes; vLLM's KV events).
         self.cache_version = 0
+        self.changed: list[bytes] | None = None
         # Blocks with no owner, eviction order first. Cached ones keep their hash until evicted.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -140,6 +142,8 @@ class KVCacheManager:
                 self.block_hash[block] = h
                 self.cached[h] = block
                 self.cache_version += 1
+                if self.changed is not None:
+                    self.changed.append(h)
             # else: the same content already has a cached block; this copy stays anonymous.
         if end > start:
             self.num_hashed[request_id] = end
@@ -154,6 +158,8 @@ class KVCacheManager:
             if self.cached.get(h) == block:
                 del self.cached[h]
                 self.cache_version += 1
+                if self.changed is not None:
+                    self.changed.append(h)
         return block
 
     def _touch(self, block: int) -> None:
@@ -245,6 +251,8 @@ class KVCacheManager:
                 self.block_hash[block] = None
                 self.cached.pop(h, None)
                 dropped += 1
+                if self.changed is not None:
+                    self.changed.append(h)
         self.cache_version += dropped
         return dropped
 

@@ -90,7 +90,7 @@ class SchedulerService:
         self.outbox: list[Command] = []  # sends that go with the next read (see the module doc)
         self.stats_due = False  # the stats changed: they go with the next exchange, once
         self.inputs_fresh = False  # the inputs were read just now, with the result
-        self.summary = PrefixSummary(s.prefix_summary_key(self.e))  # cached blocks, for cache-aware routers
+        self.summary = PrefixSummary(s.prefix_stream(self.e))  # cached blocks, for cache-aware routers
         self.held = HeldRequests(s.held_key(self.e))  # answered by the next scheduler if this one dies
         self.sched: Scheduler | None = None
         # Heartbeat, lost worker, dead gateways, broker restarts; and the prefill/decode hand-offs.
@@ -146,7 +146,7 @@ class SchedulerService:
         # here before this one is ready: with no stats, routers pass over this engine until then.
         # Deleted before its requests are answered, since the gateways send some of them again.
         s = self.bus.streams
-        self.bus.r.delete(s.stats_key(self.e), s.prefix_summary_key(self.e))
+        self.bus.r.delete(s.stats_key(self.e), s.prefix_stream(self.e))
         self.held.answer_left_over(self.bus)  # before the worker answers: it may be loading for minutes
         ready = self.handshake()
         if ready is None:

@@ -4,7 +4,7 @@ Policies (`--routing`):
   least-loaded  the engine with the fewest requests (running + waiting + in transfer, from its
                 stats key) plus what this replica sent it since it last read them.
   cache-aware   the engine whose prefix cache holds the longest leading run of the prompt's
-                full blocks (from its prefix summary, services/scheduler/prefix_summary.py),
+                full blocks (followed on its prefix stream, shared/prefix_stream.py),
                 unless it is overloaded against the least-loaded one (BALANCE_*), as SGLang's
                 router does; no match anywhere, a tie or an overload: least-loaded.
   round-robin   the live engines in turn.
@@ -18,7 +18,8 @@ its requests from prefill engines, with their KV). Engines that have published n
 (role unknown) are used only when no engine's role is known to run prompts. An engine whose
 scheduler or worker heartbeat is missing (killed, or not started) is skipped while another one
 beats; with none beating, every listed engine stays a candidate (its requests wait for it).
-Everything is read at most every SUMMARY_REFRESH_S, in one MGET.
+Everything is read at most every SUMMARY_REFRESH_S: the stats and heartbeats in one MGET, the
+prefix streams' new entries (cache-aware) in one pipeline.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rill.shared.block_hash import SUMMARY_REFRESH_S, block_hashes, parse_summary, short_words
+from rill.shared.block_hash import SUMMARY_REFRESH_S, block_hashes, short_words
 from rill.shared.bus import Bus
 from rill.shared.heartbeat import engine_beat_keys, engine_ids, engines_alive
 from rill.shared.kinds import EngineRole
+from rill.shared.prefix_stream import PrefixView
 from rill.shared.schema import stats_decoder
 
 POLICIES = ("least-loaded", "cache-aware", "round-robin")
@@ -51,7 +53,7 @@ class EngineView:
     role: EngineRole | None = None  # None: no stats yet
     load: int = 0
     block_size: int = 0
-    cached: frozenset[int] = frozenset()  # short hashes from the engine's summary
+    cached: set[int] = field(default_factory=set)  # short hashes of its cached blocks
     routed: set[int] = field(default_factory=set)  # prompts sent since the read: cached soon
 
 
@@ -63,7 +65,7 @@ class Router:
         self.policy = policy
         self.engines: dict[int, EngineView] = {}
         self.sent: dict[int, int] = {}  # since the last read
-        self._raw_summary: dict[int, bytes | None] = {}  # parsed only when it changed
+        self.prefixes: dict[int, PrefixView] = {}  # followed across refreshes (cache-aware)
         self._last_rr: int | None = None
         self._read_at = float("-inf")
 
@@ -73,19 +75,36 @@ class Router:
         s = self.bus.streams
         ids = engine_ids(self.bus.r.smembers(s.engines_key()))
         n = len(ids)
-        keys = [s.stats_key(e) for e in ids] + engine_beat_keys(s, ids)
+        raw = self.bus.mget([s.stats_key(e) for e in ids] + engine_beat_keys(s, ids))
+        live = [e for e, up in zip(ids, engines_alive(raw[n:], n), strict=True) if up]
         if self.policy == "cache-aware":
-            keys += [s.prefix_summary_key(e) for e in ids]
-        raw = self.bus.mget(keys)
-        live = [e for e, up in zip(ids, engines_alive(raw[n:3 * n], n), strict=True) if up]
+            self._follow_prefixes(ids)
         engines: dict[int, EngineView] = {}
         for i, e in enumerate(ids):
             if live and e not in live:
                 continue
             view = engines[e] = self._view(raw[i])
-            if self.policy == "cache-aware":
-                view.cached = self._summary(e, raw[3 * n + i])
+            if e in self.prefixes:
+                view.cached = self.prefixes[e].words
         self.engines, self.sent, self._read_at = engines, {}, time.monotonic()
+
+    def _follow_prefixes(self, ids: list[int]) -> None:
+        """Apply each engine's new prefix-stream entries; an engine whose entries do not follow
+        on is read again from its snapshot at once, and counts as caching nothing if that fails
+        too (an unreadable stream likewise)."""
+        self.prefixes = {e: self.prefixes.get(e) or PrefixView() for e in ids}
+        todo, now = list(ids), time.monotonic()
+        for _ in range(2):
+            if not todo:
+                return
+            pipe = self.bus.r.pipeline(transaction=False)
+            for e in todo:
+                pipe.xrange(self.bus.streams.prefix_stream(e), self.prefixes[e].start_from(now), "+")
+            replies = pipe.execute(raise_on_error=False)
+            todo = [e for e, reply in zip(todo, replies, strict=True)
+                    if isinstance(reply, Exception) or not self.prefixes[e].apply(reply)]
+        for e in todo:
+            self.prefixes[e] = PrefixView()
 
     @staticmethod
     def _view(payload: bytes | None) -> EngineView:
@@ -96,13 +115,6 @@ class Router:
         if st is None:
             return EngineView()
         return EngineView(st.role, st.num_running + st.num_waiting + st.num_transferring, st.block_size)
-
-    def _summary(self, engine: int, value: bytes | None) -> frozenset[int]:
-        old = self.engines.get(engine)
-        if old is not None and self._raw_summary.get(engine) == value:
-            return old.cached
-        self._raw_summary[engine] = value
-        return parse_summary(value)
 
     # ------------------------------------------------------------------------ picking
 
