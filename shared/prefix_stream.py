@@ -31,6 +31,7 @@ from rill.shared.resp import Command
 
 GEN, SEQ, SNAPSHOT, ADDED, REMOVED = b"g", b"n", b"s", b"a", b"r"
 RESYNC_S = 30.0  # a router reads each engine's whole stream at least this often
+MAX_CHANGE_ENTRIES = 256  # then a snapshot: a stream holds at most 1 + this many entries
 
 
 def snapshot_command(key: str, gen: bytes, seq: int, words: bytes) -> Command:

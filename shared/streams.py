@@ -18,6 +18,7 @@ from typing import Any, get_args
 
 from msgspec import Struct
 
+from rill.shared.prefix_stream import MAX_CHANGE_ENTRIES
 from rill.shared.schema import (
     DetokBatch,
     EngineInput,
@@ -128,7 +129,7 @@ class Streams:
             raise WrongStream(f"{stream!r} is not one of the streams of prefix {self.prefix!r}")
         if not isinstance(msg, kind.types):
             raise WrongStream(f"{type(msg).__name__} may not be sent on {stream!r}, which carries "
-                              f"{', '.join(t.__name__ for t in kind.types)}")
+                              f"{', '.join(t.__name__ for t in kind.types) or 'raw entries of its one writer only'}")
         return kind.cap
 
 
@@ -141,7 +142,8 @@ class StreamKind:
     """One kind of stream: the most entries it keeps and the message types sent on it."""
 
     cap: int  # MAXLEN ~
-    types: tuple[type[Struct], ...]  # the members of the schema union its readers decode
+    types: tuple[type[Struct], ...]  # the members of the schema union its readers decode; none:
+    # written raw by its one writer, which keeps it under the cap (prefix streams)
 
 
 def _members(union: Any) -> tuple[type[Struct], ...]:
@@ -157,8 +159,9 @@ KINDS: dict[str, StreamKind] = {
     "result": StreamKind(1_000, _members(WorkerOutput)),
     "detok": StreamKind(20_000, _members(DetokBatch)),
     "reply": StreamKind(20_000, _members(GatewayInput)),
+    "prefixes": StreamKind(1 + MAX_CHANGE_ENTRIES, ()),  # a snapshot and changes: prefix_stream.py
 }
-_ENGINE_KINDS = {"in": "engine_in", "plan": "plan", "result": "result", "detok": "detok"}
+_ENGINE_KINDS = {"in": "engine_in", "plan": "plan", "result": "result", "detok": "detok", "prefixes": "prefixes"}
 
 
 @lru_cache(maxsize=4096)

@@ -110,14 +110,15 @@ def test_the_stream_gets_a_snapshot_then_changes_only_when_changed_and_not_too_o
     assert again is not None and SNAPSHOT in fields(again) and fields(again)[b"g"] != fields(late)[b"g"]
 
 
-@pytest.mark.parametrize("cap", [64, 20])
+@pytest.mark.parametrize(("cap", "min_words", "max_changes"), [(64, 8, 256), (20, 8, 256), (64, 10**6, 6)])
 def test_a_router_following_the_stream_holds_what_the_cache_holds(bus: Bus, monkeypatch: pytest.MonkeyPatch,
-                                                                  cap: int) -> None:
-    """Prompts come and go in a small cache (evictions, a snapshot forced by many changes): a
-    router reading every entry as it comes, and one that joins at the end and reads the whole
-    stream, both hold exactly the cache's short hashes; with a cap below the cache's size, at
-    most that many of them, the newest prompt's among them."""
-    monkeypatch.setattr(prefix_summary, "MIN_SNAPSHOT_WORDS", 8)
+                                                                  cap: int, min_words: int, max_changes: int) -> None:
+    """Prompts come and go in a small cache (evictions, a snapshot forced by many changes or by
+    many entries): a router reading every entry as it comes, and one that joins at the end and
+    reads the whole stream, both hold exactly the cache's short hashes; with a cap below the
+    cache's size, at most that many of them, the newest prompt's among them."""
+    monkeypatch.setattr(prefix_summary, "MIN_SNAPSHOT_WORDS", min_words)
+    monkeypatch.setattr(prefix_summary, "MAX_CHANGE_ENTRIES", max_changes)
     key = bus.streams.prefix_stream(0)
     kv, summary, follower = KVCacheManager(24, BS), PrefixSummary(key, min_interval_s=0, max_entries=cap), PrefixView()
     kinds = []
@@ -130,6 +131,7 @@ def test_a_router_following_the_stream_holds_what_the_cache_holds(bus: Bus, monk
         assert command is not None
         kinds.append(SNAPSHOT in fields(command))
         bus.r.execute_command(*command)
+        assert bus.r.xlen(key) <= 1 + max_changes <= (bus.streams.cap(key) or 0)
         assert follower.apply(bus.r.xrange(key, follower.start_from(float(i)), "+"))
         cached = set(array("Q", summary_bytes(kv)))
         if cap >= kv.num_blocks:

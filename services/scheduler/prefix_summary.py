@@ -12,7 +12,8 @@ round trip of its own). The changes come from the hashes the cache manager lists
 lose their block (`KVCacheManager.changed`), so an entry costs what changed, not the cache's
 size. A snapshot instead when the loop (re)started, when the changes since the last snapshot add
 up to more words than a snapshot holds (a router joining then reads at most about two snapshots'
-worth) or when SNAPSHOT_S has passed (a broker that lost entries heals).
+worth) or to MAX_CHANGE_ENTRIES entries (the stream's bound), or when SNAPSHOT_S has passed (a
+broker that lost entries heals).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from itertools import islice
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.shared.block_hash import SUMMARY_REFRESH_S, pack_summary
-from rill.shared.prefix_stream import changes_command, snapshot_command
+from rill.shared.prefix_stream import MAX_CHANGE_ENTRIES, changes_command, snapshot_command
 from rill.shared.resp import Command
 
 MAX_ENTRIES = 1 << 16  # 512 KiB: bounds a huge GPU cache's snapshot (newest registrations kept)
@@ -58,6 +59,7 @@ class PrefixSummary:
         self._seq = 0
         self._snapshot_at = float("-inf")
         self._changed_words = 0  # words in the changes since the last snapshot
+        self._changes_since = 0  # entries since the last snapshot
 
     def command(self, kv: KVCacheManager, now: float | None = None) -> Command | None:
         """The XADD that brings the published cache up to date, or None when it is current or
@@ -73,12 +75,14 @@ class PrefixSummary:
             if not added and not removed:
                 return None
             changed = self._changed_words + len(added) + len(removed)
-            if changed <= max(len(self._published), MIN_SNAPSHOT_WORDS):
+            room = self._changes_since < MAX_CHANGE_ENTRIES
+            if room and changed <= max(len(self._published), MIN_SNAPSHOT_WORDS):
                 self._seq, self._changed_words = self._seq + 1, changed
+                self._changes_since += 1
                 return changes_command(self.key, self._gen, self._seq, pack_summary(added), pack_summary(removed))
         kv.changed = []  # from now on the manager lists what changes
         self._published = dict.fromkeys(list(kv.cached)[-self.max_entries:])
-        self._seq, self._snapshot_at, self._changed_words = self._seq + 1, now, 0
+        self._seq, self._snapshot_at, self._changed_words, self._changes_since = self._seq + 1, now, 0, 0
         return snapshot_command(self.key, self._gen, self._seq, pack_summary(list(self._published)))
 
     def _changes(self, kv: KVCacheManager) -> tuple[list[bytes], list[bytes]]:
