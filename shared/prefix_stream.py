@@ -69,12 +69,17 @@ class PrefixView:
         if self.last_id is None and not entries:
             self.words = set()
         for entry_id, fields in entries:
-            gen, seq = fields.get(GEN, b""), int(fields.get(SEQ, -1))
-            if SNAPSHOT in fields:
-                self.words = set(array("Q", fields[SNAPSHOT]))
+            try:  # the broker is not trusted: a malformed entry is one that does not follow on
+                gen, seq = fields.get(GEN, b""), int(fields.get(SEQ, -1))
+                snapshot = array("Q", fields[SNAPSHOT]) if SNAPSHOT in fields else None
+                added, removed = array("Q", fields.get(ADDED, b"")), array("Q", fields.get(REMOVED, b""))
+            except (TypeError, ValueError):
+                snapshot, seq = None, -1
+            if snapshot is not None:
+                self.words = set(snapshot)
             elif self.last_id is not None and gen == self.gen and seq == self.seq + 1:
-                self.words.difference_update(array("Q", fields.get(REMOVED, b"")))
-                self.words.update(array("Q", fields.get(ADDED, b"")))
+                self.words.difference_update(removed)
+                self.words.update(added)
             else:
                 self.last_id = None
                 return False

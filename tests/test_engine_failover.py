@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 import httpx
 import msgspec
+import pytest
+import redis
 from service_stack import ServiceStack, fast_flags, rill_executable
 
 from rill.shared.broker import free_port
-from rill.shared.schema import EngineStats, TokenizedRequest, encode, engine_input_decoder
+from rill.shared.schema import EngineStats, ErrorReply, TokenizedRequest, encode, engine_input_decoder
 
 # Request i of a batch asks for first + i tokens: the engines' input streams tell which got it.
 LONG, SHORT, AFTER_RESTART = 48, 8, 16
@@ -167,7 +169,8 @@ def test_sigkill_one_of_two_engines(redis_url: str, smollm2_dir: str) -> None:
 def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, prefix: str,
                                                                  smollm2_dir: str) -> None:
     """The gateway learns each request's engine (Routed) from the tokenizer, except for a prefill
-    engine: it hands the request to a decode engine, so it is not where the request ends."""
+    engine: it hands the request to a decode engine, so it is not where the request ends. A
+    routing failure answers its request, and leaves the replica's loop alone."""
     from rill.services.tokenizer.router import Router
     from rill.services.tokenizer.service import Tokenizer, handle
     from rill.shared.bus import Bus
@@ -187,6 +190,22 @@ def test_tokenizer_names_the_engine_unless_it_hands_requests_on(redis_url: str, 
             assert sends[0][0] == s.engine_in(0) and isinstance(sends[0][1], TokenizedRequest)
             notes = [(stream, msg) for stream, msg in sends if isinstance(msg, Routed)]
             assert notes == ([("gw", Routed(request_id=req.request_id, engine=0))] if role == "both" else [])
+        # A routing bug answers its request with a 500 and leaves the read loop running; a
+        # broker error goes up to the loop, which rides it out and redoes the entry.
+        class Broken(Router):
+            exc: Exception = RuntimeError()
+
+            def pick(self, *args: object, **kwargs: object) -> int:
+                raise self.exc
+
+        broken = Broken(bus)
+        broken.exc = RuntimeError("bug")
+        ((stream, error),) = handle(bus, tokenizer, broken, encode(req))
+        assert stream == "gw" and isinstance(error, ErrorReply) and error.status == 500
+        assert "routing failed: bug" in error.message
+        broken.exc = redis.ConnectionError("gone")
+        with pytest.raises(redis.ConnectionError):
+            handle(bus, tokenizer, broken, encode(req))
     finally:
         bus.r.delete(s.engines_key(), s.stats_key(0))
         bus.close()

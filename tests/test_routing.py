@@ -183,6 +183,22 @@ def test_a_router_sees_changes_at_its_next_refresh_and_survives_an_unreadable_st
     assert router.engines[0].cached == set()
 
 
+def test_malformed_stream_entries_route_as_no_cache_and_never_raise(bus: Bus, caplog: pytest.LogCaptureFixture) -> None:
+    """The broker is not trusted: junk on an engine's prefix stream (a number that is no number,
+    words of odd length) costs that engine its cache-aware picks, not the tokenizer its loop."""
+    engine(bus, 0, load=0)
+    engine(bus, 1, load=1, cached=PROMPT)
+    engine(bus, 2, load=2, cached=PROMPT)
+    s = bus.streams
+    bus.r.xadd(s.prefix_stream(1), {b"g": b"test", b"n": b"not a number", b"a": b"abc"})
+    bus.r.xadd(s.prefix_stream(2), {b"g": b"x", b"n": b"1", b"s": b"odd length"}, maxlen=1)
+    router = Router(bus, "cache-aware")
+    assert router.pick(PROMPT) == 0  # neither holder can be read: least-loaded
+    assert router.engines[1].cached == router.engines[2].cached == set()
+    assert sum("cannot be followed" in r.message for r in caplog.records) == 2
+    assert not PrefixView().apply([(b"1-0", {b"n": b"1", b"s": b"odd"})])
+
+
 def test_ties_go_to_the_least_loaded(bus: Bus) -> None:
     engine(bus, 0, load=3, cached=SYSTEM)
     engine(bus, 1, load=1, cached=SYSTEM)

@@ -24,6 +24,7 @@ prefix streams' new entries (cache-aware) in one pipeline.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from rill.shared.kinds import EngineRole
 from rill.shared.prefix_stream import PrefixView
 from rill.shared.schema import stats_decoder
 
+log = logging.getLogger("rill.tokenizer")
 POLICIES = ("least-loaded", "cache-aware", "round-robin")
 DEFAULT_POLICY = "cache-aware"  # scripts/bench_routing.py: multi-turn chats over 2 engines
 # The cache-aware pick yields to the least-loaded engine only when it has both BALANCE_ABS more
@@ -66,6 +68,7 @@ class Router:
         self.engines: dict[int, EngineView] = {}
         self.sent: dict[int, int] = {}  # since the last read
         self.prefixes: dict[int, PrefixView] = {}  # followed across refreshes (cache-aware)
+        self._unreadable: set[int] = set()  # engines whose prefix stream failed (logged once)
         self._last_rr: int | None = None
         self._read_at = float("-inf")
 
@@ -96,7 +99,7 @@ class Router:
         todo, now = list(ids), time.monotonic()
         for _ in range(2):
             if not todo:
-                return
+                break
             pipe = self.bus.r.pipeline(transaction=False)
             for e in todo:
                 pipe.xrange(self.bus.streams.prefix_stream(e), self.prefixes[e].start_from(now), "+")
@@ -105,6 +108,10 @@ class Router:
                     if isinstance(reply, Exception) or not self.prefixes[e].apply(reply)]
         for e in todo:
             self.prefixes[e] = PrefixView()
+            if e not in self._unreadable:
+                log.warning("engine %d's prefix stream cannot be followed (malformed or lost entries): "
+                            "routing as if it cached nothing until it can", e)
+        self._unreadable = set(todo)
 
     @staticmethod
     def _view(payload: bytes | None) -> EngineView:

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import msgspec
+import redis
 from msgspec import Struct
 
 from rill.services.tokenizer.chat_template import (
@@ -225,7 +226,13 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
     except Exception as exc:  # never let one request take the replica down
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply.of(req.request_id, f"tokenization failed: {exc}", 500))]
-    engine = router.pick(out.prompt_token_ids, avoid=req.avoid_engine)
+    try:
+        engine = router.pick(out.prompt_token_ids, avoid=req.avoid_engine)
+    except redis.RedisError:
+        raise  # the loop rides out the outage and redoes this entry
+    except Exception as exc:  # a routing bug must not end the replica's read loop
+        log.exception("routing %s failed", req.request_id)
+        return [(req.reply_to, ErrorReply.of(req.request_id, f"routing failed: {exc}", 500))]
     sends: list[tuple[str, Struct]] = [(bus.streams.engine_in(engine), out)]
     if router.role(engine) != "prefill":  # a prefill engine hands the request on: not its last engine
         sends.append((req.reply_to, Routed(request_id=req.request_id, engine=engine)))
