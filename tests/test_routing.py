@@ -4,10 +4,12 @@ and prefix streams written by hand for fake engines; the prefix stream's publish
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import test_plan_timing
@@ -158,6 +160,16 @@ def test_an_entry_that_does_not_follow_on_sends_the_reader_back_to_the_snapshot(
     view.apply([(b"1-0", snap), (b"1-1", step)])
     assert not view.apply([(b"2-0", other)])  # another generation's changes
     assert view.apply([]) and view.words == set()  # a whole stream that is empty: nothing cached
+
+
+def test_the_benchmark_checks_both_designs_hold_every_cache(redis_url: str) -> None:
+    """scripts/bench_prefix_stream.py (small): its run asserts that the stream's follower and the
+    whole-summary baseline both hold exactly each churning cache, refresh after refresh."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_prefix_stream.py"
+    out = subprocess.run([sys.executable, str(script), "--redis-url", redis_url, "--engines", "3",
+                          "--entries", "300", "--churn", "8", "--refreshes", "5"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "prefix streams" in out and "fewer bytes" in out, out
 
 
 def test_cache_aware_picks_the_longest_cached_prefix(bus: Bus) -> None:
