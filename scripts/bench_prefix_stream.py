@@ -25,6 +25,7 @@ import redis
 from rill.services.scheduler.prefix_summary import PrefixSummary, summary_bytes
 from rill.shared.block_hash import pack_summary
 from rill.shared.prefix_stream import PrefixView
+from rill.shared.streams import Streams
 
 
 class StandInCache:
@@ -48,7 +49,7 @@ class StandInCache:
 
 def run(r: redis.Redis, prefix: str, engines: int, entries: int, churn: int, refreshes: int) -> dict[str, list[float]]:
     caches = [StandInCache(entries) for _ in range(engines)]
-    stream_keys = [f"{prefix}:{{engine:{e}}}:prefixes" for e in range(engines)]
+    stream_keys = [Streams(prefix).prefix_stream(e) for e in range(engines)]
     value_keys = [f"{prefix}:{{engine:{e}}}:summary" for e in range(engines)]
     publishers = [PrefixSummary(k, min_interval_s=0) for k in stream_keys]
     views = [PrefixView() for _ in range(engines)]

@@ -141,9 +141,7 @@ class KVCacheManager:
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
-                self.cache_version += 1
-                if self.changed is not None:
-                    self.changed.append(h)
+                self._cache_changed(h)
             # else: the same content already has a cached block; this copy stays anonymous.
         if end > start:
             self.num_hashed[request_id] = end
@@ -157,9 +155,7 @@ class KVCacheManager:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
-                self.cache_version += 1
-                if self.changed is not None:
-                    self.changed.append(h)
+                self._cache_changed(h)
         return block
 
     def _touch(self, block: int) -> None:
@@ -250,11 +246,15 @@ class KVCacheManager:
             if h is not None:
                 self.block_hash[block] = None
                 self.cached.pop(h, None)
+                self._cache_changed(h)
                 dropped += 1
-                if self.changed is not None:
-                    self.changed.append(h)
-        self.cache_version += dropped
         return dropped
+
+    def _cache_changed(self, h: bytes) -> None:
+        """`cached` gained or lost `h`: what the prefix-cache publisher watches."""
+        self.cache_version += 1
+        if self.changed is not None:
+            self.changed.append(h)
 
     def check_invariants(self) -> None:
         """For tests: every structure agrees with every other."""

@@ -32,12 +32,15 @@ SNAPSHOT_S = 30.0
 MIN_SNAPSHOT_WORDS = 1024  # changes up to this many words never force a snapshot of a small cache
 
 
+def newest_hashes(kv: KVCacheManager, max_entries: int = MAX_ENTRIES) -> list[bytes]:
+    """What a snapshot of this cache holds: at most max_entries hashes, the newest registrations
+    (dict order), newest last."""
+    return list(kv.cached)[-max_entries:]
+
+
 def summary_bytes(kv: KVCacheManager, max_entries: int = MAX_ENTRIES) -> bytes:
-    """The short hashes of this cache, packed: newest registrations last (dict order)."""
-    hashes = list(kv.cached)
-    if len(hashes) > max_entries:
-        hashes = hashes[-max_entries:]
-    return pack_summary(hashes)
+    """The short hashes of a snapshot of this cache, packed."""
+    return pack_summary(newest_hashes(kv, max_entries))
 
 
 class PrefixSummary:
@@ -81,7 +84,7 @@ class PrefixSummary:
                 self._changes_since += 1
                 return changes_command(self.key, self._gen, self._seq, pack_summary(added), pack_summary(removed))
         kv.changed = []  # from now on the manager lists what changes
-        self._published = dict.fromkeys(list(kv.cached)[-self.max_entries:])
+        self._published = dict.fromkeys(newest_hashes(kv, self.max_entries))
         self._seq, self._snapshot_at, self._changed_words, self._changes_since = self._seq + 1, now, 0, 0
         return snapshot_command(self.key, self._gen, self._seq, pack_summary(list(self._published)))
 
