@@ -35,6 +35,7 @@ def serve_group(bus: Bus, stream: str, group: str, consumer: str,
     it takes over entries other replicas left unacked for `claim_idle_ms` (they died), trims what
     every replica has consumed, forgets dead consumers, and rides out broker outages with backoff."""
     log = log or logging.getLogger("rill.bus")
+    handle = _isolating(handle, stream, group, log)
     backoff = Backoff()
     recover = True
     outbox: list[Command] = []  # what the last handled batch still has to send, its ack last
@@ -83,6 +84,26 @@ def serve_group(bus: Bus, stream: str, group: str, consumer: str,
             bus.exchange(outbox)
         except redis.RedisError as exc:
             log.warning("could not send the last replies while stopping (they are redone): %r", exc)
+
+
+def _isolating(handle: Callable[[list[Entry]], list[Command] | None], stream: str, group: str,
+               log: logging.Logger) -> Callable[[list[Entry]], list[Command] | None]:
+    """`handle`, except that a batch it fails on (a bug: handlers answer bad input themselves) is
+    handled again one entry at a time, and an entry it fails on alone is logged and acked: one
+    poisoned entry must not end the loop or, redone forever, stall every entry behind it. Redoing
+    is harmless, as after a replica's death."""
+    def guarded(entries: list[Entry]) -> list[Command] | None:
+        try:
+            return handle(entries)
+        except redis.RedisError:
+            raise
+        except Exception:
+            if len(entries) == 1:
+                log.exception("dropping entry %s of %s: handling it failed", entries[0][0], stream)
+                return [Bus.xack(stream, group, [entries[0][0]])]
+            log.exception("handling %d entries of %s failed: handling them one at a time", len(entries), stream)
+            return [cmd for entry in entries for cmd in guarded([entry]) or []]
+    return guarded
 
 
 def serve_streams(url: str, prefix: str, group: str, consumer: str, streams_now: Callable[[Bus], list[str]],

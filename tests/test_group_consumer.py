@@ -3,9 +3,12 @@ engine), against a real broker."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+import pytest
 
 from rill.shared.bus import FIELD, Bus, Entry
 from rill.shared.group_consumer import serve_streams
@@ -66,3 +69,43 @@ def test_streams_join_and_leave_and_handlers_never_overlap(redis_url: str, prefi
         thread.join(10)
         bus.close()
     assert not thread.is_alive()
+
+
+def test_an_entry_the_handler_fails_on_is_dropped_and_the_rest_served(redis_url: str, prefix: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A handler bug on one entry (handlers answer bad input themselves) neither ends the reader
+    nor, redone forever, stalls the entries behind it: the batch is handled again one entry at a
+    time and the entry that fails alone is logged and acked."""
+    bus = Bus(redis_url, prefix)
+    stream = bus.streams.detok(0)
+    handled: list[bytes] = []
+    tries: list[int] = []
+
+    def handle(rbus: Bus, stream_: str, entries: list[Entry]) -> list[Command]:
+        tries.append(len(entries))
+        if any(payload == b"poison" for _, payload in entries):
+            raise ValueError("a handler bug")
+        handled.extend(payload for _, payload in entries)
+        return [Bus.xack(stream_, GROUP, [entry_id for entry_id, _ in entries])]
+
+    for i in range(10):  # in the stream before the reader starts: one batch holds them all
+        bus.r.xadd(stream, {FIELD: b"poison" if i == 4 else b"e%d" % i})
+    poison_id = bus.r.xrange(stream)[4][0].decode()
+    stop = StopFlag(install=False)
+    thread = threading.Thread(target=serve_streams, daemon=True,
+                              args=(redis_url, prefix, GROUP, "c", lambda _bus: [stream], handle, stop))
+    with caplog.at_level(logging.ERROR, logger="rill.bus"):
+        thread.start()
+        try:
+            wait_for(lambda: len(handled) == 9, "the entries beside the failing one were not served")
+            bus.r.xadd(stream, {FIELD: b"later"})
+            wait_for(lambda: handled[-1:] == [b"later"], "the reader stopped after the failure")
+            assert handled == [b"e%d" % i for i in range(10) if i != 4] + [b"later"]
+            assert tries[0] == 10 and tries[1:11] == [1] * 10, tries
+            assert bus.r.xpending(stream, GROUP)["pending"] == 0
+        finally:
+            stop.set()
+            thread.join(10)
+            bus.close()
+    dropped = [r for r in caplog.records if "dropping entry" in r.getMessage()]
+    assert len(dropped) == 1 and poison_id in dropped[0].getMessage() and dropped[0].exc_info
