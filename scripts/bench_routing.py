@@ -180,6 +180,7 @@ def run_policy(model_dir: str, policy: str, args: argparse.Namespace) -> dict[st
     argv = [sys.executable, "-m", "rill.services.cli", "serve", model_dir, "--port", str(port),
             "--data-parallel-size", str(args.engines), "--routing", policy, "--dtype", args.dtype,
             "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "4096", "--log-level", "WARNING"]
+    argv += ["--chat-template", args.chat_template] if args.chat_template else []
     print(f"[{policy}] starting rill serve --data-parallel-size {args.engines} ...", flush=True)
     with serving(argv, port) as base:
         ttfts, wall, before, best, routed, stay = asyncio.run(workload(base, args))
@@ -216,6 +217,7 @@ def main() -> None:
     p.add_argument("--think-time", type=float, default=0.0,
                    help="mean seconds between a reply and the chat's next turn (exponential); 0: none")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="for a model without one (rill serve's flag)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per engine")
     p.add_argument("--policies", default="least-loaded,cache-aware")
     p.add_argument("--repeat", type=int, default=1,
