@@ -23,6 +23,8 @@ delivered tokens are counted against the tokens the engine generated; a stream w
 gateway died after the finish) is compared chunk by chunk with the reference instead.
 
     .venv/bin/python scripts/chaos.py --duration 60
+    .venv/bin/python scripts/chaos.py --data-parallel-size 2 --routing cache-aware --preamble-words 60 \
+        --kinds tokenizer,detokenizer,gateway,scheduler,worker   # engines killed among live ones
 """
 
 from __future__ import annotations
@@ -184,8 +186,9 @@ class Killer(threading.Thread):
             return any(c["name"].decode() == name and c["idle"] < 2000 for c in consumers)
         if kind == "gateway":
             return holds_socket(pid, listening_inodes(self.port))
-        if kind in ENGINE_KINDS:
-            return bool(self.r.exists(self.streams.heartbeat(kind, 0)))
+        if kind in ENGINE_KINDS:  # the last --engine-id wins, as in argparse
+            engine = int(args[len(args) - 1 - args[::-1].index("--engine-id") + 1]) if "--engine-id" in args else 0
+            return bool(self.r.exists(self.streams.heartbeat(kind, engine)))
         return True
 
     def run(self) -> None:
@@ -274,6 +277,11 @@ def main() -> None:
     ap.add_argument("--tokenizer-replicas", type=int, default=3)
     ap.add_argument("--detokenizer-replicas", type=int, default=3)
     ap.add_argument("--gateway-replicas", type=int, default=2)
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engines; with 2 or more, a killed engine's requests fail and new ones go to the others")
+    ap.add_argument("--routing", default=None, help="rill serve's --routing (its default if not given)")
+    ap.add_argument("--preamble-words", type=int, default=0,
+                    help="words of one text every prompt starts with: shared prefix blocks for cache-aware routing")
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -284,15 +292,17 @@ def main() -> None:
 
     rng = random.Random(ns.seed)
     model = str(resolve_model(ns.model))
-    prompts = [f"A short story about {TOPICS[i % len(TOPICS)]} (part {i // len(TOPICS) + 1}):"
-               for i in range(ns.requests)]
+    preamble = " ".join(TOPICS[i * 7 % len(TOPICS)].split()[-1] for i in range(ns.preamble_words))
+    prompts = [f"{preamble + chr(10) if preamble else ''}A short story about {TOPICS[i % len(TOPICS)]} "
+               f"(part {i // len(TOPICS) + 1}):" for i in range(ns.requests)]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with EmbeddedBroker() as broker, open(ns.log, "w") as log:
         args = ["--dtype", ns.dtype, "--max-model-len", "512", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
                 "--tokenizer-replicas", str(ns.tokenizer_replicas),
                 "--detokenizer-replicas", str(ns.detokenizer_replicas),
-                "--gateway-replicas", str(ns.gateway_replicas)]
+                "--gateway-replicas", str(ns.gateway_replicas), "--data-parallel-size", str(ns.data_parallel_size)]
+        args += ["--routing", ns.routing] if ns.routing else []
         with rill_serve(model, broker.url, "chaos", port, args, log, invariant=ns.batch_invariant) as serve:
             t0 = time.monotonic()
             reference = asyncio.run(run_set(base, prompts, ns.max_tokens, ns.concurrency, ns.request_timeout))
