@@ -36,8 +36,7 @@ def serve_group(bus: Bus, stream: str, group: str, consumer: str,
     every replica has consumed, forgets dead consumers, and rides out broker outages with backoff."""
     log = log or logging.getLogger("rill.bus")
     handle = _isolating(handle, stream, group, log)
-    backoff = Backoff()
-    recover = True
+    backoff, recover = Backoff(), True  # recover: first, redo this consumer's own unacked entries
     outbox: list[Command] = []  # what the last handled batch still has to send, its ack last
     next_claim = next_trim = next_reap = time.monotonic()  # at start too: this replica may replace a dead one
     while not stop:
