@@ -186,8 +186,9 @@ class Killer(threading.Thread):
             return any(c["name"].decode() == name and c["idle"] < 2000 for c in consumers)
         if kind == "gateway":
             return holds_socket(pid, listening_inodes(self.port))
-        if kind in ENGINE_KINDS:  # the last --engine-id wins, as in argparse
-            engine = int(args[len(args) - 1 - args[::-1].index("--engine-id") + 1]) if "--engine-id" in args else 0
+        if kind in ENGINE_KINDS:
+            at = [i for i, a in enumerate(args) if a == "--engine-id"]  # the last one wins, as in argparse
+            engine = int(args[at[-1] + 1]) if at else 0
             return bool(self.r.exists(self.streams.heartbeat(kind, engine)))
         return True
 
