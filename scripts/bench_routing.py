@@ -18,7 +18,9 @@ policy's choices allow, whatever the cache size); how often a chat's turn ran on
 previous turn (the x-rill-engine response header, which gives both); TTFT p50/p99 at the client;
 the prompt tokens the engines computed (preempted requests' recomputation included); tokens/s
 (MAX_TOKENS a request: an upper bound if a reply ends early) and requests/s over the workload's
-wall time; and how the requests split over the engines.
+wall time; and how the requests split over the engines. Then cache-aware against each other
+policy: the ratios, and the hit rate a 2x ratio would need beside what that policy's own routing
+allowed (its ceiling as routed) and its caches kept.
 
     .venv/bin/python scripts/bench_routing.py [MODEL] [--conversations 8] [--turns 6]
 """
@@ -242,6 +244,25 @@ def main() -> None:
     for r in rows:
         print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} | {r['routed']:.1%} | {r['stay']:.0%} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | "
               f"{r['preemptions']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['split']} |")
+    verdict(rows, policies)
+
+
+def verdict(rows: list[dict[str, Any]], policies: list[str]) -> None:
+    """Cache-aware against each other policy (medians if repeated), and what bounds the hit-rate
+    ratio: the other policy's ceiling as routed is what its choices allow with unbounded caches,
+    so a ratio r needs its caches to lose the rest down to the hit rate r times lower."""
+    last = {r["policy"].removesuffix(" (median)"): r for r in rows}  # the medians come last
+    if "cache-aware" not in last:
+        return
+    ca = last["cache-aware"]
+    for policy in (p for p in policies if p != "cache-aware"):
+        o = last[policy]
+        print(f"\ncache-aware against {policy}: hit rate {ca['hit_rate'] / max(o['hit_rate'], 1e-9):.2f}x, "
+              f"prompt tokens computed {o['computed'] / max(ca['computed'], 1):.2f}x fewer, TTFT p50 "
+              f"{o['ttft_p50'] / ca['ttft_p50']:.2f}x and p99 {o['ttft_p99'] / ca['ttft_p99']:.2f}x lower, "
+              f"tok/s {ca['tok_s'] / o['tok_s']:.2f}x. A 2x hit rate needs {policy} at {ca['hit_rate'] / 2:.1%}; "
+              f"its own routing allowed {o['routed']:.1%} (ceiling as routed), its caches kept {o['hit_rate']:.1%}.")
+
 
 if __name__ == "__main__":
     main()
