@@ -73,15 +73,17 @@ class PrefixView:
                 gen, seq = fields.get(GEN, b""), int(fields.get(SEQ, -1))
                 snapshot = array("Q", fields[SNAPSHOT]) if SNAPSHOT in fields else None
                 added, removed = array("Q", fields.get(ADDED, b"")), array("Q", fields.get(REMOVED, b""))
+                follows = snapshot is not None or (self.last_id is not None and gen == self.gen
+                                                   and seq == self.seq + 1)
             except (TypeError, ValueError):
-                snapshot, seq = None, -1
-            if snapshot is not None:
-                self.words = set(snapshot)
-            elif self.last_id is not None and gen == self.gen and seq == self.seq + 1:
-                self.words.difference_update(removed)
-                self.words.update(added)
-            else:
+                follows = False
+            if not follows:
                 self.last_id = None
                 return False
+            if snapshot is not None:
+                self.words = set(snapshot)
+            else:
+                self.words.difference_update(removed)
+                self.words.update(added)
             self.last_id, self.gen, self.seq = entry_id, gen, seq
         return True

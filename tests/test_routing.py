@@ -209,6 +209,9 @@ def test_malformed_stream_entries_route_as_no_cache_and_never_raise(bus: Bus, ca
     assert router.engines[1].cached == router.engines[2].cached == set()
     assert sum("cannot be followed" in r.message for r in caplog.records) == 2
     assert not PrefixView().apply([(b"1-0", {b"n": b"1", b"s": b"odd"})])
+    following = PrefixView()  # junk arriving first in a read, after entries that did follow on
+    assert following.apply([(b"1-0", {b"g": b"x", b"n": b"1", b"s": array("Q", [7]).tobytes()})])
+    assert not following.apply([(b"2-0", {b"g": b"x", b"n": b"not a number"})]) and following.last_id is None
 
 
 def test_ties_go_to_the_least_loaded(bus: Bus) -> None:
