@@ -102,10 +102,14 @@ def converted_from(model_dir: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def file_key(path: Path) -> str:
+    """Names what is derived from a file: its path, size and mtime (no hash of its GBs)."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
 def _cache_dir_for(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
+    return cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
 
 
 def convert_gguf(gguf: Path) -> Path:

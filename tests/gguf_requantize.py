@@ -5,6 +5,7 @@ scales: valid blocks of a coarser fit, enough for tests of the kernels that read
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGUFValueType
 
 from rill.kernels.gguf_blocks import q6_k_blocks
+from rill.shared.model_files import cache_root, file_key
 
 _ADD = {GGUFValueType.STRING: "add_string", GGUFValueType.BOOL: "add_bool", GGUFValueType.FLOAT32: "add_float32",
         GGUFValueType.UINT32: "add_uint32", GGUFValueType.INT32: "add_int32", GGUFValueType.UINT64: "add_uint64",
@@ -88,4 +90,18 @@ def requantize(src: Path, dst: Path, to: GGMLQuantizationType,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return dst
+
+
+def requantized(src: Path, recipe: str, to: GGMLQuantizationType,
+                pick: Callable[[str, int], GGMLQuantizationType | None] | None = None) -> Path:
+    """requantize() once per machine: the file is kept in Rill's cache under a name that says the
+    source file (path, size, mtime) and the recipe, so `rill serve`'s conversion of it is cached too
+    (in a fresh temporary folder each run, both were redone, and each left a converted copy behind)."""
+    dst = cache_root() / "test-gguf" / f"{src.stem.split('.')[0]}.{recipe}-{file_key(src)}.gguf"
+    if not dst.is_file():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        part = dst.with_name(f".{dst.name}.{os.getpid()}")
+        requantize(src, part, to, pick)
+        os.replace(part, dst)  # whole or absent, should two runs race
     return dst

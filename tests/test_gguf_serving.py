@@ -43,25 +43,24 @@ def from_blocks(model_dir: str) -> LlamaModel:
 
 
 @pytest.fixture(scope="module")
-def smollm2_q4_0_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def smollm2_q4_0_dir() -> str:
     """SmolLM2 in Q4_0 (its Q4_1 file requantized by gguf-py), converted as `rill serve` would."""
     from gguf import GGMLQuantizationType
-    from gguf_requantize import requantize
+    from gguf_requantize import requantized
 
     from rill.shared.model_files import gguf_source, resolve_model
 
     src = gguf_source(None)  # the default model's file
     assert src is not None
-    dst = tmp_path_factory.mktemp("q4_0") / "SmolLM2-135M-Instruct.Q4_0.gguf"
-    return str(resolve_model(str(requantize(src, dst, GGMLQuantizationType.Q4_0))))
+    return str(resolve_model(str(requantized(src, "Q4_0", GGMLQuantizationType.Q4_0))))
 
 
 @pytest.fixture(scope="module")
-def smollm2_k_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def smollm2_k_dir() -> str:
     """SmolLM2 with its down projections (1536 inputs: whole 256-value blocks) in Q5_K (even
     layers) and Q6_K (odd ones), the rest in Q4_1: the mix of a Q5_K_M / Q4_K_M download."""
     from gguf import GGMLQuantizationType
-    from gguf_requantize import requantize
+    from gguf_requantize import requantized
 
     from rill.shared.model_files import gguf_source, resolve_model
 
@@ -72,8 +71,7 @@ def smollm2_k_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     src = gguf_source(None)
     assert src is not None
-    dst = tmp_path_factory.mktemp("k") / "SmolLM2-135M-Instruct.Q5_K_M.gguf"
-    return str(resolve_model(str(requantize(src, dst, GGMLQuantizationType.Q4_1, pick))))
+    return str(resolve_model(str(requantized(src, "Q5_K_M", GGMLQuantizationType.Q4_1, pick))))
 
 
 @pytest.fixture(scope="module", params=["smollm2", "smollm2_q4_0", "smollm2_k", "gemma3"])

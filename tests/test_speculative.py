@@ -261,6 +261,13 @@ def _two_sample_chi2(a: list[int], b: list[int], min_expected: float = 5.0) -> t
     return stat, len(bins) - 1
 
 
+def _prompt_cached(runner: ModelRunner, sched: Scheduler, prompt: list[int]) -> Scheduler:
+    """The scheduler with the prompt's full blocks in its prefix cache (one request computed them):
+    hundreds of samples of one prompt then compute its last partial block each, not all of it."""
+    drive(runner, sched, [greedy("warm", prompt, 1)])
+    return sched
+
+
 def test_sampled_tokens_keep_their_distribution(smol) -> None:
     """The same prompt sampled 240 times with and without drafts (different seeds): at every
     output position the tokens pass a chi-square test of one distribution, and with the same
@@ -273,7 +280,7 @@ def test_sampled_tokens_keep_their_distribution(smol) -> None:
                                  params=SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, seed=seed0 + i),
                                  eos_token_ids=[2], arrival_time=0.0) for i in range(n)]
         sched = make_sched(num_blocks=1024, block_size=8, budget=4096, max_seqs=256, speculator=speculator)
-        run = drive(runner, sched, msgs)
+        run = drive(runner, _prompt_cached(runner, sched, prompt), msgs)
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
         return [run.outputs[m.request_id] for m in msgs]
 
@@ -494,7 +501,8 @@ def test_draft_model_sampling_keeps_the_distribution(smol, smollm2_dir: str, ran
         msgs = [TokenizedRequest(request_id=f"c{seed0 + i}", reply_to="none", prompt_token_ids=prompt,
                                  params=SamplingParams(temperature=1.0, max_tokens=4, seed=seed0 + i, **penalties),
                                  eos_token_ids=[2], arrival_time=0.0) for i in range(n)]
-        run = drive(r, make_sched(num_blocks=1024, block_size=8, budget=4096, max_seqs=256, speculator=speculator), msgs)
+        sched = make_sched(num_blocks=1024, block_size=8, budget=4096, max_seqs=256, speculator=speculator)
+        run = drive(r, _prompt_cached(r, sched, prompt), msgs)
         return [run.outputs[m.request_id] for m in msgs]
 
     # Plain, then with penalties (q drawn with them too, the drafts before each counted).
