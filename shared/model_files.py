@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 from rill.shared import envs
@@ -103,9 +104,21 @@ def converted_from(model_dir: str | Path) -> Path | None:
 
 
 def file_key(path: Path) -> str:
-    """Names what is derived from a file: its path, size and mtime (no hash of its GBs)."""
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    """Names what is derived from a file by its content, so that a file installed again (a new
+    venv: another path and mtime) finds its conversion: the size, the first MiB (a GGUF's header,
+    metadata and tensor table) and 16 samples spread over the rest (a GGUF's tensor data), not
+    a hash of all its GBs, which would cost seconds at every start."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_KEY_HEAD))
+        for i in range(1, _KEY_SAMPLES + 1):
+            f.seek(max(0, min(size - _KEY_SAMPLE, _KEY_HEAD + i * (size - _KEY_HEAD) // (_KEY_SAMPLES + 1))))
+            h.update(f.read(_KEY_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+_KEY_HEAD, _KEY_SAMPLES, _KEY_SAMPLE = 1 << 20, 16, 1 << 16
 
 
 def _cache_dir_for(gguf: Path) -> Path:
@@ -116,14 +129,24 @@ def convert_gguf(gguf: Path) -> Path:
     out = _cache_dir_for(gguf)
     done = out / _SOURCE_MARKER
     if done.is_file():
-        return out
+        return _name_source(out, gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another service may be converting the same file
-        if done.is_file():
-            return out
-        _convert(gguf, out)
-        done.write_text(str(gguf.resolve()))
+        if not done.is_file():
+            _convert(gguf, out)
+        return _name_source(out, gguf)  # under the lock: the marker says the conversion is whole
+
+
+def _name_source(out: Path, gguf: Path) -> Path:
+    """The folder's marker names this file: the same content found under another path (another
+    venv) may have converted it, and that copy may be gone; the GGUF blocks are read from here.
+    Replaced whole, as concurrently starting services read it."""
+    marker, source = out / _SOURCE_MARKER, str(gguf.resolve())
+    if not marker.is_file() or marker.read_text().strip() != source:
+        part = out / f".{_SOURCE_MARKER}.{os.getpid()}"
+        part.write_text(source)
+        os.replace(part, marker)
     return out
 
 

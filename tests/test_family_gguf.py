@@ -23,8 +23,9 @@ from transformers import PreTrainedModel
 
 from rill.services.worker import families
 from rill.services.worker.llama import LlamaModel
+from rill.shared import model_files
 from rill.shared.broker import free_port
-from rill.shared.model_files import convert_gguf
+from rill.shared.model_files import convert_gguf, converted_from
 
 VOCAB = 512
 # Family -> (general.architecture, general.name, config values a GGUF cannot carry, set to what
@@ -154,6 +155,28 @@ def test_gguf_loads_to_the_safetensors_logits(tmp_path: Path, monkeypatch: pytes
     want = logits(from_st, prompt)
     assert want.abs().max().item() > 1.0  # logits that differ by whole units
     assert (logits(from_gguf, prompt) - want).abs().max().item() <= 1e-4 * want.abs().max().item(), name
+
+
+def test_a_conversion_is_found_by_content_and_names_the_live_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  tok: dict[str, Any]) -> None:
+    """The same file installed again (another venv: another path and mtime) reuses its conversion,
+    whose marker then names the new copy (the GGUF blocks are read from it, and the first may be
+    gone); a file whose tensor data differ anywhere sampled gets its own."""
+    monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path / "cache"))
+    arch, label, overrides = GGUF_CASES["llama"]
+    write_gguf(build("llama", tmp_path / "st", VOCAB, **overrides), arch, label, tok, tmp_path / "a.gguf")
+    first = convert_gguf(tmp_path / "a.gguf")
+    assert converted_from(first) == (tmp_path / "a.gguf").resolve()
+    (tmp_path / "venv2").mkdir()
+    os.replace(tmp_path / "a.gguf", tmp_path / "venv2" / "a.gguf")
+    os.utime(tmp_path / "venv2" / "a.gguf", (1, 1))
+    monkeypatch.setattr(model_files, "_convert", lambda *_: pytest.fail("converted the same content again"))
+    assert convert_gguf(tmp_path / "venv2" / "a.gguf") == first
+    assert converted_from(first) == (tmp_path / "venv2" / "a.gguf").resolve()
+    data = bytearray((tmp_path / "venv2" / "a.gguf").read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor's data
+    (tmp_path / "b.gguf").write_bytes(bytes(data))
+    assert model_files.file_key(tmp_path / "b.gguf") != model_files.file_key(tmp_path / "venv2" / "a.gguf")
 
 
 def test_gguf_of_an_unserved_architecture_is_refused_at_start(tmp_path: Path) -> None:
