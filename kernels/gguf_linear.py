@@ -67,10 +67,11 @@ def incumbent(bucket: int, qtype: int) -> str:
 
 def installed_route(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool = False) -> chooser.Route:
     """The installed table's route for a part of this shape, the incumbents where it has none;
-    "blocks" at every size under RILL_BATCH_INVARIANT, where the x16 GEMM serves the format (each
-    row's result is the same whatever rows share the call; the routes round differently)."""
+    "blocks" at every size under RILL_BATCH_INVARIANT: both blocks GEMMs (x16 and row by row) give
+    each row the same bits whatever rows share the call, the routes round differently. Only parts
+    of a format the native library serves get here (_part)."""
     buckets = chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS
-    if envs.RILL_BATCH_INVARIANT and gguf_native.x16_supported(qtype):
+    if envs.RILL_BATCH_INVARIANT:
         return chooser.Route(tuple(buckets), ("blocks",) * len(buckets))
     return chooser.installed().route(OP, gguf_key(n, k, qtype, dtype, logits), buckets,
                                      [incumbent(b, qtype) for b in buckets])

@@ -228,6 +228,18 @@ def test_native_gemm_large_runs_threaded(native_lib: ctypes.CDLL) -> None:
     check_gemm(gguf_native.gemm, gguf_blocks.random_blocks(gguf_blocks.Q4_K, 300, 1024), gguf_blocks.Q4_K, 70, bias=True)
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=IDS)
+def test_native_gemm_rows_do_not_depend_on_the_batch(native_lib: ctypes.CDLL, qtype: int) -> None:
+    """Each row's bits are the same alone and among others, threaded or not (the threads split the
+    weight's rows, never a row's sum): what lets RILL_BATCH_INVARIANT=1 pin every format here."""
+    k = gguf_blocks.FORMATS[qtype].elements * 4
+    raw = gguf_blocks.random_blocks(qtype, 600, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([gguf_native.gemm(x[i:i + 1].contiguous(), raw, qtype, 600, k) for i in range(40)])
+    for m in (2, 3, 5, 9, 17, 40):
+        assert torch.equal(gguf_native.gemm(x[:m].contiguous(), raw, qtype, 600, k), alone[:m]), m
+
+
 @pytest.mark.parametrize("march", ["x86-64", "haswell"], ids=["plain-C", "AVX2"])
 def test_other_simd_paths(native_lib: ctypes.CDLL, march: str, tmp_path: Path) -> None:
     """The plain-C and AVX2 paths, which a build for this CPU does not use, built alone (with the
