@@ -103,6 +103,9 @@ def converted_from(model_dir: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
+_KEY_HEAD, _KEY_SAMPLES, _KEY_SAMPLE = 1 << 20, 16, 1 << 16  # file_key's bytes read: 2 MiB
+
+
 def file_key(path: Path) -> str:
     """Names what is derived from a file by its content, so that a file installed again (a new
     venv: another path and mtime) finds its conversion: the size, the first MiB (a GGUF's header,
@@ -116,9 +119,6 @@ def file_key(path: Path) -> str:
             f.seek(max(0, min(size - _KEY_SAMPLE, _KEY_HEAD + i * (size - _KEY_HEAD) // (_KEY_SAMPLES + 1))))
             h.update(f.read(_KEY_SAMPLE))
     return h.hexdigest()[:16]
-
-
-_KEY_HEAD, _KEY_SAMPLES, _KEY_SAMPLE = 1 << 20, 16, 1 << 16
 
 
 def _cache_dir_for(gguf: Path) -> Path:

@@ -96,9 +96,11 @@ def requantize(src: Path, dst: Path, to: GGMLQuantizationType,
 def requantized(src: Path, recipe: str, to: GGMLQuantizationType,
                 pick: Callable[[str, int], GGMLQuantizationType | None] | None = None) -> Path:
     """requantize() once per machine: the file is kept in Rill's cache under a name that says the
-    source file (path, size, mtime) and the recipe, so `rill serve`'s conversion of it is cached too
-    (in a fresh temporary folder each run, both were redone, and each left a converted copy behind)."""
-    dst = cache_root() / "test-gguf" / f"{src.stem.split('.')[0]}.{recipe}-{file_key(src)}.gguf"
+    source's content, the recipe and this module's code (its encoders), so `rill serve`'s conversion
+    of it is cached too (in a fresh temporary folder each run, both were redone, and each left a
+    converted copy behind). A caller that changes what `recipe` means must rename it."""
+    code = file_key(Path(__file__))[:8]
+    dst = cache_root() / "test-gguf" / f"{src.stem.split('.')[0]}.{recipe}-{file_key(src)}-{code}.gguf"
     if not dst.is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
         part = dst.with_name(f".{dst.name}.{os.getpid()}")
