@@ -230,7 +230,8 @@ def engine_args(ns: argparse.Namespace, model_dir: str) -> EngineArgs:
     _check_draft_model(ns.speculative_config, cfg)
     return EngineArgs(
         model_dir=model_dir, served_model_name=ns.served_model_name or "", engine_id=ns.engine_id,
-        max_model_len=ns.max_model_len or cfg.max_position_embeddings, max_num_seqs=ns.max_num_seqs,
+        max_model_len=ns.max_model_len or cfg.max_position_embeddings, fit_context=not ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=parse_size(ns.kv_cache_memory), gpu_memory_utilization=ns.gpu_memory_utilization,
         dtype=ns.dtype, quantization=quantization, device=ns.device,

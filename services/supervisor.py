@@ -6,7 +6,8 @@ its scheduler, and a restarted scheduler fails with a clear error the requests i
 held (scheduler/held_requests.py) while the engine's other processes and every other engine
 serve on. A child that keeps dying, more than `max_restarts` restarts within RESTART_WINDOW_S,
 ends the whole server with a non-zero status (a child killed now and then, as chaos testing
-does, is restarted for ever). Children of one `group` (the ranks of a tensor-parallel worker)
+does, is restarted for ever); one that exits with EXIT_CONFIG (a configuration it can never
+serve, said in its last line) ends it at once. Children of one `group` (the ranks of a tensor-parallel worker)
 live and die together: when one exits, the others are killed and all of them start again
 together.
 
@@ -25,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rill.shared.lifecycle import EXIT_CONFIG
 
 log = logging.getLogger("rill.supervisor")
 
@@ -69,7 +72,9 @@ class Supervisor:
             child.start()
 
     def poll(self) -> bool:
-        """Check children once; returns False when the server must stop."""
+        """Check children once; returns False when the server must stop (and from then on)."""
+        if self.exit_code:  # a later poll must not restart what ended the server
+            return False
         now = time.monotonic()
         for child in self.children:
             if child.proc is None:
@@ -82,6 +87,11 @@ class Supervisor:
             log.error("service %s (pid %d) exited with code %s", child.name, child.proc.pid, code)
             print(f"rill: service {child.name} exited with code {code}", file=sys.stderr, flush=True)
             child.proc = None
+            if code == EXIT_CONFIG:  # it said why; a restart would say it again
+                print(f"rill: {child.name} cannot serve this configuration (above): stopping", file=sys.stderr,
+                      flush=True)
+                self.exit_code = EXIT_CONFIG
+                return False
             child.history = [t for t in child.history if now - t < RESTART_WINDOW_S]
             if child.kind not in RESTARTABLE or len(child.history) >= self.max_restarts:
                 self.exit_code = 1

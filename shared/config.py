@@ -124,6 +124,18 @@ def kv_cache_blocks(model: ModelConfig, dtype: str, block_size: int, memory_byte
     return memory_bytes // (per_token * block_size)
 
 
+def fitted_max_model_len(max_model_len: int, cache_tokens: int, fit: bool) -> int:
+    """The context one engine serves: `max_model_len`, or with `fit` (the model's own length, no
+    --max-model-len given) at most what the KV cache holds, as vLLM's `--max-model-len auto`
+    does: a model's 128k context must not leave every request that fills it refused. A length
+    asked for that the cache cannot hold is refused (ValueError): such a request could never run."""
+    if max_model_len <= cache_tokens or fit:
+        return min(max_model_len, cache_tokens)
+    raise ValueError(f"--max-model-len {max_model_len} needs {max_model_len} tokens of KV cache but the cache "
+                     f"holds {cache_tokens}: lower --max-model-len to at most {cache_tokens} or raise "
+                     "--kv-cache-memory (CUDA: --gpu-memory-utilization)")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -191,6 +203,7 @@ class EngineArgs:
     served_model_name: str = ""
     engine_id: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    fit_context: bool = True  # max_model_len is the model's (no --max-model-len): lower it to the KV cache
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     block_size: int = 16

@@ -5,6 +5,10 @@ from __future__ import annotations
 import signal
 import threading
 
+# A service's exit status for a configuration it can never serve (sysexits' EX_CONFIG): the
+# supervisor stops the server instead of restarting it (services/supervisor.py).
+EXIT_CONFIG = 78
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; loops poll it between bounded blocking reads."""

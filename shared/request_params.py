@@ -14,7 +14,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     seed: int | None = None
-    max_tokens: int | None = None  # None: fill the context (chat) — resolved by the tokenizer
+    max_tokens: int | None = None  # None: fill the context (chat): the engine's own (scheduler/request.py)
     min_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []

@@ -41,7 +41,7 @@ class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=Tr
     request_id: str
     reply_to: str
     prompt_token_ids: list[int]
-    params: SamplingParams  # max_tokens always set here
+    params: SamplingParams  # max_tokens None: the rest of the context the engine serves (chat's default)
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0
@@ -387,6 +387,7 @@ class EngineStats(Struct, omit_defaults=True):
     num_blocks: int = 0
     num_free_blocks: int = 0
     block_size: int = 0
+    max_model_len: int = 0  # the context it serves (the model's, or what its KV cache holds)
     steps: int = 0
     mixed_steps: int = 0  # steps that ran prefill and decode tokens together
     prefill_tokens: int = 0

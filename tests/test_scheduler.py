@@ -12,7 +12,7 @@ from rill.shared.schema import StepPlan, StepResult, TokenizedRequest
 EOS = 2
 
 
-def make(rid: str, prompt_len: int, max_tokens: int = 8, **params: object) -> TokenizedRequest:
+def make(rid: str, prompt_len: int, max_tokens: int | None = 8, **params: object) -> TokenizedRequest:
     return TokenizedRequest(request_id=rid, reply_to="reply", prompt_token_ids=list(range(10, 10 + prompt_len)),
                             params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),
                             eos_token_ids=[EOS], arrival_time=0.0)
@@ -179,6 +179,19 @@ def test_admission_rejects_what_can_never_fit() -> None:
     assert "maximum context length" in s.check_admissible(make("a", 60, max_tokens=10)).message
     assert "KV cache" in s.check_admissible(make("b", 10, max_tokens=10)).message
     assert s.check_admissible(make("c", 10, max_tokens=6)) is None
+
+
+def test_an_unset_max_tokens_fills_the_context_this_engine_serves() -> None:
+    # Chat's default (the tokenizer leaves it unset): the engine's own context, which may be less
+    # than the model's when its KV cache holds less (shared/config.py fitted_max_model_len).
+    s = sched(num_blocks=16, block_size=4, max_model_len=64)
+    (req,) = s.add(make("a", 10, max_tokens=None, ignore_eos=True))
+    assert req.max_tokens == 54
+    run_to_idle(s)
+    assert req.status is Status.FINISHED and len(req.output_token_ids) == 54 and req.num_tokens == 64
+    too_long = s.check_admissible(make("b", 64, max_tokens=None))
+    assert too_long.param == "messages" and "prompt has 64 tokens" in too_long.message
+    assert s.check_admissible(make("c", 63, max_tokens=None)) is None
 
 
 def test_max_num_seqs_caps_running() -> None:

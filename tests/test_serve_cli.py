@@ -129,3 +129,49 @@ def test_resolve_model_accepts_folders_and_gguf(tmp_path: Path, smollm2_dir: str
     assert resolve_model(str(gguf)) == Path(smollm2_dir)  # converted once, then cached
     with pytest.raises(FileNotFoundError):
         resolve_model(str(tmp_path / "missing"))
+
+
+def _serve(model: str, port: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "rill.services.cli", "serve", model, "--port", str(port),
+                             "--dtype", "float32", "--kv-cache-memory", "24MiB", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_a_context_the_kv_cache_cannot_hold_is_fitted_or_refused_at_start(smollm2_dir: str) -> None:
+    from rill.shared.config import ModelConfig, kv_cache_blocks
+    from rill.shared.lifecycle import EXIT_CONFIG
+
+    held = kv_cache_blocks(ModelConfig.from_dir(smollm2_dir), "float32", 16, 24 << 20) * 16  # well under 8192
+    # Asked for: refused at start, in one line naming both lengths, and not restarted.
+    proc = _serve(smollm2_dir, free_port(), "--max-model-len", "4096")
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_CONFIG, err[-2000:]
+    assert f"--max-model-len 4096 needs 4096 tokens of KV cache but the cache holds {held}" in err
+    assert err.count("rill: service worker exited with code") == 1, err[-2000:]
+
+    # The model's own (8192): lowered to what the cache holds, and chat's default max_tokens with it.
+    port = free_port()
+    proc = _serve(smollm2_dir, port)
+    try:
+        assert "ready at" in proc.stdout.readline()
+        base = f"http://127.0.0.1:{port}/v1"
+        with urllib.request.urlopen(f"{base}/models", timeout=30) as resp:
+            assert json.loads(resp.read())["data"][0]["max_model_len"] == held
+        chat = {"messages": [{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(150))}],
+                "temperature": 0, "ignore_eos": True}
+        out = post(f"{base}/chat/completions", chat, timeout=300)
+        assert out["usage"]["total_tokens"] == held and out["choices"][0]["finish_reason"] == "length"
+        chat["messages"][0]["content"] = "word " * held
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(f"{base}/chat/completions", chat)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and error["param"] == "messages"
+        assert f"maximum context length is {held} tokens" in error["message"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert f"max_model_len 8192 (the model's) lowered to {held}" in err

@@ -358,20 +358,25 @@ async def detokenize(request: Request) -> Response:
     return json_response({"prompt": reply.text})
 
 
-def _model_card(gw: Gateway) -> dict[str, Any]:
+async def _model_card(gw: Gateway) -> dict[str, Any]:
+    """The model as served: its context is the least any engine serves (an engine whose KV cache
+    holds less than the model's context serves less), the model's while none has said."""
+    served: list[int] = []
+    with contextlib.suppress(Exception):  # the broker unreachable: the card still answers
+        served = [st.max_model_len for st in await read_engine_stats(gw.bus) if st.max_model_len > 0]
     return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "rill",
-            "root": gw.model_name, "parent": None, "max_model_len": gw.max_model_len}
+            "root": gw.model_name, "parent": None, "max_model_len": min(served or [gw.max_model_len])}
 
 
 async def models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [_model_card(_gateway(request))]})
+    return json_response({"object": "list", "data": [await _model_card(_gateway(request))]})
 
 
 async def model(request: Request) -> Response:
     """One model's card (the openai client's models.retrieve); a name may hold slashes."""
     gw = _gateway(request)
     requests.check_model(request.path_params["model"], gw.model_name)
-    return json_response(_model_card(gw))
+    return json_response(await _model_card(gw))
 
 
 async def tokenizer_info(request: Request) -> Response:

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
-from rill.services.scheduler.request import Refusal
+from rill.services.scheduler.request import Refusal, resolved_max_tokens
 from rill.shared.schema import TokenizedRequest
 
 
 def refusal(msg: TokenizedRequest, kv: KVCacheManager, max_model_len: int, max_num_seqs: int) -> Refusal | None:
     """What can never run here however long it waits (and which request field to blame), or None."""
-    p = msg.params
-    total = len(msg.prompt_token_ids) + (p.max_tokens or 0)
-    if not msg.prompt_token_ids:
+    p, n = msg.params, len(msg.prompt_token_ids)
+    if not n:
         return Refusal("the prompt is empty", "prompt")
     if p.n < 1:
         return Refusal("n must be at least 1", "n")
+    if p.max_tokens is None and n >= max_model_len:  # chat's default: the prompt alone is too long
+        return Refusal(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {n} tokens, leaving no room for the completion. Please shorten the "
+                       "prompt.", "messages")
+    total = n + resolved_max_tokens(msg, max_model_len)
     if total > max_model_len:
         return Refusal(f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, you requested {total} tokens ({len(msg.prompt_token_ids)} in the "
-                       f"prompt, {p.max_tokens} for the completion).", "max_tokens")
+                       f"However, you requested {total} tokens ({n} in the prompt, {p.max_tokens} for the "
+                       "completion).", "max_tokens")
     if p.n > max_num_seqs:
         return Refusal(f"n={p.n} is more than this engine runs at once (max_num_seqs={max_num_seqs})", "n")
     if not kv.can_ever_fit(total):

@@ -80,7 +80,7 @@ class Request:
         return self.block_hashes
 
     @classmethod
-    def from_message(cls, msg: TokenizedRequest) -> list[Request]:
+    def from_message(cls, msg: TokenizedRequest, max_model_len: int) -> list[Request]:
         """One Request per sample; samples after the first share the first one's prompt blocks."""
         p = msg.params
         stop_ids = set(p.stop_token_ids)
@@ -91,7 +91,7 @@ class Request:
                 p, n=1, seed=None if p.seed is None else p.seed + i)
             out.append(cls(request_id=sample_request_id(msg.request_id, i, p.n), reply_to=msg.reply_to,
                            prompt_token_ids=list(msg.prompt_token_ids), params=params, eos_token_ids=eos,
-                           arrival_time=msg.arrival_time, max_tokens=p.max_tokens or 16,
+                           arrival_time=msg.arrival_time, max_tokens=resolved_max_tokens(msg, max_model_len),
                            priority=msg.priority, group_id=msg.request_id,
                            share_prompt_with=out[0].request_id if i else None,
                            detok_context=detok_context_len(p.stop)))
@@ -103,3 +103,10 @@ class Refusal(NamedTuple):
 
     message: str
     param: str | None
+
+
+def resolved_max_tokens(msg: TokenizedRequest, max_model_len: int) -> int:
+    """The request's max_tokens; unset (chat's default) is the rest of the context this engine
+    serves, which may be less than the model's (shared/config.py: fitted_max_model_len)."""
+    asked = msg.params.max_tokens
+    return asked if asked is not None else max_model_len - len(msg.prompt_token_ids)

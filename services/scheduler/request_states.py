@@ -83,7 +83,7 @@ class RequestStates:
     # ------------------------------------------------------------------- moves between states
 
     def add(self, msg: TokenizedRequest) -> list[Request]:
-        reqs = Request.from_message(msg)
+        reqs = Request.from_message(msg, self.config.max_model_len)
         self.groups[msg.request_id] = [r.request_id for r in reqs]
         for req in reqs:
             self.requests[req.request_id] = req

@@ -151,9 +151,9 @@ class Tokenizer:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt has {n} tokens, leaving no room for the completion. Please shorten the prompt.",
                 "messages" if req.kind == "chat" else "prompt")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n if req.kind == "chat" else min(16, self.max_model_len - n)
-        if n + max_tokens > self.max_model_len:
+        if max_tokens is None and req.kind != "chat":  # chat's fills the context its engine serves
+            max_tokens = min(16, self.max_model_len - n)
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "

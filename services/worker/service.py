@@ -44,10 +44,11 @@ from rill.shared.config import (
     EngineArgs,
     ModelConfig,
     SpeculativeConfig,
+    fitted_max_model_len,
     kv_cache_blocks,
 )
 from rill.shared.heartbeat import Heartbeat
-from rill.shared.lifecycle import POLL_MS, StopFlag
+from rill.shared.lifecycle import EXIT_CONFIG, POLL_MS, StopFlag
 from rill.shared.model_files import resolve_model
 from rill.shared.schema import Hello, Shutdown, StepPlan, StepResult, WorkerReady, worker_input_decoder
 
@@ -123,8 +124,7 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     num_blocks = kv_cache_blocks(cfg, dtype, args.block_size, budget, draft_cfg)
     if tp is not None:  # one block table for every rank: the smallest cache sets it
         num_blocks = tp.all_reduce_min(num_blocks)
-    if num_blocks < 1:
-        raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens")
+    _fit_context(runner, args, num_blocks, budget)
     runner.resize_kv_cache(num_blocks)
     runner.warmup()
     runner.grammars.wait_prepared()
@@ -140,6 +140,26 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
         log.info("draft model: %s, its own KV cache in the same blocks: bytes=%d", args.speculative_config,
                  tokens * draft_cfg.kv_bytes_per_token(dtype))
     return runner
+
+
+def _fit_context(runner: ModelRunner, args: EngineArgs, num_blocks: int, budget: int) -> None:
+    """Lower the runner's context to what `num_blocks` hold (shared/config.py's rule); a cache
+    that cannot hold what was asked for ends start-up with one line and EXIT_CONFIG, which the
+    supervisor does not restart."""
+    tokens = num_blocks * args.block_size
+    try:
+        if num_blocks < 1:
+            raise ValueError(f"a KV-cache budget of {budget} bytes holds no block of {args.block_size} tokens: "
+                             "raise --kv-cache-memory (CUDA: --gpu-memory-utilization)")
+        max_len = fitted_max_model_len(runner.max_model_len, tokens, args.fit_context)
+    except ValueError as exc:
+        log.error("cannot serve this configuration: %s", exc)
+        runner.grammars.wait_prepared()  # a thread still in native code as the interpreter ends crashes it
+        raise SystemExit(EXIT_CONFIG) from None
+    if max_len < runner.max_model_len:
+        log.warning("max_model_len %d (the model's) lowered to %d, what the KV cache holds (%d MiB): "
+                    "raise --kv-cache-memory for a longer context", runner.max_model_len, max_len, budget >> 20)
+        runner.max_model_len = max_len
 
 
 def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = None) -> None:
