@@ -360,7 +360,6 @@ class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=Tru
     request_id: str
     token_ids: list[int] = []
     text: str = ""
-    max_model_len: int = 0
 
 
 class Routed(Struct, tag_field="_t", tag="routed", array_like=True):

@@ -304,9 +304,9 @@ async def test_v1_tokenize_and_detokenize_answer_beside_the_old_paths(gw: LiveSe
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         for prefix in ("", "/v1"):
             post = asyncio.create_task(c.post(f"{prefix}/tokenize", json={"prompt": "hi", "model": MODEL}))
-            assert await _answer_tokenizer(downstream, TokenizeReply("", token_ids=[1, 2], max_model_len=9)) == \
-                "TokenizeRequest"
-            assert (await post).json() == {"count": 2, "max_model_len": 9, "tokens": [1, 2]}
+            assert await _answer_tokenizer(downstream, TokenizeReply("", token_ids=[1, 2])) == "TokenizeRequest"
+            # The context is the gateway's (the model's) while no engine has published the one it serves.
+            assert (await post).json() == {"count": 2, "max_model_len": gw.gateway.max_model_len, "tokens": [1, 2]}
             post = asyncio.create_task(c.post(f"{prefix}/detokenize", json={"tokens": [1, 2]}))
             assert await _answer_tokenizer(downstream, TokenizeReply("", text="hi")) == "DetokenizeRequest"
             assert (await post).json() == {"prompt": "hi"}

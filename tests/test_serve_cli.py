@@ -161,6 +161,7 @@ def test_a_context_the_kv_cache_cannot_hold_is_fitted_or_refused_at_start(smollm
         base = f"http://127.0.0.1:{port}/v1"
         with urllib.request.urlopen(f"{base}/models", timeout=30) as resp:
             assert json.loads(resp.read())["data"][0]["max_model_len"] == held
+        assert post(f"http://127.0.0.1:{port}/tokenize", {"prompt": "hi"})["max_model_len"] == held
         chat = {"messages": [{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(150))}],
                 "temperature": 0, "ignore_eos": True}
         out = post(f"{base}/chat/completions", chat, timeout=300)

@@ -346,7 +346,7 @@ async def tokenize(request: Request) -> Response:
         msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream, prompt=body.prompt,
                               add_special_tokens=body.add_special_tokens is not False)
     reply = await gw.call(msg)
-    return json_response({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+    return json_response({"count": len(reply.token_ids), "max_model_len": await served_max_model_len(gw),
                           "tokens": reply.token_ids})
 
 
@@ -358,14 +358,18 @@ async def detokenize(request: Request) -> Response:
     return json_response({"prompt": reply.text})
 
 
-async def _model_card(gw: Gateway) -> dict[str, Any]:
-    """The model as served: its context is the least any engine serves (an engine whose KV cache
-    holds less than the model's context serves less), the model's while none has said."""
+async def served_max_model_len(gw: Gateway) -> int:
+    """The context served: the least any engine serves (one whose KV cache holds less than the
+    model's context serves less), the model's while none has said."""
     served: list[int] = []
-    with contextlib.suppress(Exception):  # the broker unreachable: the card still answers
+    with contextlib.suppress(Exception):  # the broker unreachable: the answer still comes
         served = [st.max_model_len for st in await read_engine_stats(gw.bus) if st.max_model_len > 0]
+    return min(served or [gw.max_model_len])
+
+
+async def _model_card(gw: Gateway) -> dict[str, Any]:
     return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "rill",
-            "root": gw.model_name, "parent": None, "max_model_len": min(served or [gw.max_model_len])}
+            "root": gw.model_name, "parent": None, "max_model_len": await served_max_model_len(gw)}
 
 
 async def models(request: Request) -> Response:

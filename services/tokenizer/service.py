@@ -133,12 +133,11 @@ class Tokenizer:
             ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise RequestError("either prompt or messages is required", "prompt")
-        return TokenizeReply(request_id=req.request_id, token_ids=ids, max_model_len=self.max_model_len)
+        return TokenizeReply(request_id=req.request_id, token_ids=ids)
 
     def detokenize(self, req: DetokenizeRequest) -> TokenizeReply:
         ids = self.check_ids(list(req.token_ids), "tokens")
-        return TokenizeReply(request_id=req.request_id, text=self.tok.decode(ids),
-                             max_model_len=self.max_model_len)
+        return TokenizeReply(request_id=req.request_id, text=self.tok.decode(ids))
 
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
         ids = self.prompt_ids(req)
