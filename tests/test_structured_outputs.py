@@ -18,7 +18,7 @@ import websockets
 from service_stack import ServiceStack
 
 from rill.kernels import cpu_native
-from rill.services.gateway.structured import _from_json
+from rill.services.gateway.structured import _byte_tokenizer, _from_json, closed
 from rill.services.worker.model_runner import ModelRunner
 from rill.services.worker.structured import apply_bitmask
 from rill.shared.request_params import SamplingParams
@@ -166,6 +166,53 @@ def test_websocket_frames_validate(stack: ServiceStack) -> None:
     assert frames["j"][-1]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), PERSON)
     assert "".join(f["text"] for f in frames["c"] if f["type"] == "delta") in ("alpha", "beta")
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    data = list(text.encode())
+    return LLMatcher(_byte_tokenizer(), grammar, log_level=0).validate_tokens(data) == len(data)
+
+
+def test_objects_that_list_their_properties_get_no_others() -> None:
+    """As xgrammar's strict mode generates (vLLM's default): JSON Schema lets any object carry
+    undeclared keys, and a small model fills them until max_tokens."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    schema = {"type": "object", "properties": {"at": point, "tags": {"type": "array", "items": {"$ref": "#/$defs/t"}},
+                                               "alt": {"anyOf": [point, {"type": "null"}]}},
+              "$defs": {"t": {"type": "object", "properties": {"k": {"type": "string"}}}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["at"]["additionalProperties"] is False
+    assert out["$defs"]["t"]["additionalProperties"] is False
+    assert out["properties"]["alt"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema and "additionalProperties" not in point  # not changed in place
+    grammar = _from_json(schema, "schema")
+    assert _accepts(grammar, '{"at":{"x":1},"tags":[{"k":"a"}]}')
+    for extra in ('{"at":{"x":1},"y":2}', '{"at":{"x":1,"y":2}}', '{"tags":[{"k":"a","v":1}]}'):
+        assert not _accepts(grammar, extra), extra
+    # Left as written: what the schema says of other keys, a required key it does not list, and
+    # objects composed with allOf (closing each part would forbid the other parts' keys).
+    for kept in ({"properties": {"a": {}}, "additionalProperties": True},
+                 {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+                 {"properties": {"a": {}}, "required": ["a", "b"]},
+                 {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}):
+        assert closed(kept) == kept
+    assert _accepts(_from_json({"properties": {"a": {}}, "additionalProperties": True}, "s"), '{"a":1,"b":2}')
+
+
+def test_a_forced_call_gets_only_the_arguments_its_function_declares(client: openai.OpenAI, mid: str) -> None:
+    # As LangChain writes a function's schema: no additionalProperties, an optional argument.
+    params = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string"}, "unit": {"type": "string", "default": "celsius"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city.",
+                                               "parameters": params}}]
+    r = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    assert "city" in args and set(args) <= {"city", "unit"}, args
 
 
 @pytest.mark.parametrize("body,param", [

@@ -5,7 +5,10 @@ choice, grammar as Lark or GBNF, json_object) and vLLM's older `guided_*` fields
 llguidance grammar string in SamplingParams.grammar, validated here so that a bad schema or
 grammar is a 400 naming its field before anything runs (services/worker/structured.py applies it).
 JSON is generated compact (no free whitespace between tokens): a small model at temperature 1
-otherwise can fill max_tokens with blank lines inside an object.
+otherwise can fill max_tokens with blank lines inside an object. And an object that declares its
+properties gets no others unless its schema says `additionalProperties` (`closed`), as xgrammar's
+strict mode (vLLM's default backend) generates: a small model otherwise fills undeclared keys, a
+tool's arguments with ones its function does not take, until max_tokens.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class StructuredOutputs(Body):
     json_object: bool | None = None
     disable_fallback: bool | None = None  # one backend, no fallback either way
     disable_any_whitespace: Annotated[Any, NotYet("Rill's JSON is always compact", True)] = None
-    disable_additional_properties: Annotated[Any, NotYet("the schema is enforced as written")] = None
+    disable_additional_properties: Annotated[Any, NotYet("undeclared properties are never generated (allow them "
+                                                          "with additionalProperties in the schema)", True)] = None
     whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
     structural_tag: Annotated[Any, NotYet("no structural tags")] = None
 
@@ -77,9 +81,51 @@ def _from_json(schema: str | dict[str, Any], param: str) -> str:
         if not isinstance(schema, dict):
             raise _bad(f"{param} must be a JSON schema object.", param)
     try:
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise _bad(f"{param} is not a valid JSON schema: {exc}", param) from None
+
+
+_SCHEMA_VALUED = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with `additionalProperties: false` on each object that lists its properties,
+    requires none it does not list, and says nothing of other keys. A schema that composes
+    objects (allOf of two or more) stays as written: closing each part would forbid the others'
+    keys, which only unevaluatedProperties (not generated here) expresses."""
+    return schema if _composes(schema) else _close(schema)
+
+
+def _composes(node: Any) -> bool:
+    if isinstance(node, dict):
+        all_of = node.get("allOf")
+        return (isinstance(all_of, list) and len(all_of) > 1) or any(_composes(v) for v in node.values())
+    return isinstance(node, list) and any(_composes(v) for v in node)
+
+
+def _close(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_VALUED:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(s) for name, s in out[key].items()}
+    props, required = out.get("properties"), out.get("required", [])
+    if (isinstance(props, dict) and not any(k in out for k in _OTHER_KEYS)
+            and isinstance(required, list) and all(r in props for r in required)):
+        out["additionalProperties"] = False
+    return out
 
 
 def _from_choice(choices: list[str]) -> str:
