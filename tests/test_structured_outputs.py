@@ -365,6 +365,42 @@ def test_forced_tool_calls_round_trip(client: openai.OpenAI, mid: str) -> None:
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
+# As pydantic writes a function whose argument is a model: "$defs" and references into its root.
+ADDRESS_TOOL = {"type": "function", "function": {"name": "ship", "parameters": {
+    "type": "object", "required": ["to"], "properties": {"to": {"$ref": "#/$defs/Address"}},
+    "$defs": {"Address": {"type": "object", "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 20}}}}}}}
+
+
+def test_required_calls_keep_each_functions_references() -> None:
+    """Under "required" each function's schema sits inside the array's: its "#/$defs/..." and
+    "#" pointers must still reach its own definitions, even where two functions use one name."""
+    from types import SimpleNamespace as NS
+
+    from rill.services.gateway.tool_calls import forced_schema
+
+    f = {"type": "object", "required": ["p"], "properties": {"p": {"$ref": "#/$defs/P"}},
+         "$defs": {"P": {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}}}
+    g = {"type": "object", "required": ["p"], "properties": {"p": {"$ref": "#/$defs/P"},
+                                                             "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+         "$defs": {"P": {"type": "string"}}}
+    tools = [NS(function=NS(name="f", parameters=f)), NS(function=NS(name="g", parameters=g))]
+    grammar = _from_json(forced_schema(tools, "required", True), "tool_choice")
+    assert _accepts(grammar, '[{"name":"f","parameters":{"p":{"x":1}}},{"name":"g","parameters":{"p":"a",'
+                             '"next":{"p":"b","next":null}}}]')
+    assert not _accepts(grammar, '[{"name":"g","parameters":{"p":{"x":1}}}]')
+    assert f["properties"]["p"] == {"$ref": "#/$defs/P"}  # the request's own schema is left alone
+
+
+def test_required_call_of_a_function_with_definitions(client: openai.OpenAI, mid: str) -> None:
+    r = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Ship it to Paris."}],
+                                       tools=[ADDRESS_TOOL], tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    call = r.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), ADDRESS_TOOL["function"]["parameters"])
+
+
 def test_forced_tool_calls_stream_as_deltas(client: openai.OpenAI, mid: str) -> None:
     stream = client.chat.completions.create(model=mid, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=120,

@@ -101,31 +101,41 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if _composes(schema) else _close(schema)
 
 
-def _composes(node: Any) -> bool:
-    if isinstance(node, dict):
-        all_of = node.get("allOf")
-        return (isinstance(all_of, list) and len(all_of) > 1) or any(_composes(v) for v in node.values())
-    return isinstance(node, list) and any(_composes(v) for v in node)
+def _composes(schema: dict[str, Any]) -> bool:
+    stack: list[Any] = [schema]  # no recursion: a schema may nest deeper than Python's stack
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            all_of = node.get("allOf")
+            if isinstance(all_of, list) and len(all_of) > 1:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
-def _close(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    for key in _SCHEMA_VALUED:
-        if isinstance(out.get(key), dict):
-            out[key] = _close(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_close(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _close(s) for name, s in out[key].items()}
-    props, required = out.get("properties"), out.get("required", [])
-    if (isinstance(props, dict) and not any(k in out for k in _OTHER_KEYS)
-            and isinstance(required, list) and all(r in props for r in required)):
-        out["additionalProperties"] = False
-    return out
+def _close(schema: dict[str, Any]) -> dict[str, Any]:
+    """`closed` on a schema without allOf compositions: every subschema copied, none changed in place."""
+    root = dict(schema)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for key, value in node.items():
+            if key in _SCHEMA_VALUED and isinstance(value, dict):
+                node[key] = child = dict(value)
+                stack.append(child)
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                node[key] = [dict(s) if isinstance(s, dict) else s for s in value]
+                stack.extend(s for s in node[key] if isinstance(s, dict))
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                node[key] = {name: dict(s) if isinstance(s, dict) else s for name, s in value.items()}
+                stack.extend(s for s in node[key].values() if isinstance(s, dict))
+        props, required = node.get("properties"), node.get("required", [])
+        if (isinstance(props, dict) and not any(k in node for k in _OTHER_KEYS)
+                and isinstance(required, list) and all(r in props for r in required)):
+            node["additionalProperties"] = False
+    return root
 
 
 def _from_choice(choices: list[str]) -> str:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 PARSERS = ("auto", "hermes", "llama3_json")
 
 
@@ -148,12 +150,51 @@ def forced_schema(tools: list[Any], choice: str | None, parallel: bool) -> dict[
         return None
     if choice != "required":
         return params(next(t for t in tools if t.function.name == choice))
-    one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-            "properties": {"name": {"const": t.function.name}, "parameters": params(t)}} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+    # Each function's schema sits inside the array's: one with references ("#/$defs/..." point
+    # into its own root) moves to the array's $defs under a name of its own, its pointers moved too.
+    defs: dict[str, Any] = {}
+    one = []
+    for i, t in enumerate(tools):
+        schema = params(t)
+        if _has_refs(schema):
+            defs[f"tool{i}"] = _rooted(schema, f"#/$defs/tool{i}")
+            schema = {"$ref": f"#/$defs/tool{i}"}
+        one.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                    "properties": {"name": {"const": t.function.name}, "parameters": schema}})
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+    if defs:
+        calls["$defs"] = defs
     if not parallel:
-        schema["maxItems"] = 1
-    return schema
+        calls["maxItems"] = 1
+    return calls
+
+
+def _local_refs(schema: Any) -> list[dict[str, Any]]:
+    """The objects of `schema` whose "$ref" points into its own document ("#..."); iterative, as
+    a schema may nest deeper than Python's stack."""
+    found, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                found.append(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _has_refs(schema: Any) -> bool:
+    return bool(_local_refs(schema))
+
+
+def _rooted(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of `schema` whose local references resolve from `base` in the document it moves to."""
+    copy = msgspec.json.decode(msgspec.json.encode(schema))  # C, as deep as the body it came in
+    for node in _local_refs(copy):
+        node["$ref"] = base + node["$ref"][1:]
+    return copy
 
 
 _ITEM_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
