@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from typing import Annotated, Any, NamedTuple
 
 from msgspec import Meta
@@ -101,18 +102,20 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if _composes(schema) else _close(schema)
 
 
-def _composes(schema: dict[str, Any]) -> bool:
-    stack: list[Any] = [schema]  # no recursion: a schema may nest deeper than Python's stack
+def json_objects(value: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a JSON value; iterative, as a schema may nest deeper than Python's stack."""
+    stack = [value]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            all_of = node.get("allOf")
-            if isinstance(all_of, list) and len(all_of) > 1:
-                return True
+            yield node
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
-    return False
+
+
+def _composes(schema: dict[str, Any]) -> bool:
+    return any(isinstance(n.get("allOf"), list) and len(n["allOf"]) > 1 for n in json_objects(schema))
 
 
 def _close(schema: dict[str, Any]) -> dict[str, Any]:

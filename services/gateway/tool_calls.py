@@ -34,6 +34,8 @@ from typing import Any
 
 import msgspec
 
+from rill.services.gateway.structured import json_objects
+
 PARSERS = ("auto", "hermes", "llama3_json")
 
 
@@ -156,7 +158,7 @@ def forced_schema(tools: list[Any], choice: str | None, parallel: bool) -> dict[
     one = []
     for i, t in enumerate(tools):
         schema = params(t)
-        if _has_refs(schema):
+        if _local_refs(schema):
             defs[f"tool{i}"] = _rooted(schema, f"#/$defs/tool{i}")
             schema = {"$ref": f"#/$defs/tool{i}"}
         one.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
@@ -170,23 +172,8 @@ def forced_schema(tools: list[Any], choice: str | None, parallel: bool) -> dict[
 
 
 def _local_refs(schema: Any) -> list[dict[str, Any]]:
-    """The objects of `schema` whose "$ref" points into its own document ("#..."); iterative, as
-    a schema may nest deeper than Python's stack."""
-    found, stack = [], [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                found.append(node)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
-
-
-def _has_refs(schema: Any) -> bool:
-    return bool(_local_refs(schema))
+    """The objects of `schema` whose "$ref" points into its own document ("#...")."""
+    return [n for n in json_objects(schema) if isinstance(n.get("$ref"), str) and n["$ref"].startswith("#")]
 
 
 def _rooted(schema: dict[str, Any], base: str) -> dict[str, Any]:
