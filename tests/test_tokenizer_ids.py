@@ -35,3 +35,31 @@ def test_ids_the_model_cannot_embed_are_refused_at_admission(tmp_path: Path, smo
         with pytest.raises(RequestError) as err:
             tok(bad)
         assert err.value.param == param and "out of range [0, 1000)" in str(err.value)
+
+
+def test_a_model_without_a_chat_template_says_so_at_start(tmp_path: Path, smollm2_dir: str, redis_url: str,
+                                                          prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A base model (Gemma 3 270M's GGUF, say) serves completions; its chat requests are 400s, and
+    the start-up log says so once rather than leaving the first chat request to find out."""
+    import logging
+
+    from rill.services.tokenizer.service import run
+    from rill.shared.lifecycle import StopFlag
+
+    for f in Path(smollm2_dir).iterdir():
+        if f.suffix != ".safetensors" and f.name != "chat_template.jinja":
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    stop = StopFlag(install=False)
+    stop.set()
+    with caplog.at_level(logging.INFO, logger="rill.tokenizer"):
+        run(redis_url, prefix, str(tmp_path), 256, "t0", stop=stop)
+    said = [r for r in caplog.records if "no chat template" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "--chat-template" in said[0].getMessage()
+    with pytest.raises(RequestError) as err:
+        Tokenizer(str(tmp_path), 256)(GenerateRequest(request_id="r", reply_to="x", kind="chat", arrival_time=0.0,
+                                                      messages=[ChatMessage(role="user", content="hi")],
+                                                      params=SamplingParams(max_tokens=4)))
+    assert err.value.param == "messages" and "no chat template" in str(err.value)

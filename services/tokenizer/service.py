@@ -184,7 +184,10 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer,
                                   [(bus.streams.tokenizer_info_key(), msgspec.json.encode(tokenizer.info()))])
     log.info("tokenizer %s ready (max_model_len=%d, routing %s)", consumer, max_model_len, routing)
-    if tokenizer.templates and not any(t.reads_tools for t in tokenizer.templates.templates.values()):
+    if not tokenizer.templates:
+        log.warning("the model has no chat template (a base model?): chat requests get a 400; serve one with "
+                    "--chat-template FILE, or use /v1/completions")
+    elif not any(t.reads_tools for t in tokenizer.templates.templates.values()):
         log.info("the chat template renders no tools: a request's tools go in as text (hermes format)")
     try:
         # Every gateway's requests stream; handle_entries runs one batch at a time.
