@@ -7,9 +7,9 @@ held (scheduler/held_requests.py) while the engine's other processes and every o
 serve on. A child that keeps dying, more than `max_restarts` restarts within RESTART_WINDOW_S,
 ends the whole server with a non-zero status (a child killed now and then, as chaos testing
 does, is restarted for ever); one that exits with EXIT_CONFIG (a configuration it can never
-serve, said in its last line) ends it at once. Children of one `group` (the ranks of a tensor-parallel worker)
-live and die together: when one exits, the others are killed and all of them start again
-together.
+serve, said in its last line) ends it at once. Children of one `group` (the ranks of a
+tensor-parallel worker) live and die together: when one exits, the others are killed and all of
+them start again together.
 
 Stopping goes front to back (STOP_ORDER), each stage waited for: the gateways first, given
 `drain_s` to let their requests in flight finish (they drain on SIGTERM, gateway/drain.py) while
