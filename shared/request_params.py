@@ -40,6 +40,17 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def past_the_context(max_model_len: int, prompt_len: int, max_tokens: int | None = None) -> str:
+    """OpenAI's words for a request longer than the context: the prompt alone (no max_tokens), or
+    with its completion. The tokenizer says them of the model's context, an engine of its own."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens is None:
+        return head + (f"your prompt has {prompt_len} tokens, leaving no room for the completion. "
+                       "Please shorten the prompt.")
+    return head + (f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                   "in the completion). Please reduce the length of the prompt or completion.")
+
+
 def sample_request_id(request_id: str, index: int, n: int) -> str:
     """The engine-side id of sample `index` of a request with `n` samples (the id itself when n=1)."""
     return request_id if n == 1 else f"{request_id}:{index}"

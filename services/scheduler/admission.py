@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.request import Refusal, resolved_max_tokens
+from rill.shared.request_params import past_the_context
 from rill.shared.schema import TokenizedRequest
 
 
@@ -15,14 +16,10 @@ def refusal(msg: TokenizedRequest, kv: KVCacheManager, max_model_len: int, max_n
     if p.n < 1:
         return Refusal("n must be at least 1", "n")
     if p.max_tokens is None and n >= max_model_len:  # chat's default: the prompt alone is too long
-        return Refusal(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"prompt has {n} tokens, leaving no room for the completion. Please shorten the "
-                       "prompt.", "messages")
+        return Refusal(past_the_context(max_model_len, n), "messages")
     total = n + resolved_max_tokens(msg, max_model_len)
     if total > max_model_len:
-        return Refusal(f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, you requested {total} tokens ({n} in the prompt, {p.max_tokens} for the "
-                       "completion).", "max_tokens")
+        return Refusal(past_the_context(max_model_len, n, p.max_tokens), "max_tokens")
     if p.n > max_num_seqs:
         return Refusal(f"n={p.n} is more than this engine runs at once (max_num_seqs={max_num_seqs})", "n")
     if not kv.can_ever_fit(total):

@@ -30,7 +30,7 @@ from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
 from rill.shared.heartbeat import gateway_request_streams, replica_heartbeat
 from rill.shared.lifecycle import StopFlag
-from rill.shared.request_params import ChatMessage
+from rill.shared.request_params import ChatMessage, past_the_context
 from rill.shared.schema import (
     DetokenizeRequest,
     ErrorReply,
@@ -146,17 +146,11 @@ class Tokenizer:
         n = len(ids)
         max_tokens = req.params.max_tokens
         if n >= self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {n} tokens, leaving no room for the completion. Please shorten the prompt.",
-                "messages" if req.kind == "chat" else "prompt")
+            raise RequestError(past_the_context(self.max_model_len, n), "messages" if req.kind == "chat" else "prompt")
         if max_tokens is None and req.kind != "chat":  # chat's fills the context its engine serves
             max_tokens = min(16, self.max_model_len - n)
         if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.", "max_tokens")
+            raise RequestError(past_the_context(self.max_model_len, n, max_tokens), "max_tokens")
         bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of range", "stop_token_ids")
