@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 
 from rill.shared import envs
 from rill.shared.broker import DEFAULT_MAXMEMORY
@@ -18,6 +20,7 @@ from rill.shared.config import (
     resolve_quantization,
 )
 from rill.shared.kinds import ENGINE_ROLES
+from rill.shared.lifecycle import settle_heap
 from rill.shared.logs import setup_logging
 from rill.shared.model_files import converted_from
 
@@ -295,30 +298,34 @@ def run_service(ns: argparse.Namespace) -> None:
     args = engine_args(ns, model_dir)
     consumer = ns.replica_name or f"{ns.name}-{os.uname().nodename}-{os.getpid()}"
     name = ns.served_model_name or model_name(Path(model_dir))
+    start: Callable[[], None]
     if ns.name == "worker":
         from rill.services.worker.service import run
-        run(ns.redis_url, ns.prefix, args)
+        start = partial(run, ns.redis_url, ns.prefix, args)
     elif ns.name == "scheduler":
         from rill.services.scheduler.service import run
-        run(ns.redis_url, ns.prefix, args)
+        start = partial(run, ns.redis_url, ns.prefix, args)
     elif ns.name == "tokenizer":
         from rill.services.tokenizer.service import run
-        run(ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer, chat_template=ns.chat_template,
-            routing=ns.routing)
+        start = partial(run, ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer,
+                        chat_template=ns.chat_template, routing=ns.routing)
     elif ns.name == "detokenizer":
         from rill.services.detokenizer.service import run
-        run(ns.redis_url, ns.prefix, model_dir, consumer)
-    elif ns.name == "gateway":
+        start = partial(run, ns.redis_url, ns.prefix, model_dir, consumer)
+    else:
         from rill.services.gateway.app import run
         from rill.services.gateway.auth import api_key_from_env
         from rill.services.gateway.limit_flags import limit_kwargs
         from rill.services.gateway.tool_calls import pick_parser, template_sources
-        run(ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
+        start = partial(
+            run, ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
             max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
             allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()),
             tool_call_parser=pick_parser(ns.tool_call_parser, template_sources(model_dir, ns.chat_template)).name,
             **limit_kwargs(ns))
+    settle_heap()
+    start()
 
 
 def kernel_report(ns: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
-"""Graceful stop on SIGTERM/SIGINT for the synchronous service loops."""
+"""A service process's life: its heap once started, a graceful stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 
@@ -34,3 +35,19 @@ class StopFlag:
 
 # Blocking reads wake at least this often so a stop request is noticed promptly.
 POLL_MS = 500
+
+
+# The collector's young-generation threshold in a service process. It counts tracked containers
+# allocated minus freed, so a step's short-lived lists never reach it; serving state that grows
+# does, and at Python's 700 that meant a collection every few scheduler steps with a thousand
+# requests running (scripts/benchmarks.md, bench_scheduler.py).
+GEN0_THRESHOLD = 20_000
+
+
+def settle_heap() -> None:
+    """Called by a service's own process once its modules are imported (torch's and transformers'
+    are most of a worker's objects): freeze them out of the cyclic collector's sight, as vLLM
+    does, so a full collection scans only what serving allocates instead of the whole import heap."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])

@@ -106,6 +106,8 @@ class PlanLedger:
 
 def tokens_by_request(result: StepResult) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
     """Each request's tokens of a step result and their logprobs (where asked for)."""
+    if not result.num_tokens and not result.logprobs:  # the common step: one token each, no logprobs
+        return {rid: ([t], []) for rid, t in zip(result.request_ids, result.token_ids, strict=True)}
     counts = result.num_tokens or [1] * len(result.request_ids)
     out: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}
     at = 0

@@ -133,6 +133,7 @@ class Scheduler(RequestStates):
         """Running requests in admission order: decodes and the rest of chunked prompts, into
         `scheduled` and `drafts`. Returns the budget left and whether anyone was preempted."""
         preempted = False
+        windowed, speculating = self.kv.sliding_window is not None, self.speculator is not None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -143,9 +144,10 @@ class Scheduler(RequestStates):
             # Blocks behind a sliding window are read by no query from here on: give them back
             # first. Counted from the computed tokens, not the planned ones, so a block is
             # released only after its prefix-cache hash is published.
-            self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
-            draft = self._draft(req, n, budget)  # holds its drafts' blocks already: the loop
-            n += len(draft)                       # below then only ever preempts for the token itself
+            if windowed:
+                self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
+            draft = self._draft(req, n, budget) if speculating else []  # holds its drafts' blocks
+            n += len(draft)  # already: the loop below then only ever preempts for the token itself
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
@@ -246,35 +248,41 @@ class Scheduler(RequestStates):
         finished: list[Request] = []
         parked: list[Request] = []
         failed: list[tuple[Request, str]] = []
+        errors, caching, num_hashed = result.errors, self.kv.enable_prefix_caching, self.kv.num_hashed
         for req, n, sampling, drafts in step.current_rows(self.requests):
             rid = req.request_id
-            tokens, logprobs = sampled.get(rid, ([], []))
+            tokens, logprobs = sampled.get(rid) or ([], [])
             accepted = max(len(tokens) - 1, 0)
             req.num_computed_tokens += n - (drafts - accepted)  # rejected drafts' KV is not kept
             req.num_inflight_tokens -= n
             req.num_inflight_samples -= sampling
-            if rid in result.errors:
+            if errors and rid in errors:
                 self.running.remove(req)
                 self._finish(req)
-                failed.append((req, result.errors[rid]))
+                failed.append((req, errors[rid]))
                 continue
             if drafts and self.speculator is not None:
                 self.speculator.record(drafts, accepted)
-            offset = len(req.output_token_ids)
+            output = req.output_token_ids
+            offset = len(output)
             reason = None
             for token in tokens:
-                req.output_token_ids.append(token)
+                output.append(token)
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
-            kept = len(req.output_token_ids) - offset
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            kept = len(output) - offset
+            num_tokens = len(req.prompt_token_ids) + len(output)
+            if req.num_computed_tokens > num_tokens:
+                req.num_computed_tokens = num_tokens
             # Publish newly full blocks first: a request that ends now still leaves them cached.
-            if self.kv.enable_prefix_caching and req.num_computed_tokens // bs > self.kv.num_hashed.get(rid, 0):
+            if caching and req.num_computed_tokens // bs > num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
             if not kept:
                 continue
-            rows.add(req, offset, tokens[:kept], reason, logprobs[:kept], prompt_lps.get(rid, []))
+            if kept < len(tokens):
+                tokens, logprobs = tokens[:kept], logprobs[:kept]
+            rows.add(req, offset, tokens, reason, logprobs, prompt_lps.get(rid, []) if prompt_lps else [])
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req)
@@ -302,7 +310,7 @@ class Scheduler(RequestStates):
         num_out = len(req.output_token_ids)
         if token in req.eos_token_ids and num_out >= req.params.min_tokens:
             return "stop"
-        if num_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.config.max_model_len:
             return "length"
         return None
 
