@@ -55,6 +55,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim's
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" / "sliding_attention" (Gemma 3)
     rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
+    # Per layer, whether it applies RoPE (SmolLM3's no_rope_layers: 0 is a NoPE layer); empty: all do.
+    rope_layers: tuple[bool, ...] = ()
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores = cap * tanh(scores / cap) (Gemma 2)
     moe_intermediate_size: int | None = None  # each expert's MLP width, where not intermediate_size (Qwen3-MoE)
@@ -102,10 +104,19 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
+            rope_layers=_rope_layers(cfg),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             moe_intermediate_size=cfg.get("moe_intermediate_size"),
         )
+
+    def layer_rope(self, i: int) -> str:
+        """Layer i's RoPE table: "global", "local" (a sliding layer's own base, Gemma 3) or
+        "none" (a NoPE layer, SmolLM3)."""
+        if self.rope_layers and not self.rope_layers[i]:
+            return "none"
+        sliding = i < len(self.layer_types) and self.layer_types[i] == "sliding_attention"
+        return "local" if self.rope_theta_local is not None and sliding else "global"
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -260,3 +271,13 @@ def detok_context_len(stop: list[str]) -> int:
     tokens) and to see any partial stop string held back at the previous step.
     """
     return 8 + 4 * max((len(s) for s in stop), default=0)
+
+
+def _rope_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's NoPE layers, as transformers reads them: `no_rope_layers` (1 = RoPE), else every
+    `no_rope_layer_interval`-th layer without."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None and cfg.get("model_type") == "smollm3":
+        every = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % every != 0) for i in range(int(cfg["num_hidden_layers"]))]
+    return tuple(bool(f) for f in flags or ())

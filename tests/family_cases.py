@@ -31,6 +31,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 WINDOW = 16  # sliding windows shorter than the prompts
@@ -63,6 +65,10 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=30.0,
         sliding_window_pattern=2, tie_word_embeddings=True)),
+    # Every second layer without RoPE (NoPE) and sliding, as SmolLM3 makes its NoPE layers slide.
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config, dict(no_rope_layer_interval=2, use_sliding_window=True,
+                                                        sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
+                                                        eos_token_id=2, tie_word_embeddings=False)),
     # Fused qkv_proj and gate_up_proj, every layer slides.
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, tie_word_embeddings=False)),
     # Qwen3-MoE: 8 experts, top-2 renormalised, the middle layer dense (mlp_only_layers), q/k norms.

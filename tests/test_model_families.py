@@ -33,6 +33,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from rill.services.cli import build_parser, engine_args
@@ -73,6 +75,10 @@ CASES = {
         head_dim=32, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=1.5,
         final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window over every layer.
+    # Layers 1 and 3 without RoPE, and sliding (the 37-token prompt passes their window).
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config, dict(num_hidden_layers=4, no_rope_layer_interval=2,
+                                                        use_sliding_window=True, sliding_window=16, pad_token_id=0,
+                                                        bos_token_id=1, eos_token_id=2)),
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=16, pad_token_id=0)),
     # Phi-3 128k-style LongRoPE: the prompt starts past original_max_position_embeddings, so
     # transformers takes the long factors throughout, as Rill does serving more than it.

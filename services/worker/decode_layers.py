@@ -119,7 +119,7 @@ def why_not(model: LlamaModel) -> str | None:
     if ops.uses_triton(model.embed) or cpu_native.library() is None:
         return "no native kernels"
     if c.hidden_act not in ("silu", "gelu_pytorch_tanh") or c.attn_logit_softcapping \
-            or model.cos_sin.dtype != torch.float32:
+            or model.rope_tables["global"].dtype != torch.float32:
         return "an MLP gate or attention soft-capping the driver has not"
     if c.hidden_act == "gelu_pytorch_tanh" and not cpu_native.geglu_exact():
         return "GeGLU: torch's GELU bits need its vector tanh (AVX2 or AVX-512)"
@@ -187,9 +187,7 @@ class DecodeLayers:
             for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
                 norm = getattr(layer, name)
                 setattr(target, name, None if norm is None else norm.data_ptr())
-            rope = model.cos_sin_local if layer.local_rope else model.cos_sin
-            assert rope is not None
-            target.cos_sin, target.window = rope.data_ptr(), layer.window or 0
+            target.cos_sin, target.window = model.rope_tables[layer.rope].data_ptr(), layer.window or 0
             target.k_cache, target.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         stack = _Stack(len(model.layers), c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                        c.intermediate_size, kv_caches[0][0].shape[1], c.rms_norm_eps, model.scale,

@@ -99,7 +99,8 @@ class Family:
     # Which layers slide, as transformers decides: "all" (Mistral ignores layer_types), "types"
     # (config.layer_types, else every `sliding_window_pattern`-th layer is global, by default
     # every `window_pattern`-th: Gemma 3's 6, Gemma 2's 2), "upper" (config.layer_types, else
-    # layers from max_window_layers on: Qwen2/3).
+    # layers from max_window_layers on: Qwen2/3), "nope" (config.layer_types, else the layers
+    # without RoPE: SmolLM3).
     window_layers: str = "all"
     window_pattern: int = 6
     # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden); attention and MLP
@@ -147,6 +148,10 @@ FAMILIES = (
     # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
            gemma=True, window_layers="types"),
+    # SmolLM3: Llama with every no_rope_layer_interval-th layer (no_rope_layers) skipping RoPE;
+    # optional sliding layers named by layer_types.
+    Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), window_key="sliding_window",
+           window_switch="use_sliding_window", window_layers="nope"),
     # Phi-3 / Phi-3.5 mini: fused projections, every layer within `sliding_window` (as Mistral).
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True),
     # Qwen3-MoE: Qwen3's attention, experts in every decoder_sparse_step-th layer not in mlp_only_layers.
@@ -186,9 +191,12 @@ def layer_windows(cfg: dict[str, Any], fam: Family) -> list[int | None]:
     if window is None or (fam.window_switch is not None and not cfg.get(fam.window_switch)):
         return [None] * n
     types = cfg.get("layer_types")
-    if fam.window_layers == "all" or (not types and fam.window_layers not in ("types", "upper")):
+    if fam.window_layers == "all":
         return [int(window)] * n
-    if not types and fam.window_layers == "types":
+    if not types and fam.window_layers == "nope":
+        rope = ModelConfig.from_dict(cfg).rope_layers or (True,) * n
+        types = ["full_attention" if r else "sliding_attention" for r in rope]
+    elif not types and fam.window_layers == "types":
         pattern = int(cfg.get("sliding_window_pattern", fam.window_pattern))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif not types:  # "upper"
@@ -226,6 +234,9 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
     if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
         raise UnsupportedModel(f"{fam.name}: partial rotary embeddings (partial_rotary_factor "
                                f"{cfg['partial_rotary_factor']}) are not supported")
+    if parsed.rope_layers and len(parsed.rope_layers) != parsed.num_hidden_layers:
+        raise UnsupportedModel(f"{fam.name}: no_rope_layers names {len(parsed.rope_layers)} layers, "
+                               f"the model has {parsed.num_hidden_layers}")
     if parsed.head_dim % 2:
         raise UnsupportedModel(f"{fam.name}: head_dim {parsed.head_dim} is odd; RoPE needs pairs")
     if fam.experts is not None:
@@ -306,12 +317,14 @@ def check_checkpoint(model_dir: str | Path, max_model_len: int | None = None, qu
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 
-# GGUF architectures of a served family that transformers' reader would turn into a wrong config.
+# GGUF architectures of a served family that transformers' reader cannot read or would turn into a
+# wrong config.
 _GGUF_MISREAD = {
     # llama.cpp keeps no norm_topk_prob (its graph always renormalises) and transformers maps no
     # expert width, so both would come back as Qwen3MoeConfig's defaults.
     "qwen3moe": "a Qwen3-MoE GGUF carries neither norm_topk_prob nor moe_intermediate_size; serve its "
                 "safetensors checkpoint",
+    "smollm3": "transformers reads no SmolLM3 GGUF; serve its safetensors checkpoint",
 }
 
 
@@ -341,6 +354,7 @@ def supported_table() -> str:
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
+             "smollm3": "no RoPE in every fourth layer (no_rope_layers); optional sliding-window layers",
              "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope",
              "qwen3_moe": "Qwen3 attention; top-k experts (SwiGLU) as grouped GEMMs, optional renormalisation, "
                           "dense layers by mlp_only_layers / decoder_sparse_step; no int8",

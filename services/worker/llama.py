@@ -78,9 +78,8 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.cos_sin = cos_sin_cache(cfg, max_positions, self.device)
-        self.cos_sin_local = cos_sin_cache(cfg, max_positions, self.device, local=True) \
-            if any(layer.local_rope for layer in layers) else None
+        self.rope_tables = {kind: cos_sin_cache(cfg, max_positions, self.device, kind)
+                            for kind in {"global", *(layer.rope for layer in layers)}}
         # Rounded to the model dtype first, as transformers multiplies by it.
         self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=self.dtype)
         self.act = ops.gelu_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
@@ -216,7 +215,7 @@ class LlamaModel:
             # RoPE and the cache write in one op (one fused kernel on the Triton backend).
             q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
-                                         self.cos_sin_local if layer.local_rope else self.cos_sin,
+                                         self.rope_tables[layer.rope],
                                          k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, window=layer.window,
                                        softcap=c.attn_logit_softcapping)

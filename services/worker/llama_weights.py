@@ -33,7 +33,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
     mlp_out_norm: torch.Tensor | None = None
-    local_rope: bool = False  # a sliding-attention layer: its own RoPE table (Gemma 3)
+    rope: str = "global"  # its RoPE table (ModelConfig.layer_rope): global, local or none
     window: int | None = None  # sliding-window size: a query at p sees keys p - window + 1 .. p
     moe: SparseMoe | None = None  # the layer's MLP is a mixture of experts (experts.py)
 
@@ -57,7 +57,7 @@ class LayerTensors:
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
-    local_rope: bool = False
+    rope: str = "global"
     window: int | None = None
     moe: SparseMoe | None = None  # already prepared (no quantized experts)
 
@@ -69,7 +69,7 @@ class LayerTensors:
                             gate_up=linear("gate_up", self.gate_up, self.gate_up_bias) if dense else None,
                             down=linear("down", self.down, self.down_bias) if dense else None,
                             q_norm=self.q_norm, k_norm=self.k_norm, attn_out_norm=self.attn_out_norm,
-                            mlp_out_norm=self.mlp_out_norm, local_rope=self.local_rope, window=self.window,
+                            mlp_out_norm=self.mlp_out_norm, rope=self.rope, window=self.window,
                             moe=self.moe)
 
 
@@ -165,5 +165,4 @@ class LayerReader:
             k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
             attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
             mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
-            local_rope=cfg.rope_theta_local is not None and i < len(cfg.layer_types)
-            and cfg.layer_types[i] == "sliding_attention", window=self.windows[i], moe=moe)
+            rope=cfg.layer_rope(i), window=self.windows[i], moe=moe)

@@ -119,10 +119,15 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | str,
-                  local: bool = False) -> torch.Tensor:
+                  kind: str = "global") -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos of each angle in the first half, sin in the second.
-    `local`: the sliding-attention layers' table (their own base, no scaling; Gemma 3)."""
-    if local:
+    `kind` (ModelConfig.layer_rope): "local" is the sliding-attention layers' table (their own
+    base, no scaling; Gemma 3); "none" turns nothing (cos 1, sin 0), so a NoPE layer runs every
+    kernel's RoPE unchanged."""
+    if kind == "none":
+        half = cfg.head_dim // 2
+        return torch.cat((torch.ones(max_positions, half), torch.zeros(max_positions, half)), dim=-1).to(device)
+    if kind == "local":
         cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
     freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg, max_positions)[None, :]
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)).to(device)
