@@ -42,8 +42,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default=DEFAULT_POLICY, choices=list(POLICIES),
                    help="tokenizer: how each new request's engine is picked among data-parallel engines "
                         "(cache-aware: the engine holding the longest prefix of the prompt, unless overloaded)")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+    from rill.services.gateway import reasoning, tool_calls
+
+    p.add_argument("--tool-call-parser", default="auto", choices=list(tool_calls.PARSERS),
                    help="gateway: the model's tool-call format (auto: read from its chat template)")
+    p.add_argument("--reasoning-parser", default="none", choices=list(reasoning.PARSERS),
+                   help="gateway: a thinking model's <think>...</think> as reasoning_content (qwen3: when the "
+                        "output opens it; deepseek_r1: the output starts inside it)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -315,6 +320,7 @@ def run_service(ns: argparse.Namespace) -> None:
     else:
         from rill.services.gateway.app import run
         from rill.services.gateway.auth import api_key_from_env
+        from rill.services.gateway.chat_output import ChatParsers
         from rill.services.gateway.limit_flags import limit_kwargs
         from rill.services.gateway.tool_calls import pick_parser, template_sources
         start = partial(
@@ -322,7 +328,8 @@ def run_service(ns: argparse.Namespace) -> None:
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
             max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
             allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()),
-            tool_call_parser=pick_parser(ns.tool_call_parser, template_sources(model_dir, ns.chat_template)).name,
+            chat_parsers=ChatParsers(pick_parser(ns.tool_call_parser, template_sources(model_dir, ns.chat_template)).name,
+                                     ns.reasoning_parser),
             **limit_kwargs(ns))
     settle_heap()
     start()

@@ -46,7 +46,7 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
     if name == "tokenizer":
         argv += ["--routing", ns.routing]
     if name == "gateway":
-        argv += ["--tool-call-parser", ns.tool_call_parser]
+        argv += ["--tool-call-parser", ns.tool_call_parser, "--reasoning-parser", ns.reasoning_parser]
     if name == "gateway" and ns.ignore_unknown_fields:
         argv.append("--ignore-unknown-fields")
     if name == "gateway" and ns.allowed_origins:

@@ -71,3 +71,4 @@ class ChatMessage(Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ChatToolCall] = []  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    reasoning_content: str | None = None  # assistant turns of a thinking model (Qwen3's template reads it)

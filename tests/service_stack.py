@@ -4,11 +4,13 @@ client tests): start them from given command lines, wait until they serve, resta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,15 @@ from rill.shared.schema import EngineStats
 from rill.shared.streams import Streams
 
 SERVICES = ("worker", "scheduler", "tokenizer", "detokenizer", "gateway")
+
+
+def healthy(base_url: str) -> bool:
+    """Whether a gateway's /health answers 200."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def rill_executable() -> list[str]:
@@ -126,13 +137,8 @@ class ServiceStack:
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             assert not dead, f"services died during start-up: {dead}"
             assert time.monotonic() < deadline, "the stack did not become ready in time"
-            try:
-                if self.redis.exists(self.streams.stats_key(0)):
-                    with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                        if r.status == 200:
-                            return
-            except OSError:
-                pass
+            if self.redis.exists(self.streams.stats_key(0)) and healthy(self.base_url):
+                return
             time.sleep(0.3)
 
     def __enter__(self) -> ServiceStack:
@@ -208,3 +214,25 @@ def fresh_stack(redis_url: str, model_dir: str, tag: str, extra: list[str] | Non
 
 def openai_client(stack: ServiceStack, timeout: float = 120) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+@contextlib.contextmanager
+def extra_gateway(model_dir: str, redis_url: str, prefix: str, name: str, *flags: str,
+                  timeout: float = 60.0) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Another gateway on a running stack, with its own flags: (process, its URL), once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rill.services.cli", "service", "gateway", model_dir, "--redis-url",
+                             redis_url, "--prefix", prefix, "--port", str(port), "--host", "127.0.0.1",
+                             "--replica-name", name, *flags], env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"the gateway {name} did not start"
+            if healthy(url):
+                break
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -22,6 +22,7 @@ import msgspec
 import psutil
 import pytest
 import redis
+from service_stack import extra_gateway
 
 from rill.services.gateway.drain import DRAIN_ERROR
 from rill.services.supervisor import children_of
@@ -125,27 +126,9 @@ def long_request(max_tokens: int) -> dict:
 @pytest.fixture
 def deadline_gateway(served: Served) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A second gateway on the stack with a short --progress-timeout: (process, its URL)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rill.services.cli", "service", "gateway", served.model_dir, "--redis-url",
-         served.broker.url, "--prefix", served.prefix, "--port", str(port), "--max-model-len", "1024",
-         "--replica-name", "gateway-deadline", "--progress-timeout", str(PROGRESS_TIMEOUT_S)],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the second gateway did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with extra_gateway(served.model_dir, served.broker.url, served.prefix, "gateway-deadline", "--max-model-len",
+                       "1024", "--progress-timeout", str(PROGRESS_TIMEOUT_S)) as both:
+        yield both
 
 
 def test_trimmed_replies_end_in_504_and_free_the_blocks(

@@ -191,6 +191,9 @@ class ChatSession:
         if kind == "delta" and turn.cancelled_at is None:
             if turn.t_first is None:
                 turn.t_first = time.perf_counter()
+            reasoning = frame.get("reasoning")
+            if isinstance(reasoning, str):  # a thinking model's (--reasoning-parser): dim, not in the history
+                self.out.write(f"\x1b[2m{reasoning}\x1b[0m" if self.out.isatty() else reasoning)
             turn.parts.append(str(frame.get("text", "")))
             self.out.write(turn.parts[-1])
             self.out.flush()

@@ -16,6 +16,7 @@ from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, 
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS
 from rill.services.gateway.auth import BearerAuth
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
+from rill.services.gateway.chat_output import DEFAULT_PARSERS, ChatParsers
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S
 from rill.services.gateway.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainHealth, drain
 from rill.services.gateway.errors import (
@@ -58,13 +59,14 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
                bind_host: str = "0.0.0.0", allowed_origins: frozenset[str] = frozenset(),
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
-               ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S, tool_call_parser: str = "hermes") -> Starlette:
+               ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S,
+               chat_parsers: ChatParsers = DEFAULT_PARSERS) -> Starlette:
     """`api_key`: guard the API routes with this bearer token (see auth.py); None or empty: open.
     `bind_host` / `allowed_origins`: who may talk to it from a browser (origin.py)."""
     gateway = Gateway(redis_url, prefix, model_name, max_model_len, watch_engine=watch_engine,
                       max_logprobs=max_logprobs, ignore_unknown_fields=ignore_unknown_fields,
                       max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
-                      ws_idle_timeout_s=ws_idle_timeout_s, tool_call_parser=tool_call_parser,
+                      ws_idle_timeout_s=ws_idle_timeout_s, chat_parsers=chat_parsers,
                       **({"gateway_id": gateway_id} if gateway_id else {}))
 
     @contextlib.asynccontextmanager
@@ -99,7 +101,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
         ignore_unknown_fields: bool = False, allowed_origins: frozenset[str] = frozenset(),
         server_limits: ServerLimits | None = None, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S, ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S,
-        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, tool_call_parser: str = "hermes") -> None:
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, chat_parsers: ChatParsers = DEFAULT_PARSERS) -> None:
     """Serve until SIGTERM/SIGINT, then drain (drain.py). `reuse_port`: bind with SO_REUSEPORT, so
     several gateway replicas listen on the same port and the kernel spreads connections across them."""
     from rill.shared.logs import setup_logging
@@ -112,7 +114,7 @@ def run(redis_url: str, prefix: str, model_name: str, max_model_len: int, host: 
                      max_logprobs=max_logprobs, api_key=api_key, max_request_body_bytes=max_request_body_bytes,
                      ignore_unknown_fields=ignore_unknown_fields, bind_host=host, allowed_origins=allowed_origins,
                      max_waiting_requests=max_waiting_requests, progress_timeout_s=progress_timeout_s,
-                     ws_idle_timeout_s=ws_idle_timeout_s, tool_call_parser=tool_call_parser)
+                     ws_idle_timeout_s=ws_idle_timeout_s, chat_parsers=chat_parsers)
     config = server_config(app, host, port, server_limits or ServerLimits(), ws_max_size=max_request_body_bytes)
     server = DrainingServer(config, lambda: drain(app.state.gateway, shutdown_timeout_s))
     if not reuse_port:

@@ -130,6 +130,7 @@ class UserMessage(_Message, tag="user"):
 
 class AssistantMessage(_Message, tag="assistant"):
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # what a thinking model reasoned: passed to the chat template
     function_call: Annotated[Any, NotYet(FUNCTIONS)] = None
     refusal: Annotated[Any, NotYet("no refusal turns in the chat template")] = None
     audio: Annotated[Any, NotYet("text-only models")] = None
@@ -233,8 +234,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     documents: Annotated[Any, NotYet(TEMPLATES)] = None
     add_special_tokens: Annotated[Any, NotYet(TEMPLATES, False)] = None  # the template brings its own
     echo: Annotated[Any, NotYet("no echo on chat", False)] = None
-    reasoning_effort: Annotated[Any, NotYet("no reasoning models")] = None
-    include_reasoning: Annotated[Any, NotYet("no reasoning models")] = None
+    reasoning_effort: Annotated[Any, NotYet("no reasoning effort control; a chat template's switch (Qwen3's "
+                                            "enable_thinking) goes in chat_template_kwargs")] = None
+    include_reasoning: bool | None = None  # reasoning.py: false leaves reasoning_content out
     verbosity: Annotated[Any, NotYet("no verbosity control")] = None
     modalities: Annotated[Any, NotYet("text-only models", ["text"])] = None
     audio: Annotated[Any, NotYet("text-only models")] = None

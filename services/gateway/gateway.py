@@ -1,5 +1,4 @@
-"""The gateway's manager (one per process): its reply stream, its reader and watch tasks,
-submitting and aborting requests.
+"""The gateway's manager, one per process: its reply stream, reader and watch tasks; requests in and out.
 
 One gateway owns one reply stream. A single background task reads it and routes every
 delta to the request it belongs to (request_tracker.py); handlers only ever wait on their own
@@ -30,6 +29,7 @@ from redis.exceptions import OutOfMemoryError
 
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
+from rill.services.gateway.chat_output import DEFAULT_PARSERS, ChatParsers
 from rill.services.gateway.deadline import DEFAULT_PROGRESS_TIMEOUT_S, stalled, timed_out
 from rill.services.gateway.drain import DRAINING
 from rill.services.gateway.engine_stats import RegisteredEngines
@@ -98,7 +98,7 @@ class Gateway:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # admission.py; 0: no cap
     progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # deadline.py; 0: none
     ws_idle_timeout_s: float = DEFAULT_WS_IDLE_TIMEOUT_S  # websocket.py; 0: none
-    tool_call_parser: str = "hermes"  # the model's tool-call format (tool_calls.py)
+    chat_parsers: ChatParsers = DEFAULT_PARSERS  # the model's tool-call and reasoning formats
 
     def __post_init__(self) -> None:
         self.bus: AsyncBus | None = None
@@ -125,7 +125,7 @@ class Gateway:
     @property
     def admission(self) -> Admission:  # the settings request validation depends on (requests.py)
         return Admission(self.model_name, self.max_logprobs, self.ignore_unknown_fields, self.max_model_len,
-                         self.max_waiting_requests)
+                         self.max_waiting_requests, self.chat_parsers.reasoning != "none")
 
     @property
     def reply_stream(self) -> str:

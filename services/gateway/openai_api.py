@@ -29,6 +29,7 @@ from rill.services.gateway.bodies import (
     GenerateBody,
     TokenizeBody,
 )
+from rill.services.gateway.chat_output import PLAIN, ChatOutput, chat_output
 from rill.services.gateway.chat_tools import tool_definitions
 from rill.services.gateway.engine_stats import read_engine_stats
 from rill.services.gateway.errors import APIError, json_response
@@ -44,7 +45,6 @@ from rill.services.gateway.responses import (
     full_response,
     stream_end,
 )
-from rill.services.gateway.tool_calls import tool_mode
 from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
 
@@ -225,11 +225,11 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
             streams, bool(body.return_tokens_as_token_ids), requests.scores_only(body)))
         if isinstance(outs, _Disconnected):
             return Response(status_code=499)
-        logprobs, tools = reqs[0].params.logprobs is not None, tool_mode(body, gw.tool_call_parser)
+        logprobs, chat = reqs[0].params.logprobs is not None, _chat_output(gw, body, reqs)
         if shape is not None:
-            return json_response(shape.full(outs[0], tools))
+            return json_response(shape.full(outs[0], chat))
         resp = json_response(batch_response([
-            full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, tools)
+            full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, chat)
             for out, echo_text in zip(outs, echoes, strict=True)]))
         resp.headers.update(_engine_header(streams))
         return resp
@@ -258,10 +258,10 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
     firsts = await or_disconnect(request.receive, _first_events(streams))
     if isinstance(firsts, _Disconnected):
         return Response(status_code=499)
-    tools = tool_mode(body, gw.tool_call_parser)
+    chat = _chat_output(gw, body, reqs)
     if shape is not None:
         (events, first), = firsts
-        return SSEResponse(gw, [_Part(streams[0], events, first, shape.formatter(tools))], shape)
+        return SSEResponse(gw, [_Part(streams[0], events, first, shape.formatter(chat))], shape)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     logprobs = reqs[0].params.logprobs is not None
@@ -269,8 +269,12 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
     return SSEResponse(gw, [
         _Part(rs, events, first, ChunkFormatter(
             requests.kind_of(body), request_id, gw.model_name, include_usage, n, rs.index, logprobs, echo_text,
-            as_ids, tools, first_index=i * n, scores_only=scores_only, continuous_usage=continuous))
+            as_ids, chat, first_index=i * n, scores_only=scores_only, continuous_usage=continuous))
         for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
+
+
+def _chat_output(gw: Gateway, body: GenerateBody, reqs: list[GenerateRequest]) -> ChatOutput:
+    return chat_output(body, reqs[0].params, gw.chat_parsers) if isinstance(body, ChatCompletionRequest) else PLAIN
 
 
 def _raise_early_error(head: Event) -> None:

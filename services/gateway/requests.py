@@ -57,6 +57,7 @@ class Admission:
     ignore_unknown_fields: bool = False
     max_model_len: int = 0  # 0: unknown (no size check before tokenizing)
     max_batch: int = 0  # most prompts in one completions body (the admission cap); 0: no bound
+    reasoning: bool = False  # a --reasoning-parser splits the reasoning out (reasoning.py)
 
 
 _ERROR = re.compile(r"(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
@@ -137,7 +138,7 @@ def not_yet_fields(cls: type[Struct]) -> tuple[tuple[str, NotYet], ...]:
                  for meta in getattr(hints[name], "__metadata__", ()) if isinstance(meta, NotYet))
 
 
-def _refuse_not_yet(obj: Struct, path: str) -> None:
+def refuse_not_yet(obj: Struct, path: str) -> None:
     """The first NotYet field (or non-text content part) set in `obj` or the Structs inside it."""
     if isinstance(obj, UnreadPart):
         raise APIError(f"{path}: {obj.__struct_config__.tag} content parts are not supported yet ({obj.why}).",
@@ -148,10 +149,10 @@ def _refuse_not_yet(obj: Struct, path: str) -> None:
     for name in obj.__struct_fields__:
         value = getattr(obj, name)
         if isinstance(value, Struct):
-            _refuse_not_yet(value, f"{path}.{name}" if path else name)
+            refuse_not_yet(value, f"{path}.{name}" if path else name)
         elif isinstance(value, list) and value and isinstance(value[0], Struct):  # messages, content parts
             for i, item in enumerate(value):
-                _refuse_not_yet(item, f"{path}.{name}[{i}]" if path else f"{name}[{i}]")
+                refuse_not_yet(item, f"{path}.{name}[{i}]" if path else f"{name}[{i}]")
 
 
 def _bad(message: str, param: str | None) -> APIError:
@@ -278,10 +279,13 @@ def _check_tokenize(req: TokenizeBody) -> None:
 def check(req: Struct, gate: Admission) -> None:
     """The rules no single field can state; each raises a 400 (404 for the model) naming its field."""
     check_model(getattr(req, "model", None), gate.model_name)
-    _refuse_not_yet(req, "")
+    refuse_not_yet(req, "")
     if isinstance(req, ChatCompletionRequest):
         _check_messages(req.messages)
         _check_tools(req)
+        if req.include_reasoning is False and not gate.reasoning:
+            raise APIError("include_reasoning: false needs a server started with --reasoning-parser (without "
+                           "one, reasoning is never split out of the content).", param="include_reasoning")
     elif isinstance(req, CompletionRequest):
         _check_prompt(req.prompt, gate.max_batch)
     elif isinstance(req, TokenizeBody):
@@ -318,7 +322,8 @@ def _text(content: Content | None) -> str:
 def chat_messages(messages: list[Message]) -> list[ChatMessage]:
     return [ChatMessage(role=m.__struct_config__.tag, content=_text(m.content), name=m.name,
                         tool_calls=chat_tool_calls(getattr(m, "tool_calls", None)),
-                        tool_call_id=getattr(m, "tool_call_id", None)) for m in messages]
+                        tool_call_id=getattr(m, "tool_call_id", None),
+                        reasoning_content=getattr(m, "reasoning_content", None)) for m in messages]
 
 
 def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rill.services.gateway.chat_output import PLAIN, ChatOutput, ChatStream
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.tool_calls import ToolMode, ToolStream, calls_finish
+from rill.services.gateway.tool_calls import calls_finish
 from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
 
@@ -155,23 +156,12 @@ def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset
 # Non-streamed responses
 
 
-def chat_message(text: str, finish_reason: str | None, tools: ToolMode | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished chat choice, and its finish reason ("tool_calls"
-    when the text became calls)."""
-    if tools is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = tools.message(text)
-    if not calls:
-        return {"role": "assistant", "content": content}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, calls_finish(finish_reason, calls)
-
-
 def full_response(kind: RequestKind, request_id: str, model: str, out: Output, logprobs: bool,
-                  echo: str = "", tools: ToolMode | None = None) -> dict[str, Any]:
+                  echo: str = "", chat: ChatOutput = PLAIN) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for i, c in enumerate(out.choices):
         if kind == "chat":
-            message, finish = chat_message(c.text, c.finish_reason, tools)
+            message, finish = chat.message(c.text, c.finish_reason)
             choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                             "finish_reason": finish})
@@ -228,9 +218,9 @@ class Shape(Protocol):
 
     request_id: str
 
-    def full(self, out: Output, tools: ToolMode | None) -> dict[str, Any]: ...
+    def full(self, out: Output, chat: ChatOutput) -> dict[str, Any]: ...
 
-    def formatter(self, tools: ToolMode | None) -> Formatter: ...
+    def formatter(self, chat: ChatOutput) -> Formatter: ...
 
     def end(self) -> bytes: ...
 
@@ -240,7 +230,7 @@ class ChunkFormatter:
 
     def __init__(self, kind: RequestKind, request_id: str, model: str, include_usage: bool, n: int = 1,
                  index: Callable[[TextDelta], int] = lambda d: 0, logprobs: bool = False,
-                 echo: str = "", tokens_as_ids: bool = False, tools: ToolMode | None = None,
+                 echo: str = "", tokens_as_ids: bool = False, chat: ChatOutput = PLAIN,
                  first_index: int = 0, scores_only: bool = False, continuous_usage: bool = False) -> None:
         self.kind = kind
         self.request_id = request_id
@@ -256,8 +246,8 @@ class ChunkFormatter:
         self.text_offsets = [len(echo)] * n  # completions logprobs: where the next token's text starts
         self.prompt_sent = [False] * n
         self.failed = False
-        # Chat with tools: each choice's text passes through its ToolStream (tool_calls.py).
-        self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None and kind == "chat" else None
+        # Chat with tools or reasoning: each choice's text passes through its ChatStream (chat_output.py).
+        self.chat = [ChatStream(chat) for _ in range(n)] if kind == "chat" and not chat.plain else None
 
     @property
     def object(self) -> str:
@@ -270,10 +260,14 @@ class ChunkFormatter:
             obj["usage"] = self.output.usage() if self.continuous_usage else None
         return sse(obj)
 
-    def _choice(self, i: int, text: str, lps: list[TextLogprob], finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, i: int, text: str, lps: list[TextLogprob], finish_reason: str | None,
+                reasoning: str = "") -> dict[str, Any]:
         at = self.first_index + i
         if self.kind == "chat":
-            return {"index": at, "delta": {"content": text} if text else {},
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if text:
+                delta["content"] = text
+            return {"index": at, "delta": delta,
                     "logprobs": chat_logprobs(lps) if self.logprobs else None, "finish_reason": finish_reason}
         logprobs = None
         if self.logprobs:
@@ -294,7 +288,7 @@ class ChunkFormatter:
         at = range(self.first_index, self.first_index + len(self.output.choices))
         if self.kind == "chat":
             # A forced call has no content: null, as OpenAI sends it (clients open no text part).
-            content = None if self.tools and self.tools[0].mode.choice != "auto" else ""
+            content = None if self.chat and self.chat[0].forced else ""
             return self._chunk([{"index": i, "delta": {"role": "assistant", "content": content},
                                  "logprobs": None, "finish_reason": None} for i in at])
         if self.echo:
@@ -314,32 +308,27 @@ class ChunkFormatter:
             if ev.finish_reason == "error":
                 out.append(sse(APIError(GENERATION_FAILED, 500).body()))
                 self.failed = True
-            elif self.tools is not None:
-                out.append(self._tool_chunks(i, ev))
+            elif self.chat is not None:
+                out.append(self._chat_chunks(i, ev))
             elif ev.text or ev.finish_reason is not None or (self.logprobs and ev.logprobs):
                 out.append(self._chunk([self._choice(i, ev.text, ev.logprobs, ev.finish_reason)]))
         return b"".join(out)
 
-    def _tool_chunks(self, i: int, ev: TextDelta) -> bytes:
-        """A chat delta of a request with tools: content that cannot be a call streams now, and
-        tool-call deltas as the ToolStream releases them (forced calls as generated; parsed ones,
+    def _chat_chunks(self, i: int, ev: TextDelta) -> bytes:
+        """A chat delta of a request with tools or reasoning: reasoning and content as the
+        ChatStream releases them, then tool-call deltas (forced calls as generated; parsed ones,
         or the held text as content, at the finish)."""
-        assert self.tools is not None
-        stream, at = self.tools[i], self.first_index + i
-        text, deltas = stream.feed(ev.text)
-        finish = ev.finish_reason
+        assert self.chat is not None
+        at, finish = self.first_index + i, ev.finish_reason
+        d = self.chat[i].feed(ev.text, finish is not None)
         chunks: list[bytes] = []
-        calls: list[dict[str, Any]] = []
-        if finish is not None:
-            tail, more, calls = stream.finish()
-            text, deltas = text + tail, deltas + more
-        if text or (self.logprobs and ev.logprobs):
-            chunks.append(self._chunk([self._choice(i, text, ev.logprobs, None)]))
-        if deltas:
-            chunks.append(self._chunk([{"index": at, "delta": {"tool_calls": deltas}, "logprobs": None,
+        if d.content or d.reasoning or (self.logprobs and ev.logprobs):
+            chunks.append(self._chunk([self._choice(i, d.content, ev.logprobs, None, d.reasoning)]))
+        if d.tool_calls:
+            chunks.append(self._chunk([{"index": at, "delta": {"tool_calls": d.tool_calls}, "logprobs": None,
                                         "finish_reason": None}]))
-        if calls:
-            finish = calls_finish(finish, calls)
+        if d.calls:
+            finish = calls_finish(finish, d.calls)
         if finish is not None:
             chunks.append(self._chunk([{"index": at, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return b"".join(chunks)

@@ -4,8 +4,7 @@ A body becomes a chat completion request (instructions as the system turn, input
 messages: function_call items as the assistant's tool calls, function_call_output items as tool
 turns; `text.format` as response_format; flat function tools as chat tools), which is checked
 and run as /v1/chat/completions runs it; its result becomes a Response object, or the typed
-stream events (response.created ... response.completed, or response.incomplete when
-max_output_tokens cut it).
+stream events (response_events.py).
 
 Rill keeps no responses: `store` must be false or absent and `previous_response_id` is refused,
 so a conversation is sent whole as `input`.
@@ -14,8 +13,6 @@ so a conversation is sent whole as `input`.
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -30,10 +27,8 @@ from rill.services.gateway.errors import APIError
 from rill.services.gateway.fields import Body, NotYet
 from rill.services.gateway.openai_api import SSEResponse, generate
 from rill.services.gateway.requests import Admission
-from rill.services.gateway.responses import GENERATION_FAILED, Event, Output, error_from_reply
+from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.structured import JsonObjectFormat, TextFormat
-from rill.services.gateway.tool_calls import ToolMode, ToolStream
-from rill.shared.schema import ErrorReply
 
 NO_STORE = "Rill keeps no responses; send the whole conversation as input"
 
@@ -78,8 +73,21 @@ class FunctionCallOutputItem(_Item, kw_only=True):
     output: str
 
 
+class ReasoningText(Body, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(_Item, kw_only=True):
+    """A thinking model's reasoning as a response gave it: the next assistant turn's reasoning_content."""
+
+    type: Literal["reasoning"]
+    summary: list[Any] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: Annotated[Any, NotYet("no encrypted reasoning")] = None
+
+
 ITEMS: dict[str, type[Body]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                "function_call_output": FunctionCallOutputItem}
+                                "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
 class FlatFunctionTool(Body, tag_field="type", tag="function"):
@@ -127,7 +135,7 @@ class ResponsesRequest(Body, kw_only=True):
     previous_response_id: Annotated[Any, NotYet(NO_STORE)] = None
     conversation: Annotated[Any, NotYet(NO_STORE)] = None
     include: Annotated[Any, NotYet("no extra output data", [])] = None
-    reasoning: Annotated[Any, NotYet("no reasoning models")] = None
+    reasoning: Annotated[Any, NotYet("no reasoning effort or summary control")] = None
     truncation: Annotated[Any, NotYet("no truncation", "disabled")] = None
     background: Annotated[Any, NotYet("no background responses", False)] = None
     service_tier: Annotated[Any, NotYet("one service tier", "auto", "default")] = None
@@ -151,6 +159,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         {"role": "system", "content": body.instructions, "origin": "instructions"}] if body.instructions else []
     if isinstance(body.input, str):
         return [*out, {"role": "user", "content": body.input, "origin": "input"}]
+    thought: str | None = None  # a reasoning item's, for the assistant turn that follows it
     for i, raw in enumerate(body.input):
         kind = raw.get("type", "message")
         if not isinstance(kind, str) or kind not in ITEMS:
@@ -161,19 +170,25 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         except msgspec.ValidationError as exc:
             err = requests.validation_error(exc)
             raise _renamed(err, err.param or "", f"input[{i}].{err.param}") from None
+        requests.refuse_not_yet(item, f"input[{i}]")
+        if isinstance(item, ReasoningItem):
+            thought = "".join(part.text for part in item.content or [])
+            continue
         if isinstance(item, MessageItem):
             content = item.content if isinstance(item.content, str) else [
                 {"type": "text", "text": part.text} for part in item.content]
             out.append({"role": item.role, "content": content, "origin": f"input[{i}]"})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant":  # the calls of one assistant turn
+            if out and out[-1]["role"] == "assistant" and thought is None:  # the calls of one assistant turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call], "origin": f"input[{i}]"})
         else:
             assert isinstance(item, FunctionCallOutputItem)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output, "origin": f"input[{i}]"})
+        if thought is not None and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], thought = thought, None
     return out
 
 
@@ -228,172 +243,6 @@ def _responses_error(err: APIError, origins: list[str]) -> APIError:
     else:
         old, new = ".function.", "."  # tools[i].function.x is tools[i].x
     return _renamed(err, old, new)
-
-
-# ---------------------------------------------------------------------------------------------
-# The response
-
-
-def _usage(out: Output) -> dict[str, Any]:
-    u = out.usage()
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["total_tokens"]}
-
-
-def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def _function_call(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
-
-
-def _new_id(kind: str) -> str:
-    return f"{kind}_{uuid.uuid4().hex}"
-
-
-class ResponseShape:
-    """One /v1/responses request's Response object and stream (openai_api.Shape)."""
-
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.body = body
-        self.model = model
-        self.request_id = _new_id("resp")
-        self.created = int(time.time())
-        self.seq = 0
-
-    def object(self, status: str, output: list[dict[str, Any]], out: Output | None) -> dict[str, Any]:
-        b = self.body
-        tool_choice = msgspec.to_builtins(b.tool_choice) if b.tool_choice is not None else "auto"
-        fmt = msgspec.to_builtins(b.text.format) if b.text and b.text.format else {"type": "text"}
-        return {"id": self.request_id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "model": self.model, "output": output, "usage": _usage(out) if out else None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-                "temperature": b.temperature, "top_p": b.top_p, "tool_choice": tool_choice,
-                "tools": msgspec.to_builtins(b.tools or []), "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "text": {"format": fmt}, "metadata": b.metadata or {}, "user": b.user, "store": False,
-                "previous_response_id": None, "reasoning": None, "truncation": "disabled"}
-
-    def full(self, out: Output, tools: ToolMode | None) -> dict[str, Any]:
-        content, calls = tools.message(out.text) if tools else (out.text, [])
-        status = _status(out.finish_reason)
-        output = [_message(_new_id("msg"), content or "", status)] if content or not calls else []
-        output += [_function_call(_new_id("fc"), c, status) for c in calls]
-        return self.object(status, output, out)
-
-    def formatter(self, tools: ToolMode | None) -> EventFormatter:
-        return EventFormatter(self, tools)
-
-    def end(self) -> bytes:
-        return b""  # the Responses stream ends with its last event; no [DONE]
-
-    def event(self, kind: str, **fields: Any) -> bytes:
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(
-            {"type": kind, "sequence_number": self.seq - 1, **fields}) + b"\n\n"
-
-
-_json = msgspec.json.Encoder()
-
-
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-class EventFormatter:
-    """The typed events of one streamed response (openai_api.Formatter)."""
-
-    def __init__(self, shape: ResponseShape, tools: ToolMode | None) -> None:
-        self.shape = shape
-        self.output = Output()
-        self.tools = ToolStream(tools) if tools is not None else None
-        self.msg_id: str | None = None  # the message item, once text started
-        self.text = ""
-        self.calls: list[tuple[str, int]] = []  # each function_call item's id and output index
-        self.failed = False
-
-    def head(self, first: list[Event]) -> bytes:
-        s = self.shape
-        started = s.object("in_progress", [], None)
-        return s.event("response.created", response=started) + s.event("response.in_progress", response=started) \
-            + self.render(first)
-
-    def _text(self, delta: str) -> bytes:
-        s, out = self.shape, b""
-        if self.msg_id is None:
-            self.msg_id = _new_id("msg")
-            item = {**_message(self.msg_id, "", "in_progress"), "content": []}
-            out += s.event("response.output_item.added", output_index=0, item=item)
-            out += s.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        self.text += delta
-        return out + s.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
-                             delta=delta, logprobs=[])
-
-    def _call_events(self, deltas: list[dict[str, Any]]) -> bytes:
-        """Function-call items from the ToolStream's chat deltas: a new call, then its arguments."""
-        s, out = self.shape, b""
-        for d in deltas:
-            if "id" in d:  # a new call
-                at, fn = len(self.calls) + (self.msg_id is not None), d["function"]
-                item = _function_call(_new_id("fc"), {**d, "function": {**fn, "arguments": ""}}, "in_progress")
-                self.calls.append((item["id"], at))
-                out += s.event("response.output_item.added", output_index=at, item=item)
-            item_id, at = self.calls[d["index"]]
-            if d["function"]["arguments"]:
-                out += s.event("response.function_call_arguments.delta", item_id=item_id, output_index=at,
-                               delta=d["function"]["arguments"])
-        return out
-
-    def _finish(self, finish_reason: str | None) -> bytes:
-        s, out, status = self.shape, b"", _status(finish_reason)
-        calls: list[dict[str, Any]] = []
-        deltas: list[dict[str, Any]] = []
-        if self.tools is not None:
-            tail, deltas, calls = self.tools.finish()
-            out += self._text(tail) if tail else b""
-        output: list[dict[str, Any]] = []
-        if self.msg_id is not None:
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-            item = _message(self.msg_id, self.text, status)
-            out += s.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                           text=self.text, logprobs=[])
-            out += s.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                           part=part)
-            out += s.event("response.output_item.done", output_index=0, item=item)
-            output.append(item)
-        out += self._call_events(deltas)
-        for (item_id, at), call in zip(self.calls, calls, strict=True):
-            item = _function_call(item_id, call, status)
-            out += s.event("response.function_call_arguments.done", item_id=item_id, output_index=at,
-                           arguments=item["arguments"])
-            out += s.event("response.output_item.done", output_index=at, item=item)
-            output.append(item)
-        return out + s.event(f"response.{status}", response=s.object(status, output, self.output))
-
-    def _fail(self, err: APIError) -> bytes:
-        self.failed = True
-        failed = {**self.shape.object("failed", [], self.output),
-                  "error": {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}}
-        return self.shape.event("response.failed", response=failed)
-
-    def render(self, batch: list[Event]) -> bytes:
-        out = b""
-        for ev in batch:
-            if isinstance(ev, ErrorReply):
-                return out + self._fail(error_from_reply(ev))
-            ev = self.output.add(ev)
-            if ev.finish_reason == "error":
-                return out + self._fail(APIError(GENERATION_FAILED, 500))
-            text, deltas = self.tools.feed(ev.text) if self.tools is not None else (ev.text, [])
-            out += (self._text(text) if text else b"") + self._call_events(deltas)
-            if ev.finish_reason is not None:
-                out += self._finish(ev.finish_reason)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------

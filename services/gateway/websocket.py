@@ -33,9 +33,10 @@ from starlette.websockets import WebSocket
 
 from rill.services.gateway import requests
 from rill.services.gateway.bodies import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
+from rill.services.gateway.chat_output import ChatStream, chat_output
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
-from rill.services.gateway.tool_calls import ToolStream, calls_finish, tool_mode
+from rill.services.gateway.tool_calls import calls_finish
 from rill.shared.schema import ErrorReply, TextLogprob
 
 if TYPE_CHECKING:
@@ -57,9 +58,19 @@ class _Entry:
     stream: RequestStream
     output: Output = field(default_factory=Output)
     task: asyncio.Task[None] | None = None
-    # Chat with tools: each choice's text passes through a ToolStream; the calls go in the done frame.
-    tools: list[ToolStream] | None = None
+    # Chat with tools or reasoning: each choice's text passes through a ChatStream; the calls go
+    # in the done frame, reasoning in delta frames of its own ("reasoning").
+    chat: list[ChatStream] | None = None
     calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    """A sample's deltas that queued up since the last frame."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[TextLogprob] = field(default_factory=list)
 
 
 def _id_error() -> APIError:
@@ -196,9 +207,9 @@ class Connection:
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n))
-            mode = tool_mode(body, self.gw.tool_call_parser)
-            if mode is not None:
-                entry.tools = [ToolStream(mode) for _ in range(stream.n)]
+            if isinstance(body, ChatFrame):
+                mode = chat_output(body, req.params, self.gw.chat_parsers)
+                entry.chat = None if mode.plain else [ChatStream(mode) for _ in range(stream.n)]
         except APIError as err:
             await self._send(_error_frame(cid, err))
             return
@@ -219,7 +230,7 @@ class Connection:
         out, stream = entry.output, entry.stream
         try:
             async for batch in stream:
-                pending: dict[int, tuple[list[str], list[TextLogprob]]] = {}
+                pending: dict[int, _Pending] = {}
                 for ev in batch:
                     if isinstance(ev, ErrorReply):
                         await self._flush(entry, pending)
@@ -227,18 +238,16 @@ class Connection:
                         return
                     i = stream.index(ev)
                     out.add(ev, i)
-                    parts, lps = pending.setdefault(i, ([], []))
+                    p = pending.setdefault(i, _Pending())
                     text = ev.text
-                    if entry.tools is not None:
-                        text = entry.tools[i].feed(text)[0]  # calls go in the done frame
-                        if ev.finish_reason is not None:
-                            tail, _, calls = entry.tools[i].finish()
-                            text += tail
-                            if calls:
-                                entry.calls[i] = calls
-                    if text:
-                        parts.append(text)
-                    lps.extend(ev.logprobs)
+                    if entry.chat is not None:
+                        d = entry.chat[i].feed(text, ev.finish_reason is not None)
+                        text = d.content
+                        p.reasoning.append(d.reasoning)
+                        if d.calls:
+                            entry.calls[i] = d.calls
+                    p.text.append(text)
+                    p.logprobs.extend(ev.logprobs)
                     if ev.finish_reason == "error":
                         await self._flush(entry, pending)
                         await self._finish(entry, _error_frame(entry.client_id, APIError(GENERATION_FAILED, 500)))
@@ -253,16 +262,19 @@ class Connection:
             if not stream.terminal and not stream.closed:  # one sample failed: stop the others
                 self.gw.abort_soon([entry.request_id])
 
-    async def _flush(self, entry: _Entry, pending: dict[int, tuple[list[str], list[TextLogprob]]]) -> None:
+    async def _flush(self, entry: _Entry, pending: dict[int, _Pending]) -> None:
         # One frame per sample per wake-up: deltas that queued up meanwhile go out together.
-        for i, (parts, lps) in sorted(pending.items()):
-            if not parts and not lps:
+        for i, p in sorted(pending.items()):
+            text, reasoning = "".join(p.text), "".join(p.reasoning)
+            if not text and not reasoning and not p.logprobs:
                 continue
-            frame: dict[str, Any] = {"id": entry.client_id, "type": "delta", "text": "".join(parts)}
+            frame: dict[str, Any] = {"id": entry.client_id, "type": "delta", "text": text}
+            if reasoning:
+                frame["reasoning"] = reasoning
             if entry.stream.n > 1:
                 frame["index"] = i
-            if lps:
-                frame["logprobs"] = chat_logprobs(lps)["content"]
+            if p.logprobs:
+                frame["logprobs"] = chat_logprobs(p.logprobs)["content"]
             await self._send_owned(entry, frame)
         pending.clear()
 

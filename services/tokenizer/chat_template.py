@@ -20,7 +20,8 @@ How OpenAI messages become template messages (vLLM's rules, `chat_utils.py`): co
 string (text parts joined with newlines, null as ""), `name` is kept when given, assistant
 `tool_calls` keep OpenAI's shape but with `function.arguments` parsed into a dict (the form
 tool-use templates expect; arguments that are not a JSON object become {}), an empty
-`tool_calls` list is dropped, and tool messages carry `tool_call_id`. A template that never
+`tool_calls` list is dropped, tool messages carry `tool_call_id`, and an assistant turn's
+`reasoning_content` is passed when the client sent it back (Qwen3's template reads it). A template that never
 reads `tools` would drop them: tool_prompt.py writes them, the calls and the results as text.
 """
 
@@ -236,6 +237,8 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                                  for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 

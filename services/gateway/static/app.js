@@ -207,6 +207,20 @@
     scrollDown(false);
   }
 
+  // A thinking model's reasoning (a server started with --reasoning-parser): folded above the reply.
+  function showReasoning(c, text) {
+    if (!c.thinking) {
+      const details = document.createElement("details");
+      details.className = "thinking";
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      c.thinking = document.createElement("div");
+      details.append(summary, c.thinking);
+      c.msg.insertBefore(details, c.body);
+    }
+    c.thinking.textContent += text;
+  }
+
   function onFrame(f) {
     if (current === null || f === null || typeof f !== "object") return;
     if (f.id === null && f.type === "error") { // the server could not read our frame
@@ -221,9 +235,10 @@
         current.tFirst = performance.now();
         current.meta.textContent = `TTFT ${fmtMs(current.tFirst - current.t0)} · streaming…`;
       }
+      if (typeof f.reasoning === "string") showReasoning(current, f.reasoning);
       current.text += f.text;
       current.tLast = performance.now();
-      renderMarkdown(current.body, current.text);
+      if (f.text) renderMarkdown(current.body, current.text);
       if (follow) scrollDown(true);
     } else if (f.type === "done") {
       // Stopped just as it ended on its own: still a stopped reply to the person who pressed Stop.

@@ -1,0 +1,118 @@
+"""Reasoning on the way out: a thinking model's `<think>…</think>` text as `reasoning_content`.
+
+`--reasoning-parser` (vLLM's flag, and the field DeepSeek's API and vLLM answer with):
+- "qwen3": reasoning is what the model writes between `<think>` and `</think>` at the start of its
+  output (Qwen3, SmolLM3); output that does not start with `<think>` is all content.
+- "deepseek_r1": the chat template opened the reasoning, so the output starts inside it, up to
+  `</think>` (a `<think>` the model writes anyway is dropped).
+- "none" (the default): the text stays content, tags and all.
+
+Output cut short inside the reasoning is all reasoning, and its content null. After `</think>` the
+text is the answer: its leading whitespace is dropped, and tool calls are parsed from it. A
+request's `include_reasoning: false` keeps the reasoning out of the response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+START, END = "<think>", "</think>"
+PARSERS = ("none", "qwen3", "deepseek_r1")
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """One request's reasoning split: `opened` when the prompt opened the reasoning
+    (deepseek_r1); `include` false drops it from the response."""
+
+    opened: bool
+    include: bool = True
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished output."""
+        stream = ReasoningStream(self)
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+        if not stream.reasoned:
+            return None, content
+        return (reasoning if self.include else None), (content or None if stream.answered else None)
+
+
+def reasoning_for(body: Any, parser: str, constrained: bool = False) -> Reasoning | None:
+    """The chat request's Reasoning, or None when the server has no reasoning parser.
+    `constrained`: a grammar shapes the output from its first token, which is then not inside
+    the reasoning whatever the template opened."""
+    if parser == "none":
+        return None
+    return Reasoning(opened=parser == "deepseek_r1" and not constrained,
+                     include=getattr(body, "include_reasoning", None) is not False)
+
+
+class ReasoningStream:
+    """One choice's text split as it streams into reasoning and content deltas. Text that may be
+    the start of a tag is held back until the next piece tells."""
+
+    def __init__(self, mode: Reasoning) -> None:
+        self.mode = mode
+        self.held = ""  # text not yet released
+        self.state = "head"  # head: before a leading <think> is decided; then reasoning, gap, content
+        self.reasoned = False  # the output had a reasoning part
+        self.answered = False  # `</think>` came: the rest is content
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """(reasoning, content) that may go out now, given the next piece of text."""
+        self.held += piece
+        reasoning, content = [], []
+        while True:
+            text = self.held
+            if self.state == "head":
+                head = text.lstrip()
+                if START.startswith(head) and len(head) < len(START):
+                    return self._out(reasoning, content)  # may still become <think>
+                if head.startswith(START):
+                    self.held, self.state, self.reasoned = head[len(START):], "reasoning", True
+                elif self.mode.opened:
+                    self.state, self.reasoned = "reasoning", True
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                at = text.find(END)
+                if at < 0:
+                    keep = _partial_tag(text, END)
+                    reasoning.append(text[:len(text) - keep])
+                    self.held = text[len(text) - keep:]
+                    return self._out(reasoning, content)
+                reasoning.append(text[:at])
+                self.held, self.state, self.answered = text[at + len(END):], "gap", True
+            elif self.state == "gap":  # whitespace between the reasoning and the answer
+                self.held = text.lstrip()
+                if not self.held:
+                    return self._out(reasoning, content)
+                self.state = "content"
+            else:
+                content.append(text)
+                self.held = ""
+                return self._out(reasoning, content)
+
+    def finish(self) -> tuple[str, str]:
+        """At the finish: what was held back (a tag that never completed is text)."""
+        text, self.held = self.held, ""
+        if self.state == "head" and self.mode.opened:
+            self.reasoned = True
+            return self._out([text], [])
+        if self.state == "reasoning":
+            return self._out([text], [])
+        return self._out([], [] if self.state == "gap" else [text])
+
+    def _out(self, reasoning: list[str], content: list[str]) -> tuple[str, str]:
+        return ("".join(reasoning) if self.mode.include else ""), "".join(content)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
