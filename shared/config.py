@@ -57,6 +57,7 @@ class ModelConfig:
     rope_theta_local: float | None = None  # RoPE base of the sliding-attention layers (Gemma 3)
     # Per layer, whether it applies RoPE (SmolLM3's no_rope_layers: 0 is a NoPE layer); empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE turns (Phi-4-mini: 0.75)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores = cap * tanh(scores / cap) (Gemma 2)
     moe_intermediate_size: int | None = None  # each expert's MLP width, where not intermediate_size (Qwen3-MoE)
@@ -105,10 +106,18 @@ class ModelConfig:
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
             rope_layers=_rope_layers(cfg),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or
+                                        (params.get("partial_rotary_factor") if isinstance(params, dict) else None)
+                                        or 1.0),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             moe_intermediate_size=cfg.get("moe_intermediate_size"),
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head RoPE turns (transformers' rule); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_rope(self, i: int) -> str:
         """Layer i's RoPE table: "global", "local" (a sliding layer's own base, Gemma 3) or

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -129,12 +130,14 @@ def convert_gguf(gguf: Path) -> Path:
     out = _cache_dir_for(gguf)
     done = out / _SOURCE_MARKER
     if done.is_file():
+        _keep_rotary_dims(out, gguf)
         return _name_source(out, gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another service may be converting the same file
         if not done.is_file():
             _convert(gguf, out)
+        _keep_rotary_dims(out, gguf)
         return _name_source(out, gguf)  # under the lock: the marker says the conversion is whole
 
 
@@ -163,6 +166,28 @@ def _save_plain(model, folder: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(folder))
+
+
+def _keep_rotary_dims(out: Path, gguf: Path) -> None:
+    """RoPE over part of each head (`rope.dimension_count` below the head size: Phi-4-mini's
+    GGUF), which transformers' reader drops, is written into the converted config.json as
+    partial_rotary_factor, so the family serves it or refuses it by name instead of turning every
+    dim. Checked at every start, which also mends a folder converted before this rule."""
+    from rill.shared.gguf_header import read_header
+
+    meta = read_header(gguf).metadata
+    dims = meta.get(f"{meta.get('general.architecture')}.rope.dimension_count")
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if not (isinstance(dims, int) and 0 < dims < head_dim) or cfg.get("partial_rotary_factor") == dims / head_dim:
+        return
+    cfg["partial_rotary_factor"] = dims / head_dim
+    if isinstance(cfg.get("rope_parameters"), dict):
+        cfg["rope_parameters"]["partial_rotary_factor"] = dims / head_dim
+    part = out / f".config.json.{os.getpid()}"
+    part.write_text(json.dumps(cfg, indent=2))
+    os.replace(part, path)
 
 
 def _convert(gguf: Path, out: Path) -> None:

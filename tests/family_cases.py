@@ -69,8 +69,10 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     "smollm3": (SmolLM3ForCausalLM, SmolLM3Config, dict(no_rope_layer_interval=2, use_sliding_window=True,
                                                         sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
                                                         eos_token_id=2, tie_word_embeddings=False)),
-    # Fused qkv_proj and gate_up_proj, every layer slides.
-    "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, tie_word_embeddings=False)),
+    # Fused qkv_proj and gate_up_proj, every layer slides, RoPE over half of each head (Phi-4-mini's
+    # partial rotary embeddings).
+    "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, partial_rotary_factor=0.5,
+                                               tie_word_embeddings=False)),
     # Qwen3-MoE: 8 experts, top-2 renormalised, the middle layer dense (mlp_only_layers), q/k norms.
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
         head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,

@@ -86,6 +86,8 @@ def write_gguf(model: PreTrainedModel, arch: str, name: str, tok: dict[str, Any]
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
     else:
+        if arch == "phi3":  # the dims RoPE turns, as llama.cpp writes them (Phi-4-mini: 96 of 128)
+            w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch.startswith("gemma"):

@@ -80,6 +80,12 @@ CASES = {
                                                         use_sliding_window=True, sliding_window=16, pad_token_id=0,
                                                         bos_token_id=1, eos_token_id=2)),
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(sliding_window=16, pad_token_id=0)),
+    # Phi-4-mini: RoPE turns the first 12 of each head's 16 dims (partial_rotary_factor), with
+    # LongRoPE's long factors (6: one per turned pair).
+    "phi4-mini": (Phi3ForCausalLM, Phi3Config, dict(pad_token_id=0, sliding_window=None, partial_rotary_factor=0.75,
+                                                    original_max_position_embeddings=16, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+        short_factor=[1.0 + 0.05 * i for i in range(6)], long_factor=[1.5 + 0.6 * i for i in range(6)]))),
     # Phi-3 128k-style LongRoPE: the prompt starts past original_max_position_embeddings, so
     # transformers takes the long factors throughout, as Rill does serving more than it.
     "phi3-longrope": (Phi3ForCausalLM, Phi3Config, dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=16)),
@@ -180,6 +186,10 @@ REFUSALS = [
     ("activation", lambda p: _edit_config(p, hidden_act="gelu"), "activation 'gelu' is not supported"),
     ("bidirectional", lambda p: _edit_config(p, use_bidirectional_attention=True),
      "bidirectional attention (an embedding model) is not supported"),
+    # transformers' Llama turns every dim whatever the factor says: a checkpoint that asks for
+    # fewer was made for another architecture.
+    ("partial rotary", lambda p: _edit_config(p, partial_rotary_factor=0.5),
+     "partial rotary embeddings (partial_rotary_factor 0.5) are not supported"),
 ]
 
 

@@ -122,13 +122,13 @@ def test_refused_with_tp_by_name(tmp_path: Path) -> None:
 
 
 def test_tp2_logits_equal_tp1(tmp_path: Path) -> None:
-    """Also Phi-3 (fused qkv and gate_up, sliced in parts) and Gemma 3 (scaled embedding, q/k
+    """Also Phi-4-mini (fused qkv and gate_up, sliced in parts; RoPE over part of each head) and Gemma 3 (scaled embedding, q/k
     norms, soft-capped logits); the last run goes through the Triton kernels (interpreted), and its decode
     step also through DecodeGraphs' padded step (what a CUDA graph captures, with the gather after)."""
     from test_model_families import build
 
     dirs = [tiny(tmp_path / f"kv{k}", k, bias=k == 3) for k in (1, 2, 3)]
-    for family in ("phi3", "gemma3"):
+    for family in ("phi4-mini", "gemma3"):
         (tmp_path / family).mkdir()
         dirs.append(str(build(tmp_path / family, family)[0]))
     dirs.append(f"triton:{dirs[1]}")

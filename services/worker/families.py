@@ -109,6 +109,7 @@ class Family:
     gemma: bool = False
     # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the runner's own layout).
     fused: bool = False
+    partial_rotary: bool = False  # honours partial_rotary_factor (Phi-4-mini); others are refused it
     experts: Experts | None = None  # a mixture-of-experts family: its sparse MLP blocks
 
     def attn_names(self, i: int) -> list[str]:
@@ -152,8 +153,9 @@ FAMILIES = (
     # optional sliding layers named by layer_types.
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), window_key="sliding_window",
            window_switch="use_sliding_window", window_layers="nope"),
-    # Phi-3 / Phi-3.5 mini: fused projections, every layer within `sliding_window` (as Mistral).
-    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True),
+    # Phi-3 / Phi-3.5 / Phi-4 mini: fused projections, every layer within `sliding_window` (as
+    # Mistral), RoPE over the first partial_rotary_factor of each head (Phi-4-mini).
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True, partial_rotary=True),
     # Qwen3-MoE: Qwen3's attention, experts in every decoder_sparse_step-th layer not in mlp_only_layers.
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True, window_key="sliding_window",
            window_switch="use_sliding_window",
@@ -231,9 +233,12 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
         raise UnsupportedModel(f"{fam.name}: bidirectional attention (an embedding model) is not supported")
     if any(w is not None and w < 1 for w in layer_windows(cfg, fam)):
         raise UnsupportedModel(f"{fam.name}: sliding window {cfg.get(fam.window_key)} must be at least 1")
-    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+    if parsed.rotary_dim != parsed.head_dim and not fam.partial_rotary:
         raise UnsupportedModel(f"{fam.name}: partial rotary embeddings (partial_rotary_factor "
-                               f"{cfg['partial_rotary_factor']}) are not supported")
+                               f"{parsed.partial_rotary_factor}) are not supported")
+    if not 0 < parsed.rotary_dim <= parsed.head_dim or parsed.rotary_dim % 2:
+        raise UnsupportedModel(f"{fam.name}: partial_rotary_factor {parsed.partial_rotary_factor} turns "
+                               f"{parsed.rotary_dim} of {parsed.head_dim} head dims; RoPE needs a positive even number")
     if parsed.rope_layers and len(parsed.rope_layers) != parsed.num_hidden_layers:
         raise UnsupportedModel(f"{fam.name}: no_rope_layers names {len(parsed.rope_layers)} layers, "
                                f"the model has {parsed.num_hidden_layers}")
@@ -355,7 +360,7 @@ def supported_table() -> str:
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
              "smollm3": "no RoPE in every fourth layer (no_rope_layers); optional sliding-window layers",
-             "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope",
+             "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope; partial rotary (Phi-4-mini)",
              "qwen3_moe": "Qwen3 attention; top-k experts (SwiGLU) as grouped GEMMs, optional renormalisation, "
                           "dense layers by mlp_only_layers / decoder_sparse_step; no int8",
              "mixtral": "Mistral attention; top-k experts (SwiGLU) as grouped GEMMs, renormalised; no int8"}

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from rill.services.worker import families
 from rill.services.worker.experts import SparseMoe, read_sparse_moe
+from rill.services.worker.rope import partial_rotary_order
 from rill.shared.config import ModelConfig
 
 # x -> x @ W.T + b: an ops.make_linear layer, or a calibration probe (smoothquant.Probe).
@@ -139,6 +140,19 @@ class LayerReader:
         t = self.ckpt.get(name)
         return self.put(t.float() + 1.0 if self.family.gemma else t)
 
+    def rotary_order(self, qkv: torch.Tensor | None) -> torch.Tensor | None:
+        """A fused q/k/v weight (or bias) with each q and k head's rows in partial_rotary_order
+        (only with partial rotary embeddings). Counted from its rows, so a tensor-parallel shard's
+        heads are laid out the same."""
+        cfg = self.cfg
+        if qkv is None or cfg.rotary_dim == cfg.head_dim:
+            return qkv
+        heads = qkv.shape[0] // cfg.head_dim
+        kv = heads // (cfg.num_attention_heads // cfg.num_key_value_heads + 2)
+        out = qkv.reshape(heads, cfg.head_dim, -1).clone()
+        out[:heads - kv] = out[:heads - kv, partial_rotary_order(cfg.head_dim, cfg.rotary_dim)]
+        return out.reshape(qkv.shape)
+
     def layer(self, i: int) -> LayerTensors:
         ckpt, family, cfg, put, norm_weight = self.ckpt, self.family, self.cfg, self.put, self.norm_weight
         p = f"model.layers.{i}."
@@ -150,8 +164,8 @@ class LayerReader:
             mlp, down_name = [], None
         return LayerTensors(
             input_norm=norm_weight(f"{p}input_layernorm.weight"),
-            qkv=put(torch.cat([ckpt.get(f"{n}.weight") for n in attn])),
-            qkv_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in attn])),
+            qkv=put(self.rotary_order(torch.cat([ckpt.get(f"{n}.weight") for n in attn]))),
+            qkv_bias=put(self.rotary_order(cat_optional([ckpt.maybe(f"{n}.bias") for n in attn]))),
             o=put(ckpt.get(f"{o_name}.weight")), o_bias=put(ckpt.maybe(f"{o_name}.bias")),
             # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
             # pre_feedforward and uses post_attention for the attention output's own norm.

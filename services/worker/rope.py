@@ -123,11 +123,28 @@ def cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device | s
     """[max_positions, head_dim] fp32: cos of each angle in the first half, sin in the second.
     `kind` (ModelConfig.layer_rope): "local" is the sliding-attention layers' table (their own
     base, no scaling; Gemma 3); "none" turns nothing (cos 1, sin 0), so a NoPE layer runs every
-    kernel's RoPE unchanged."""
+    kernel's RoPE unchanged. With partial rotary embeddings (rotary_dim < head_dim) the table
+    turns the first rotary_dim / 2 pairs and leaves the others (cos 1, sin 0); the q and k
+    weights are laid out to match (partial_rotary_order)."""
+    half = cfg.head_dim // 2
     if kind == "none":
-        half = cfg.head_dim // 2
         return torch.cat((torch.ones(max_positions, half), torch.zeros(max_positions, half)), dim=-1).to(device)
     if kind == "local":
         cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta_local, rope_scaling=None)
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(cfg, max_positions)[None, :]
-    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)).to(device)
+    turned = dataclasses.replace(cfg, head_dim=cfg.rotary_dim, partial_rotary_factor=1.0)
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_frequencies(turned, max_positions)[None, :]
+    scale = rope_attention_factor(cfg)
+    still = half - freqs.shape[1]
+    cos = torch.cat((freqs.cos() * scale, torch.ones(max_positions, still)), dim=-1)
+    sin = torch.cat((freqs.sin() * scale, torch.zeros(max_positions, still)), dim=-1)
+    return torch.cat((cos, sin), dim=-1).to(device)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims that puts partial RoPE in every kernel's full-head form: the
+    kernels pair dim j with j + head_dim / 2, the model pairs i with i + rotary_dim / 2 within its
+    first rotary_dim dims. So the turned pairs come first in each half and the dims RoPE leaves
+    follow (their table entries turn nothing). q and k rows both take it: q.k is unchanged."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat((torch.arange(0, r), torch.arange(rotary_dim, rotary_dim + rest),
+                      torch.arange(r, rotary_dim), torch.arange(rotary_dim + rest, head_dim)))
