@@ -61,6 +61,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores = cap * tanh(scores / cap) (Gemma 2)
     moe_intermediate_size: int | None = None  # each expert's MLP width, where not intermediate_size (Qwen3-MoE)
+    # Granite's scalars (None: Llama's behaviour): the embedding's output is multiplied by the first,
+    # the attention scale is the second (not head_dim ** -0.5), attention and MLP outputs are
+    # multiplied by the third before their residual add, and logits divided by the last.
+    embedding_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -112,6 +119,7 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            **{k: float(cfg[k]) for k in _GRANITE_SCALARS if cfg.get(k) is not None},
         )
 
     @property
@@ -280,6 +288,9 @@ def detok_context_len(stop: list[str]) -> int:
     tokens) and to see any partial stop string held back at the previous step.
     """
     return 8 + 4 * max((len(s) for s in stop), default=0)
+
+
+_GRANITE_SCALARS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
 def _rope_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:

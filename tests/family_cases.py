@@ -15,6 +15,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -65,6 +67,11 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=30.0,
         sliding_window_pattern=2, tie_word_embeddings=True)),
+    # Granite's four scalars, away from 1 so that each one shows (test_model_families also ties the
+    # head; tied, this tiny random model repeats one token).
+    "granite": (GraniteForCausalLM, GraniteConfig, dict(embedding_multiplier=2.0, attention_multiplier=0.2,
+                                                        residual_multiplier=0.5, logits_scaling=1.5,
+                                                        tie_word_embeddings=False)),
     # Every second layer without RoPE (NoPE) and sliding, as SmolLM3 makes its NoPE layers slide.
     "smollm3": (SmolLM3ForCausalLM, SmolLM3Config, dict(no_rope_layer_interval=2, use_sliding_window=True,
                                                         sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,

@@ -19,6 +19,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -75,6 +77,10 @@ CASES = {
         head_dim=32, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=1.5,
         final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, a window over every layer.
+    # Granite's scalars, a tied head (logits divided after it), biases-free as Granite 3.
+    "granite": (GraniteForCausalLM, GraniteConfig, dict(embedding_multiplier=6.0, attention_multiplier=0.2,
+                                                        residual_multiplier=0.4, logits_scaling=3.0,
+                                                        tie_word_embeddings=True)),
     # Layers 1 and 3 without RoPE, and sliding (the 37-token prompt passes their window).
     "smollm3": (SmolLM3ForCausalLM, SmolLM3Config, dict(num_hidden_layers=4, no_rope_layer_interval=2,
                                                         use_sliding_window=True, sliding_window=16, pad_token_id=0,

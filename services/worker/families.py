@@ -153,6 +153,8 @@ FAMILIES = (
     # optional sliding layers named by layer_types.
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), window_key="sliding_window",
            window_switch="use_sliding_window", window_layers="nope"),
+    # Granite (3.x): Llama with four scalars (ModelConfig: embedding, attention, residual, logits).
+    Family("granite", ("GraniteForCausalLM",), ("granite",)),
     # Phi-3 / Phi-3.5 / Phi-4 mini: fused projections, every layer within `sliding_window` (as
     # Mistral), RoPE over the first partial_rotary_factor of each head (Phi-4-mini).
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_key="sliding_window", fused=True, partial_rotary=True),
@@ -233,6 +235,9 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
         raise UnsupportedModel(f"{fam.name}: bidirectional attention (an embedding model) is not supported")
     if any(w is not None and w < 1 for w in layer_windows(cfg, fam)):
         raise UnsupportedModel(f"{fam.name}: sliding window {cfg.get(fam.window_key)} must be at least 1")
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+        if getattr(parsed, key) is not None and not 0 < getattr(parsed, key) < float("inf"):
+            raise UnsupportedModel(f"{fam.name}: {key} {getattr(parsed, key)} must be positive and finite")
     if parsed.rotary_dim != parsed.head_dim and not fam.partial_rotary:
         raise UnsupportedModel(f"{fam.name}: partial rotary embeddings (partial_rotary_factor "
                                f"{parsed.partial_rotary_factor}) are not supported")
@@ -330,6 +335,7 @@ _GGUF_MISREAD = {
     "qwen3moe": "a Qwen3-MoE GGUF carries neither norm_topk_prob nor moe_intermediate_size; serve its "
                 "safetensors checkpoint",
     "smollm3": "transformers reads no SmolLM3 GGUF; serve its safetensors checkpoint",
+    "granite": "transformers reads no Granite GGUF; serve its safetensors checkpoint",
 }
 
 
@@ -359,6 +365,8 @@ def supported_table() -> str:
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
+             "granite": "embedding, attention-scale, residual and logit multipliers (folded into the weights "
+                        "where they can be)",
              "smollm3": "no RoPE in every fourth layer (no_rope_layers); optional sliding-window layers",
              "phi3": "fused qkv and gate_up weights; sliding window as Mistral; longrope; partial rotary (Phi-4-mini)",
              "qwen3_moe": "Qwen3 attention; top-k experts (SwiGLU) as grouped GEMMs, optional renormalisation, "

@@ -77,7 +77,7 @@ class LlamaModel:
         self.quantization = quantization
         self.dtype = embed.dtype
         self.device = embed.device
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.rope_tables = {kind: cos_sin_cache(cfg, max_positions, self.device, kind)
                             for kind in {"global", *(layer.rope for layer in layers)}}
         # Rounded to the model dtype first, as transformers multiplies by it.
@@ -129,7 +129,7 @@ class LlamaModel:
         layers, head = _prepare_linears(cfg, tensors, lm_head, tied, quantization, source)
         model = cls(shard.local_config(cfg) if shard else cfg, embed, layers, norm, head or lm_head,
                     max_positions or cfg.max_position_embeddings, quantization,
-                    tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else None)
+                    tied=tied, embed_scale=cfg.hidden_size ** 0.5 if family.gemma else cfg.embedding_multiplier)
         if source is not None:
             # A float head tied to the embedding keeps the float table anyway: look rows up there.
             source.finish(model, embed, float_table_kept=tied and head is None)
@@ -170,7 +170,9 @@ class LlamaModel:
             raise RuntimeError("a headless model (built for calibration) has no logits")
         head = self.lm_head
         logits = head.local(hidden) if isinstance(head, tensor_parallel.GatheredHead) else head.float_out(hidden)
-        cap = self.cfg.final_logit_softcapping
+        cap, scaling = self.cfg.final_logit_softcapping, self.cfg.logits_scaling
+        if scaling is not None:
+            logits.div_(scaling)
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:

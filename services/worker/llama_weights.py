@@ -140,6 +140,12 @@ class LayerReader:
         t = self.ckpt.get(name)
         return self.put(t.float() + 1.0 if self.family.gemma else t)
 
+    def residual(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """An attention or MLP output projection with Granite's residual_multiplier folded in
+        (in fp32, then rounded once to the model dtype)."""
+        m = self.cfg.residual_multiplier
+        return t if t is None or m is None else t.float() * m
+
     def rotary_order(self, qkv: torch.Tensor | None) -> torch.Tensor | None:
         """A fused q/k/v weight (or bias) with each q and k head's rows in partial_rotary_order
         (only with partial rotary embeddings). Counted from its rows, so a tensor-parallel shard's
@@ -166,15 +172,15 @@ class LayerReader:
             input_norm=norm_weight(f"{p}input_layernorm.weight"),
             qkv=put(self.rotary_order(torch.cat([ckpt.get(f"{n}.weight") for n in attn]))),
             qkv_bias=put(self.rotary_order(cat_optional([ckpt.maybe(f"{n}.bias") for n in attn]))),
-            o=put(ckpt.get(f"{o_name}.weight")), o_bias=put(ckpt.maybe(f"{o_name}.bias")),
+            o=put(self.residual(ckpt.get(f"{o_name}.weight"))), o_bias=put(self.residual(ckpt.maybe(f"{o_name}.bias"))),
             # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
             # pre_feedforward and uses post_attention for the attention output's own norm.
             post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
                                   else f"{p}post_attention_layernorm.weight"),
             gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])) if mlp else None,
             gate_up_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])) if mlp else None,
-            down=put(ckpt.get(f"{down_name}.weight")) if down_name else None,
-            down_bias=put(ckpt.maybe(f"{down_name}.bias")) if down_name else None,
+            down=put(self.residual(ckpt.get(f"{down_name}.weight"))) if down_name else None,
+            down_bias=put(self.residual(ckpt.maybe(f"{down_name}.bias"))) if down_name else None,
             q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
             k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
             attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
