@@ -7,7 +7,6 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -391,10 +390,13 @@ def test_native_rope_and_kv_write_equal_torch(monkeypatch: pytest.MonkeyPatch, t
     into tensors of their own, three row strides) plus the cache write: bit-identical to the torch
     ops (same rounding), every slot written by exactly the torch path's values, slots < 0 left alone."""
     from rill.services.worker.rope import cos_sin_cache
+    from rill.shared.config import ModelConfig
 
     g = torch.Generator().manual_seed(tokens * heads)
-    cfg = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
-    cs = cos_sin_cache(cfg, 4096, "cpu")  # type: ignore[arg-type]
+    cfg = ModelConfig(vocab_size=8, hidden_size=heads * head_dim, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True)
+    cs = cos_sin_cache(cfg, 4096, "cpu")
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
