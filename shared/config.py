@@ -119,7 +119,7 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             moe_intermediate_size=cfg.get("moe_intermediate_size"),
-            **{k: float(cfg[k]) for k in _GRANITE_SCALARS if cfg.get(k) is not None},
+            **{k: float(cfg[k]) for k in GRANITE_SCALARS if cfg.get(k) is not None},
         )
 
     @property
@@ -290,7 +290,7 @@ def detok_context_len(stop: list[str]) -> int:
     return 8 + 4 * max((len(s) for s in stop), default=0)
 
 
-_GRANITE_SCALARS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+GRANITE_SCALARS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
 def _rope_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:

@@ -272,9 +272,7 @@ class Scheduler(RequestStates):
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             kept = len(output) - offset
-            num_tokens = len(req.prompt_token_ids) + len(output)
-            if req.num_computed_tokens > num_tokens:
-                req.num_computed_tokens = num_tokens
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             # Publish newly full blocks first: a request that ends now still leaves them cached.
             if caching and req.num_computed_tokens // bs > num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
@@ -310,7 +308,7 @@ class Scheduler(RequestStates):
         num_out = len(req.output_token_ids)
         if token in req.eos_token_ids and num_out >= req.params.min_tokens:
             return "stop"
-        if num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.config.max_model_len:
+        if num_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"
         return None
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rill.shared.config import ModelConfig
+from rill.shared.config import GRANITE_SCALARS, ModelConfig
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # what rope.inv_frequencies implements
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
@@ -235,7 +235,7 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
         raise UnsupportedModel(f"{fam.name}: bidirectional attention (an embedding model) is not supported")
     if any(w is not None and w < 1 for w in layer_windows(cfg, fam)):
         raise UnsupportedModel(f"{fam.name}: sliding window {cfg.get(fam.window_key)} must be at least 1")
-    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+    for key in GRANITE_SCALARS:
         if getattr(parsed, key) is not None and not 0 < getattr(parsed, key) < float("inf"):
             raise UnsupportedModel(f"{fam.name}: {key} {getattr(parsed, key)} must be positive and finite")
     if parsed.rotary_dim != parsed.head_dim and not fam.partial_rotary:
