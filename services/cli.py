@@ -322,14 +322,17 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.auth import api_key_from_env
         from rill.services.gateway.chat_output import ChatParsers
         from rill.services.gateway.limit_flags import limit_kwargs
+        from rill.services.gateway.reasoning import parser_hint
         from rill.services.gateway.tool_calls import pick_parser, template_sources
+        templates = template_sources(model_dir, ns.chat_template)
+        if (hint := parser_hint(ns.reasoning_parser, templates)) is not None:
+            log.info(hint)
         start = partial(
             run, ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),
             max_request_body_bytes=ns.max_request_body_bytes, ignore_unknown_fields=ns.ignore_unknown_fields,
             allowed_origins=frozenset(o.strip() for o in ns.allowed_origins.split(",") if o.strip()),
-            chat_parsers=ChatParsers(pick_parser(ns.tool_call_parser, template_sources(model_dir, ns.chat_template)).name,
-                                     ns.reasoning_parser),
+            chat_parsers=ChatParsers(pick_parser(ns.tool_call_parser, templates).name, ns.reasoning_parser),
             **limit_kwargs(ns))
     settle_heap()
     start()

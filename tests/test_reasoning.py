@@ -19,7 +19,7 @@ from service_stack import ServiceStack, extra_gateway
 from rill.services.gateway import requests
 from rill.services.gateway.bodies import ChatCompletionRequest
 from rill.services.gateway.chat_output import ChatOutput, ChatStream
-from rill.services.gateway.reasoning import Reasoning, ReasoningStream
+from rill.services.gateway.reasoning import Reasoning, ReasoningStream, parser_hint
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.responses import Output
@@ -62,6 +62,12 @@ def test_streamed_pieces_add_up_to_the_split(mode: Reasoning, text: str, want: t
         got = [stream.feed(p) for p in pieces] + [stream.finish()]
         reasoning, content = "".join(r for r, _ in got), "".join(c for _, c in got)
         assert (reasoning or None, content or None) == (want[0] or None, want[1] or None), pieces
+
+
+def test_a_template_that_thinks_without_a_parser_is_named_at_start() -> None:
+    qwen3_like = "{{ '<|im_start|>assistant\\n' }}{% if not enable_thinking %}<think>\n\n</think>{% endif %}"
+    assert "--reasoning-parser qwen3" in (parser_hint("none", ["{{ messages }}", qwen3_like]) or "")
+    assert parser_hint("qwen3", [qwen3_like]) is None and parser_hint("none", ["{{ messages }}"]) is None
 
 
 def test_a_tag_split_across_pieces_is_held_not_streamed() -> None:

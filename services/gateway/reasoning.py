@@ -50,6 +50,15 @@ def reasoning_for(body: Any, parser: str, constrained: bool = False) -> Reasonin
                      include=getattr(body, "include_reasoning", None) is not False)
 
 
+def parser_hint(parser: str, templates: list[str]) -> str | None:
+    """One line for the log at start when the chat template writes thinking tags and no parser
+    splits them (the reasoning then reaches clients as content), else None."""
+    if parser != "none" or not any(START in t or END in t for t in templates):
+        return None
+    return ("the chat template writes <think> tags: the reasoning goes out as content; start with "
+            "--reasoning-parser qwen3 (or deepseek_r1 when the template opens it) to return reasoning_content")
+
+
 class ReasoningStream:
     """One choice's text split as it streams into reasoning and content deltas. Text that may be
     the start of a tag is held back until the next piece tells."""
