@@ -12,6 +12,7 @@ import pytest
 from rill.services.gateway.bodies import ChatCompletionRequest
 from rill.services.gateway.chat_tools import FunctionTool
 from rill.services.gateway.tool_calls import (
+    GraniteJson,
     Hermes,
     Llama3Json,
     ToolMode,
@@ -60,6 +61,23 @@ def test_parser_follows_the_chat_template() -> None:
     assert pick_parser("auto", ["<|start_header_id|>ipython<|end_header_id|>"]).name == "llama3_json"
     assert pick_parser("auto", []).name == "hermes"
     assert pick_parser("llama3_json", ["<tool_call>"]).name == "llama3_json"
+
+
+def test_granite_calls_follow_their_marker_as_a_json_array() -> None:
+    text = ('Checking.<|tool_call|>[{"arguments": {"city": "Oslo"}, "name": "get_weather"}, '
+            '{"name": "get_time", "arguments": {}}]')
+    content, calls = GraniteJson().parse(text)
+    assert content == "Checking." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert args(calls[0]) == {"city": "Oslo"}
+    for bad in ("No call here.", "<|tool_call|>[{\"name\": ", "<|tool_call|>[]", "<|tool_call|>[{\"arguments\": {}}]"):
+        assert GraniteJson().parse(bad) == (bad, [])
+    assert pick_parser("auto", ["{%- if message.tool_calls %}<|tool_call|>{{ message.tool_calls | tojson }}"]).name \
+        == "granite"
+    s = ToolStream(ToolMode("auto", GraniteJson()))
+    assert s.feed("Checking.<|tool") == ("Checking.", [])  # the marker may be starting: held
+    assert s.feed('_call|>[{"name": "get_time", "arguments": {}}]') == ("", [])
+    tail, deltas, calls = s.finish()
+    assert tail == "" and [d["function"]["name"] for d in deltas] == ["get_time"]
 
 
 def test_forced_schemas_accept_exactly_the_offered_calls() -> None:

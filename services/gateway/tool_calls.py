@@ -8,7 +8,8 @@
   by the parser the chat template implies or `--tool-call-parser` names: "hermes"
   (`<tool_call>{"name": .., "arguments": ..}</tool_call>`, Qwen 2.5/3, Hermes, SmolLM3) or
   "llama3_json" (`{"name": .., "parameters": ..}` objects separated by ";", optionally after
-  `<|python_tag|>`). Text that does not parse stays content. A chat template that renders no
+  `<|python_tag|>`) or "granite" (`<|tool_call|>` then a JSON array of {"name", "arguments"},
+  Granite 3.x). Text that does not parse stays content. A chat template that renders no
   tools gets them as hermes text (services/tokenizer/tool_prompt.py), so hermes is parsed.
 - "none" leaves the output as text.
 
@@ -36,7 +37,7 @@ import msgspec
 
 from rill.services.gateway.structured import json_objects
 
-PARSERS = ("auto", "hermes", "llama3_json")
+PARSERS = ("auto", "hermes", "llama3_json", "granite")
 
 
 def call_id() -> str:
@@ -99,6 +100,25 @@ class Llama3Json:
         return head.startswith("{") or head.startswith(self._tag)
 
 
+class GraniteJson:
+    name = "granite"
+    marker = "<|tool_call|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text, []
+        try:
+            items = json.loads(text[start + len(self.marker):])
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        if not items or not all(isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
+            return text, []
+        calls = [_call(it["name"], it.get("arguments", it.get("parameters", {}))) for it in items]
+        return text[:start].strip() or None, calls
+
+
 def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
     """The finish reason of a choice whose text became calls: "tool_calls" when the model ended
     them whole; otherwise its own ("length", or "stop" at a stop string: arguments cut short)."""
@@ -114,7 +134,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-Parser = Hermes | Llama3Json
+Parser = Hermes | Llama3Json | GraniteJson
 
 
 def pick_parser(name: str, templates: list[str]) -> Parser:
@@ -123,7 +143,11 @@ def pick_parser(name: str, templates: list[str]) -> Parser:
         return Hermes()
     if name == "llama3_json":
         return Llama3Json()
+    if name == "granite":
+        return GraniteJson()
     source = "\n".join(templates)
+    if GraniteJson.marker in source:
+        return GraniteJson()
     if "<|python_tag|>" in source or ("ipython" in source and "<tool_call>" not in source):
         return Llama3Json()
     return Hermes()  # the commonest format, and what templates without tool support get
@@ -246,11 +270,12 @@ class ToolMode:
             return len(text)
         if isinstance(self.parser, Llama3Json):
             return len(text) if self.parser.starts(text) or not text.strip() else 0
-        at = text.find(Hermes.marker)
+        marker = self.parser.marker
+        at = text.find(marker)
         if at >= 0:
             return len(text) - at
-        for k in range(min(len(Hermes.marker) - 1, len(text)), 0, -1):  # a marker that may be starting
-            if Hermes.marker.startswith(text[-k:]):
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a marker that may be starting
+            if marker.startswith(text[-k:]):
                 return k
         return 0
 
