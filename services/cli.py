@@ -326,7 +326,7 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.tool_calls import pick_parser, template_sources
         templates = template_sources(model_dir, ns.chat_template)
         if (hint := parser_hint(ns.reasoning_parser, templates)) is not None:
-            log.info(hint)
+            log.warning(hint)
         start = partial(
             run, ns.redis_url, ns.prefix, name, args.max_model_len, ns.host, ns.port, replica=ns.replica_name,
             reuse_port=ns.reuse_port, max_logprobs=ns.max_logprobs, api_key=api_key_from_env(ns.api_key),

@@ -64,10 +64,12 @@ def test_streamed_pieces_add_up_to_the_split(mode: Reasoning, text: str, want: t
         assert (reasoning or None, content or None) == (want[0] or None, want[1] or None), pieces
 
 
-def test_a_template_that_thinks_without_a_parser_is_named_at_start() -> None:
+def test_a_parser_the_template_disagrees_with_is_named_at_start() -> None:
     qwen3_like = "{{ '<|im_start|>assistant\\n' }}{% if not enable_thinking %}<think>\n\n</think>{% endif %}"
     assert "--reasoning-parser qwen3" in (parser_hint("none", ["{{ messages }}", qwen3_like]) or "")
     assert parser_hint("qwen3", [qwen3_like]) is None and parser_hint("none", ["{{ messages }}"]) is None
+    assert "never opens <think>" in (parser_hint("deepseek_r1", ["{{ messages }}"]) or "")
+    assert parser_hint("deepseek_r1", ["{{ '<|Assistant|><think>\\n' }}"]) is None
 
 
 def test_a_tag_split_across_pieces_is_held_not_streamed() -> None:

@@ -51,12 +51,17 @@ def reasoning_for(body: Any, parser: str, constrained: bool = False) -> Reasonin
 
 
 def parser_hint(parser: str, templates: list[str]) -> str | None:
-    """One line for the log at start when the chat template writes thinking tags and no parser
-    splits them (the reasoning then reaches clients as content), else None."""
-    if parser != "none" or not any(START in t or END in t for t in templates):
-        return None
-    return ("the chat template writes <think> tags: the reasoning goes out as content; start with "
-            "--reasoning-parser qwen3 (or deepseek_r1 when the template opens it) to return reasoning_content")
+    """One line for the log at start when the parser and the chat template disagree, else None:
+    a template that writes thinking tags with no parser (the reasoning reaches clients as
+    content), or deepseek_r1 with a template that never opens one (every answer would be reasoning)."""
+    tags = any(START in t or END in t for t in templates)
+    if parser == "none" and tags:
+        return ("the chat template writes <think> tags: the reasoning goes out as content; start with "
+                "--reasoning-parser qwen3 (or deepseek_r1 when the template opens it) to return reasoning_content")
+    if parser == "deepseek_r1" and templates and not tags:
+        return ("--reasoning-parser deepseek_r1, but the chat template never opens <think>: every answer is taken "
+                "as reasoning until a </think> the model may never write; qwen3 splits only what the output opens")
+    return None
 
 
 class ReasoningStream:
