@@ -112,7 +112,7 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
-            rope_layers=_rope_layers(cfg),
+            rope_layers=rope_layers_of(cfg),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or
                                         (params.get("partial_rotary_factor") if isinstance(params, dict) else None)
                                         or 1.0),
@@ -293,7 +293,7 @@ def detok_context_len(stop: list[str]) -> int:
 GRANITE_SCALARS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
-def _rope_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
+def rope_layers_of(cfg: dict[str, Any]) -> tuple[bool, ...]:
     """SmolLM3's NoPE layers, as transformers reads them: `no_rope_layers` (1 = RoPE), else every
     `no_rope_layer_interval`-th layer without."""
     flags = cfg.get("no_rope_layers")

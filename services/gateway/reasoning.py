@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rill.services.gateway.tool_calls import marker_tail
+
 START, END = "<think>", "</think>"
 PARSERS = ("none", "qwen3", "deepseek_r1")
 
@@ -94,7 +96,7 @@ class ReasoningStream:
             elif self.state == "reasoning":
                 at = text.find(END)
                 if at < 0:
-                    keep = _partial_tag(text, END)
+                    keep = marker_tail(text, END)
                     reasoning.append(text[:len(text) - keep])
                     self.held = text[len(text) - keep:]
                     return self._out(reasoning, content)
@@ -122,11 +124,3 @@ class ReasoningStream:
 
     def _out(self, reasoning: list[str], content: list[str]) -> tuple[str, str]:
         return ("".join(reasoning) if self.mode.include else ""), "".join(content)
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0

@@ -119,6 +119,15 @@ class GraniteJson:
         return text[:start].strip() or None, calls
 
 
+def marker_tail(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may be the start of `marker` (held back while
+    streaming until the next piece tells)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
 def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
     """The finish reason of a choice whose text became calls: "tool_calls" when the model ended
     them whole; otherwise its own ("length", or "stop" at a stop string: arguments cut short)."""
@@ -270,14 +279,8 @@ class ToolMode:
             return len(text)
         if isinstance(self.parser, Llama3Json):
             return len(text) if self.parser.starts(text) or not text.strip() else 0
-        marker = self.parser.marker
-        at = text.find(marker)
-        if at >= 0:
-            return len(text) - at
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a marker that may be starting
-            if marker.startswith(text[-k:]):
-                return k
-        return 0
+        at = text.find(self.parser.marker)
+        return len(text) - at if at >= 0 else marker_tail(text, self.parser.marker)
 
 
 class ToolStream:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rill.shared.config import GRANITE_SCALARS, ModelConfig
+from rill.shared.config import GRANITE_SCALARS, ModelConfig, rope_layers_of
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # what rope.inv_frequencies implements
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, GeGLU
@@ -198,7 +198,7 @@ def layer_windows(cfg: dict[str, Any], fam: Family) -> list[int | None]:
     if fam.window_layers == "all":
         return [int(window)] * n
     if not types and fam.window_layers == "nope":
-        rope = ModelConfig.from_dict(cfg).rope_layers or (True,) * n
+        rope = rope_layers_of(cfg) or (True,) * n
         types = ["full_attention" if r else "sliding_attention" for r in rope]
     elif not types and fam.window_layers == "types":
         pattern = int(cfg.get("sliding_window_pattern", fam.window_pattern))
