@@ -14,6 +14,7 @@ import msgspec
 import openai
 import pytest
 import websockets.sync.client
+from llguidance import LLMatcher, LLTokenizer
 from service_stack import ServiceStack, extra_gateway
 
 from rill.services.gateway import requests
@@ -24,6 +25,7 @@ from rill.services.gateway.requests import Admission
 from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.responses import Output
 from rill.services.gateway.responses_api import ResponsesRequest, chat_request
+from rill.services.gateway.structured import grammar_of
 from rill.services.gateway.tool_calls import Hermes, ToolMode
 from rill.services.tokenizer.chat_template import template_messages
 from rill.shared.schema import TextDelta
@@ -69,6 +71,7 @@ def test_a_parser_the_template_disagrees_with_is_named_at_start() -> None:
     assert "--reasoning-parser qwen3" in (parser_hint("none", ["{{ messages }}", qwen3_like]) or "")
     assert parser_hint("qwen3", [qwen3_like]) is None and parser_hint("none", ["{{ messages }}"]) is None
     assert "never opens <think>" in (parser_hint("deepseek_r1", ["{{ messages }}"]) or "")
+    assert "never writes <think>" in (parser_hint("qwen3", ["{{ messages }}"]) or "")
     assert parser_hint("deepseek_r1", ["{{ '<|Assistant|><think>\\n' }}"]) is None
 
 
@@ -118,6 +121,67 @@ def test_reasoning_before_a_tool_call() -> None:
     assert "".join(d.reasoning for d in deltas) == "Use the tool."
     assert "".join(d.content for d in deltas) == ""  # the call's text is held, then parsed
     assert [c["function"]["arguments"] for d in deltas for c in d.calls] == ['{"city": "Paris"}']
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _grammar(parser: str, **constraint: object) -> str:
+    body = {"messages": [{"role": "user", "content": "x"}], "structured_outputs": constraint}
+    grammar = grammar_of(msgspec.convert(body, ChatCompletionRequest), parser)
+    assert grammar is not None and not LLMatcher.validate_grammar(grammar)
+    return grammar
+
+
+def _accepts(grammar: str, text: str, done: bool = True) -> bool:
+    """Whether the grammar takes `text` byte by byte (and, `done`, may end after it)."""
+    m = LLMatcher(LLTokenizer("byte"), grammar, log_level=0)
+    return m.consume_tokens(list(text.encode())) and (m.is_accepting() or not done)
+
+
+def test_a_grammar_shapes_the_answer_after_the_reasoning() -> None:
+    """As vLLM applies a grammar once reasoning ends: the reasoning the parser reads is free text
+    up to the first end tag, then the constraint holds."""
+    qwen3, r1 = _grammar("qwen3", json=SCHEMA), _grammar("deepseek_r1", json=SCHEMA)
+    for text in ('{"a":1}', '<think>Plan {"a": 2} it.</think>\n\n{"a":1}', '<think>\nx</think>{"a":1}'):
+        assert _accepts(qwen3, text), text
+    for text in ('Plan it.</think>\n{"a":1}', '<think>x</think>{"a":1}'):
+        assert _accepts(r1, text), text
+    assert _accepts(r1, "No end tag yet", done=False) and not _accepts(r1, '{"a":1}')  # R1 reasons first
+    for text in ('<think>x</think>prose', 'prose<think>x</think>{"a":1}', '<think>x</think>{"a":1}</think>'):
+        assert not _accepts(qwen3, text), text
+    assert _accepts(_grammar("qwen3", regex="[0-9]+"), "<think>count</think> 42")
+    assert _accepts(_grammar("qwen3", choice=["yes", "no"]), "<think>hm</think>no")
+    assert _accepts(_grammar("qwen3", grammar='root ::= "yes" | "no"'), "<think>hm</think>yes")
+    told_not_to = msgspec.convert({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+                                   "chat_template_kwargs": {"enable_thinking": False}}, ChatCompletionRequest)
+    assert not _accepts(requests.sampling_params(told_not_to, "qwen3").grammar or "", '<think>x</think>{"a":1}')
+    told_not_to.chat_template_kwargs = {}
+    assert _accepts(requests.sampling_params(told_not_to, "qwen3").grammar or "", '<think>x</think>{"a":1}')
+    plain = _grammar("none", json=SCHEMA)  # no parser: no reasoning admitted
+    assert _accepts(plain, '{"a":1}') and not _accepts(plain, '<think>x</think>{"a":1}')
+
+
+def test_a_grammar_that_writes_the_tags_holds_from_the_first_token() -> None:
+    grammar = _grammar("qwen3", regex=THOUGHT)
+    assert _accepts(grammar, "<think>one two three.</think>\n\nRivers run far.")
+    assert not _accepts(grammar, "<think>Anything at all</think>\n\nRivers run far.")
+
+
+def test_the_reasoning_grammar_runs_on_the_models_tokens(smollm2_dir: str) -> None:
+    """The worker's matcher, on SmolLM2's tokenizer, takes a thinking model's output token by
+    token (tags spelled over several tokens, the answer's first token after them)."""
+    from rill.services.worker.structured import GrammarError, Grammars
+    from rill.shared.tokenizer_files import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    grammars = Grammars(smollm2_dir, tok.tokenizer.get_vocab_size())
+    grammar = _grammar("qwen3", json=SCHEMA)
+    for text in ('<think>\nThe user wants {"a": 1}.\n</think>\n\n{"a":7}', '{"a":7}'):
+        m = grammars.matcher(grammar, tok.encode(text, add_special_tokens=False))
+        assert m.is_accepting(), text
+    with pytest.raises(GrammarError):
+        grammars.matcher(grammar, tok.encode("<think>x</think>\n\nprose", add_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +246,17 @@ def test_websocket(reasoning_url: str, raw: str) -> None:
     assert frames[-1]["type"] == "done", frames[-1]
     assert "".join(f.get("reasoning", "") for f in frames[:-1]) == thought
     assert "".join(f["text"] for f in frames[:-1]) == answer
+
+
+def test_structured_output_under_a_reasoning_parser(reasoning_url: str) -> None:
+    """The grammar after the reasoning runs in the worker; SmolLM2 does not think, so its
+    answer is the JSON from the first token."""
+    body = {"messages": [{"role": "user", "content": "Give me a as a number."}], "temperature": 0, "max_tokens": 30,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+    resp = httpx.post(f"{reasoning_url}/v1/chat/completions", json=body, timeout=120)
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", resp.text
+    assert isinstance(json.loads(choice["message"]["content"])["a"], int) and "reasoning_content" not in choice["message"]
 
 
 def test_include_reasoning_false_without_a_parser_is_refused(stack: ServiceStack) -> None:

@@ -8,7 +8,6 @@ from typing import Any
 
 from rill.services.gateway.reasoning import Reasoning, ReasoningStream, reasoning_for
 from rill.services.gateway.tool_calls import ToolMode, ToolStream, calls_finish, tool_mode
-from rill.shared.request_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,9 @@ class ChatOutput:
 PLAIN = ChatOutput()
 
 
-def chat_output(body: Any, params: SamplingParams, parsers: ChatParsers) -> ChatOutput:
-    """The chat request's ChatOutput. Output under a grammar (structured outputs, forced tool
-    calls) is never taken to start inside the reasoning: the grammar shapes it from its first token."""
-    return ChatOutput(tool_mode(body, parsers.tools),
-                      reasoning_for(body, parsers.reasoning, constrained=params.grammar is not None))
+def chat_output(body: Any, parsers: ChatParsers) -> ChatOutput:
+    """The chat request's ChatOutput."""
+    return ChatOutput(tool_mode(body, parsers.tools), reasoning_for(body, parsers.reasoning))
 
 
 @dataclass

@@ -211,7 +211,7 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
     """Run a checked body; its results in OpenAI's completions or chat objects, or `shape`'s."""
     gw = _gateway(request)
     request_id = shape.request_id if shape else new_request_id(requests.kind_of(body))
-    reqs = requests.generate_requests(body, request_id, gw.reply_stream)
+    reqs = requests.generate_requests(body, request_id, gw.reply_stream, gw.chat_parsers.reasoning)
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
     echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs))) if echo else [""] * len(reqs)
     streams = await _submit(gw, reqs, buffered=not body.stream)
@@ -225,7 +225,7 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
             streams, bool(body.return_tokens_as_token_ids), requests.scores_only(body)))
         if isinstance(outs, _Disconnected):
             return Response(status_code=499)
-        logprobs, chat = reqs[0].params.logprobs is not None, _chat_output(gw, body, reqs)
+        logprobs, chat = reqs[0].params.logprobs is not None, _chat_output(gw, body)
         if shape is not None:
             return json_response(shape.full(outs[0], chat))
         resp = json_response(batch_response([
@@ -258,7 +258,7 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
     firsts = await or_disconnect(request.receive, _first_events(streams))
     if isinstance(firsts, _Disconnected):
         return Response(status_code=499)
-    chat = _chat_output(gw, body, reqs)
+    chat = _chat_output(gw, body)
     if shape is not None:
         (events, first), = firsts
         return SSEResponse(gw, [_Part(streams[0], events, first, shape.formatter(chat))], shape)
@@ -273,8 +273,8 @@ async def _start_stream(request: Request, body: GenerateBody, request_id: str, r
         for i, (rs, (events, first), echo_text) in enumerate(zip(streams, firsts, echoes, strict=True))])
 
 
-def _chat_output(gw: Gateway, body: GenerateBody, reqs: list[GenerateRequest]) -> ChatOutput:
-    return chat_output(body, reqs[0].params, gw.chat_parsers) if isinstance(body, ChatCompletionRequest) else PLAIN
+def _chat_output(gw: Gateway, body: GenerateBody) -> ChatOutput:
+    return chat_output(body, gw.chat_parsers) if isinstance(body, ChatCompletionRequest) else PLAIN
 
 
 def _raise_early_error(head: Event) -> None:

@@ -9,7 +9,9 @@
 
 Output cut short inside the reasoning is all reasoning, and its content null. After `</think>` the
 text is the answer: its leading whitespace is dropped, and tool calls are parsed from it. A
-request's `include_reasoning: false` keeps the reasoning out of the response.
+request's `include_reasoning: false` keeps the reasoning out of the response. Under structured
+outputs the model still reasons first, as vLLM lets it: the grammar shapes the answer after
+`</think>` (structured.py), unless it writes the tags itself.
 """
 
 from __future__ import annotations
@@ -42,24 +44,38 @@ class Reasoning:
         return (reasoning if self.include else None), (content or None if stream.answered else None)
 
 
-def reasoning_for(body: Any, parser: str, constrained: bool = False) -> Reasoning | None:
-    """The chat request's Reasoning, or None when the server has no reasoning parser.
-    `constrained`: a grammar shapes the output from its first token, which is then not inside
-    the reasoning whatever the template opened."""
+def reasoning_for(body: Any, parser: str) -> Reasoning | None:
+    """The chat request's Reasoning, or None when the server has no reasoning parser."""
     if parser == "none":
         return None
-    return Reasoning(opened=parser == "deepseek_r1" and not constrained,
-                     include=getattr(body, "include_reasoning", None) is not False)
+    return Reasoning(opened=parser == "deepseek_r1", include=getattr(body, "include_reasoning", None) is not False)
+
+
+def reasoning_regex(parser: str) -> tuple[str, bool] | None:
+    """The reasoning this parser reads off the start of an output, for a grammar to admit before
+    the answer it shapes (structured.py): a regex (llguidance's Lark syntax) to be matched up to
+    the first END, and whether the output must open with it. None without a parser."""
+    if parser == "none":
+        return None
+    end = END.replace("/", "\\/")
+    if parser == "deepseek_r1":  # the template opened it: the output starts inside
+        return f"(.|\\n)*{end}", True
+    # The tag first: leading whitespace would commit a model that does not think to reasoning.
+    return f"{START}(.|\\n)*{end}", False
 
 
 def parser_hint(parser: str, templates: list[str]) -> str | None:
     """One line for the log at start when the parser and the chat template disagree, else None:
     a template that writes thinking tags with no parser (the reasoning reaches clients as
-    content), or deepseek_r1 with a template that never opens one (every answer would be reasoning)."""
+    content), a parser with a template that never writes them (qwen3: the model may not think;
+    deepseek_r1: every answer would be reasoning)."""
     tags = any(START in t or END in t for t in templates)
     if parser == "none" and tags:
         return ("the chat template writes <think> tags: the reasoning goes out as content; start with "
                 "--reasoning-parser qwen3 (or deepseek_r1 when the template opens it) to return reasoning_content")
+    if parser == "qwen3" and templates and not tags:
+        return ("--reasoning-parser qwen3, but the chat template never writes <think>: a model that does not think "
+                "gains nothing from it, and under structured outputs may open a reasoning it was not trained to write")
     if parser == "deepseek_r1" and templates and not tags:
         return ("--reasoning-parser deepseek_r1, but the chat template never opens <think>: every answer is taken "
                 "as reasoning until a </think> the model may never write; qwen3 splits only what the output opens")

@@ -333,7 +333,14 @@ def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
     return list(prompt)
 
 
-def sampling_params(req: GenerateBody) -> SamplingParams:
+def thinks(req: GenerateBody) -> bool:
+    """Whether the output may open with reasoning: a chat request, unless its template was told
+    not to think (`enable_thinking: false`, Qwen3's and SmolLM3's switch)."""
+    return isinstance(req, ChatCompletionRequest) and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+
+
+def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParams:
+    """The body's sampling settings; `reasoning`: the server's reasoning parser (chat requests)."""
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
@@ -346,7 +353,7 @@ def sampling_params(req: GenerateBody) -> SamplingParams:
     kw["stop"] = [s for s in stop if s]  # an empty stop string would end every request at once
     kw["stop_token_ids"] = req.stop_token_ids or []
     kw["logit_bias"] = req.logit_bias or {}
-    kw["grammar"] = grammar_of(req)
+    kw["grammar"] = grammar_of(req, reasoning if thinks(req) else "none")
     if isinstance(req, CompletionRequest) and req.echo and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]  # echo scores the prompt's tokens too
     return SamplingParams(**kw)
@@ -356,13 +363,15 @@ def kind_of(req: GenerateBody) -> RequestKind:
     return "chat" if isinstance(req, ChatCompletionRequest) else "completion"
 
 
-def generate_requests(req: GenerateBody, request_id: str, reply_to: str) -> list[GenerateRequest]:
+def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
+                      reasoning: str = "none") -> list[GenerateRequest]:
     """The checked body as the messages the tokenizer consumes: one, or one per prompt of a
-    batch, `<request_id>-<i>` (the response lists prompt i's n choices from index i * n, as OpenAI)."""
+    batch, `<request_id>-<i>` (the response lists prompt i's n choices from index i * n, as OpenAI).
+    `reasoning`: the server's reasoning parser."""
     chat = isinstance(req, ChatCompletionRequest)
     prompts: list[str | list[int] | None] = [None] if chat else list(prompts_of(req.prompt))
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    params, arrival = sampling_params(req), time.time()
+    params, arrival = sampling_params(req, reasoning), time.time()
     return [GenerateRequest(request_id=rid, reply_to=reply_to, kind=kind_of(req), params=params,
                             arrival_time=arrival, messages=chat_messages(req.messages) if chat else None,
                             prompt=prompt, priority=req.priority or 0,

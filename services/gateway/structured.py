@@ -250,9 +250,10 @@ def check(req: Any) -> None:
                    "output ends).", "ignore_eos")
 
 
-def grammar_of(req: Any) -> str | None:
+def grammar_of(req: Any, reasoning: str = "none") -> str | None:
     """The request's constraint (`check` has passed) as an llguidance grammar, built once and
-    validated: a 400 naming the field when it cannot run."""
+    validated: a 400 naming the field when it cannot run. `reasoning`: the chat request's
+    reasoning parser, whose reasoning the grammar admits before the answer it shapes."""
     from llguidance import LLMatcher
 
     found = _requested(req)
@@ -267,7 +268,39 @@ def grammar_of(req: Any) -> str | None:
         raise _bad(f"Invalid {param}: {why.strip()}", param)
     if _matches_nothing(grammar):
         raise _bad(f"{param} matches no output at all (a schema that only refers to itself, say).", param)
-    return grammar
+    return grammar if _writes_reasoning(found[0].value) else after_reasoning(grammar, reasoning)
+
+
+ANSWER = "rill_answer"  # the constraint's name, as a subgrammar after the reasoning
+
+
+def after_reasoning(grammar: str, parser: str) -> str:
+    """`grammar` (llguidance's JSON form or Lark text) applied after the reasoning that `parser`
+    reads off an output's start (reasoning.reasoning_regex), unchanged without a parser. The
+    reasoning is free text, ended lazily by the first end tag; whitespace may follow it."""
+    from rill.services.gateway.reasoning import reasoning_regex
+
+    reasoning = reasoning_regex(parser)
+    if reasoning is None:
+        return grammar
+    regex, required = reasoning
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    answer, *others = top["grammars"]
+    lark = (f"start: think{'' if required else '?'} @{ANSWER}\nthink: thought GAP?\n"
+            f"thought[lazy]: /{regex}/\nGAP: /[ \\t\\r\\n]+/\n")
+    top["grammars"] = [{"lark_grammar": lark}, {**answer, "name": ANSWER}, *others]
+    return json.dumps(top)
+
+
+def _writes_reasoning(value: Any) -> bool:
+    """Whether a constraint names the end tag: it shapes the reasoning too, from the first token."""
+    from rill.services.gateway.reasoning import END
+
+    text = value if isinstance(value, str) else json.dumps(value)
+    return END in text.replace("\\/", "/")
 
 
 @functools.cache

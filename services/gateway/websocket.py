@@ -203,12 +203,13 @@ class Connection:
         request_id = f"ws-{self.conn_id}-{self.started}-{cid}"
         try:
             body = requests.parse(data, cls, self.gw.admission)
-            req = requests.generate_requests(body, request_id, self.gw.reply_stream)[0]  # frames: one prompt
+            req = requests.generate_requests(body, request_id, self.gw.reply_stream,
+                                             self.gw.chat_parsers.reasoning)[0]  # frames: one prompt
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n))
             if isinstance(body, ChatFrame):
-                mode = chat_output(body, req.params, self.gw.chat_parsers)
+                mode = chat_output(body, self.gw.chat_parsers)
                 entry.chat = None if mode.plain else [ChatStream(mode) for _ in range(stream.n)]
         except APIError as err:
             await self._send(_error_frame(cid, err))
