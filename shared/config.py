@@ -108,7 +108,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            hidden_act=hidden_act_of(cfg),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             layer_types=tuple(cfg.get("layer_types") or ()),
             rope_theta_local=float(rope_theta_local) if rope_theta_local else None,
@@ -291,6 +291,13 @@ def detok_context_len(stop: list[str]) -> int:
 
 
 GRANITE_SCALARS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def hidden_act_of(cfg: dict[str, Any]) -> str:
+    """The MLP's activation as transformers reads it: a Gemma (1) config's legacy "gelu" means the
+    tanh approximation, as the checkpoints were trained."""
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    return "gelu_pytorch_tanh" if act == "gelu" and cfg.get("model_type") == "gemma" else act
 
 
 def rope_layers_of(cfg: dict[str, Any]) -> tuple[bool, ...]:

@@ -15,6 +15,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -56,6 +58,8 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     # Per-head q/k norms, a head_dim that is not hidden / heads, sliding upper layers.
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
                                                   max_window_layers=1, tie_word_embeddings=False)),
+    # Gemma (1): Llama's layer with (1 + w) norms, GeGLU and a scaled embedding.
+    "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=32, tie_word_embeddings=False)),
     # Gemma 2: as Gemma 3 without q/k norms or a local RoPE base, plus attention logit
     # soft-capping; every other layer slides, the first included. A separate LM head: tied, this
     # tiny random model repeats a few tokens (Gemma 3's row keeps the tied head).

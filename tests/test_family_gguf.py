@@ -50,7 +50,7 @@ UNREADABLE = {
     "mistral": "transformers' GGUF loader has no tensor names for model type mistral",
 }
 # Families whose GGUF transformers reads into a wrong config: refused at start (families.py).
-MISREAD = {"qwen3_moe": "qwen3moe", "smollm3": "smollm3", "granite": "granite"}
+MISREAD = {"qwen3_moe": "qwen3moe", "smollm3": "smollm3", "granite": "granite", "gemma": "gemma"}
 
 
 def tokenizer_fields(smollm2_dir: str, vocab: int) -> dict[str, Any]:

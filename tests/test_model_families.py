@@ -19,6 +19,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -43,6 +45,7 @@ from rill.services.cli import build_parser, engine_args
 from rill.services.worker import families
 from rill.services.worker.llama import LlamaModel
 from rill.shared.broker import free_port
+from rill.shared.config import ModelConfig
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
@@ -70,6 +73,8 @@ CASES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
+    # Gemma (1): Llama's layer with (1 + w) norms, GeGLU, a scaled embedding and a tied head.
+    "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=32, tie_word_embeddings=True)),
     # Gemma 2: as Gemma 3 without q/k norms or a local RoPE base, plus attention logit
     # soft-capping (a cap low enough to bite at this scale); layers 0 and 2 slide, over a window
     # shorter than the prompt.
@@ -163,6 +168,15 @@ def test_phi3_longrope_under_an_old_name_is_refused() -> None:
     cfg["rope_parameters"]["rope_type"] = "yarn"
     with pytest.raises(families.UnsupportedModel, match="'yarn' \\(longrope under an old name\\)"):
         families.check_config(cfg)
+
+
+def test_gemma_legacy_gelu_is_the_tanh_approximation() -> None:
+    """Gemma (1) configs say "gelu"; transformers reads the tanh approximation they were trained
+    with, and so does Rill (any other family's "gelu" stays refused: REFUSALS)."""
+    assert GemmaConfig(hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"  # transformers' reading
+    cfg = {**GemmaConfig(**TINY, head_dim=32).to_dict(), "hidden_act": "gelu"}
+    assert families.check_config(cfg).name == "gemma"
+    assert ModelConfig.from_dict(cfg).hidden_act == "gelu_pytorch_tanh"
 
 
 def _edit_config(path: Path, **changes) -> None:

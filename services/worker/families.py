@@ -103,10 +103,11 @@ class Family:
     # without RoPE: SmolLM3).
     window_layers: str = "all"
     window_pattern: int = 6
-    # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden); attention and MLP
-    # outputs are normed before their residual add (post_attention_layernorm is that norm, and
-    # pre_feedforward_layernorm the MLP's input norm).
+    # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden).
     gemma: bool = False
+    # Gemma 2/3: attention and MLP outputs are normed before their residual add
+    # (post_attention_layernorm is that norm, and pre_feedforward_layernorm the MLP's input norm).
+    sandwich: bool = False
     # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the runner's own layout).
     fused: bool = False
     partial_rotary: bool = False  # honours partial_rotary_factor (Phi-4-mini); others are refused it
@@ -129,7 +130,7 @@ class Family:
                  *(f"{n}.weight" for n in self.attn_names(i)), *(f"{n}.weight" for n in self.mlp_names(i))]
         if self.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        if self.gemma:
+        if self.sandwich:
             names += [f"{p}pre_feedforward_layernorm.weight", f"{p}post_feedforward_layernorm.weight"]
         return names
 
@@ -142,13 +143,15 @@ FAMILIES = (
            window_switch="use_sliding_window", window_layers="upper"),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_key="sliding_window",
            window_switch="use_sliding_window", window_layers="upper"),
+    # Gemma (1): Llama's layer with (1 + w) norms, GeGLU and a scaled embedding.
+    Family("gemma", ("GemmaForCausalLM",), ("gemma",), gemma=True),
     # Gemma 2: GeGLU, query_pre_attn_scalar, attention logit soft-capping, every other layer
     # sliding (the first one included), no q/k norms.
-    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), window_key="sliding_window", gemma=True,
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), window_key="sliding_window", gemma=True, sandwich=True,
            window_layers="types", window_pattern=2),
     # Gemma 3 (text): GeGLU, query_pre_attn_scalar, sliding layers on their own RoPE base.
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True, window_key="sliding_window",
-           gemma=True, window_layers="types"),
+           gemma=True, sandwich=True, window_layers="types"),
     # SmolLM3: Llama with every no_rope_layer_interval-th layer (no_rope_layers) skipping RoPE;
     # optional sliding layers named by layer_types.
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), window_key="sliding_window",
@@ -216,13 +219,13 @@ def check_config(cfg: dict[str, Any], max_model_len: int | None = None) -> Famil
     (`max_model_len` no longer matters: sliding windows are served at any context.)"""
     del max_model_len
     fam = family_of(cfg)
-    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    parsed = ModelConfig.from_dict(cfg)
+    act = parsed.hidden_act
     if act not in ACTIVATIONS:
         raise UnsupportedModel(f"{fam.name}: activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     cap = cfg.get("attn_logit_softcapping")
     if cap is not None and not float(cap) > 0:
         raise UnsupportedModel(f"{fam.name}: attention logit soft-capping {cap} must be positive")
-    parsed = ModelConfig.from_dict(cfg)
     scaling = parsed.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if fam.name == "phi3" and kind in ("su", "yarn"):  # transformers reads these as longrope
@@ -336,6 +339,7 @@ _GGUF_MISREAD = {
                 "safetensors checkpoint",
     "smollm3": "transformers reads no SmolLM3 GGUF; serve its safetensors checkpoint",
     "granite": "transformers reads no Granite GGUF; serve its safetensors checkpoint",
+    "gemma": "transformers reads no Gemma (1) GGUF; serve its safetensors checkpoint",
 }
 
 
@@ -359,6 +363,7 @@ def supported_table() -> str:
              "mistral": "as Llama; sliding-window attention, KV blocks behind the window released",
              "qwen2": "q/k/v biases; sliding window as Mistral",
              "qwen3": "RMSNorm per head on q and k before RoPE",
+             "gemma": "(1 + w) norms, GeGLU, scaled embedding",
              "gemma2": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, "
                        "query_pre_attn_scalar, attention and final logit soft-capping; every other layer "
                        "sliding-window",

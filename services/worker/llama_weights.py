@@ -164,7 +164,7 @@ class LayerReader:
         p = f"model.layers.{i}."
         *attn, o_name = family.attn_names(i)  # [q, k, v] or [qkv]: concatenated either way
         *mlp, down_name = family.mlp_names(i)
-        gemma = family.gemma
+        sandwich = family.sandwich
         moe = read_sparse_moe(ckpt, i, self.raw, family, put) if self.sparse[i] else None
         if moe is not None:
             mlp, down_name = [], None
@@ -175,7 +175,7 @@ class LayerReader:
             o=put(self.residual(ckpt.get(f"{o_name}.weight"))), o_bias=put(self.residual(ckpt.maybe(f"{o_name}.bias"))),
             # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
             # pre_feedforward and uses post_attention for the attention output's own norm.
-            post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if gemma
+            post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if sandwich
                                   else f"{p}post_attention_layernorm.weight"),
             gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])) if mlp else None,
             gate_up_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])) if mlp else None,
@@ -183,6 +183,6 @@ class LayerReader:
             down_bias=put(self.residual(ckpt.maybe(f"{down_name}.bias"))) if down_name else None,
             q_norm=norm_weight(f"{p}self_attn.q_norm.weight") if family.qk_norm else None,
             k_norm=norm_weight(f"{p}self_attn.k_norm.weight") if family.qk_norm else None,
-            attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if gemma else None,
-            mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if gemma else None,
+            attn_out_norm=norm_weight(f"{p}post_attention_layernorm.weight") if sandwich else None,
+            mlp_out_norm=norm_weight(f"{p}post_feedforward_layernorm.weight") if sandwich else None,
             rope=cfg.layer_rope(i), window=self.windows[i], moe=moe)
