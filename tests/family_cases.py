@@ -25,6 +25,10 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
@@ -71,6 +75,12 @@ FAMILY_CASES: dict[str, tuple[type[PreTrainedModel], type[PretrainedConfig], dic
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=30.0,
         sliding_window_pattern=2, tie_word_embeddings=True)),
+    # OLMo 2: norms after attention and MLP only, q/k norms over the whole projection; its eps,
+    # four layers (with three, this random model's continuations repeat a few tokens).
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config, dict(rms_norm_eps=1e-6, num_hidden_layers=4, tie_word_embeddings=False)),
+    # OLMo 3: the same, layers 0-2 sliding, 3 global.
+    "olmo3": (Olmo3ForCausalLM, Olmo3Config, dict(rms_norm_eps=1e-6, num_hidden_layers=4, sliding_window=WINDOW,
+                                                  tie_word_embeddings=False)),
     # Granite's four scalars, away from 1 so that each one shows (test_model_families also ties the
     # head; tied, this tiny random model repeats one token).
     "granite": (GraniteForCausalLM, GraniteConfig, dict(embedding_multiplier=2.0, attention_multiplier=0.2,

@@ -50,7 +50,8 @@ UNREADABLE = {
     "mistral": "transformers' GGUF loader has no tensor names for model type mistral",
 }
 # Families whose GGUF transformers reads into a wrong config: refused at start (families.py).
-MISREAD = {"qwen3_moe": "qwen3moe", "smollm3": "smollm3", "granite": "granite", "gemma": "gemma"}
+MISREAD = {"qwen3_moe": "qwen3moe", "smollm3": "smollm3", "granite": "granite", "gemma": "gemma",
+           "olmo2": "olmo2", "olmo3": "olmo3"}
 
 
 def tokenizer_fields(smollm2_dir: str, vocab: int) -> dict[str, Any]:

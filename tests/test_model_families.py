@@ -29,6 +29,10 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -73,6 +77,14 @@ CASES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)),
+    # OLMo 2: norms after attention and MLP, none before, q/k norms over all heads; its RoPE base.
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config, dict(rope_theta=5e5)),
+    # OLMo 3: layers 0 and 1 slide over a window shorter than the prompt, layer 2 is global with
+    # YaRN-scaled RoPE, the sliding ones on the plain base.
+    "olmo3": (Olmo3ForCausalLM, Olmo3Config, dict(sliding_window=16, layer_types=[
+        "sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
+        "full_attention": dict(rope_type="yarn", rope_theta=5e5, factor=4.0, original_max_position_embeddings=64),
+        "sliding_attention": dict(rope_type="default", rope_theta=5e5)})),
     # Gemma (1): Llama's layer with (1 + w) norms, GeGLU, a scaled embedding and a tied head.
     "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=32, tie_word_embeddings=True)),
     # Gemma 2: as Gemma 3 without q/k norms or a local RoPE base, plus attention logit
@@ -323,14 +335,17 @@ def test_moe_checkpoint_refused_with_one_line(tmp_path: Path, what: str, edit, m
         assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_moe_refused_with_int8(tmp_path: Path) -> None:
-    """The experts have no int8 GEMMs: --quantization int8 is refused by name, not half-applied."""
-    path, _ = build(tmp_path, "qwen3-moe")
+@pytest.mark.parametrize("name,why", [("qwen3-moe", "is not supported for mixture"),
+                                      ("olmo2", "folds its scales into the norms before")])
+def test_refused_with_int8(tmp_path: Path, name: str, why: str) -> None:
+    """The experts have no int8 GEMMs, and SmoothQuant's scales go into norms OLMo 2 has not:
+    --quantization int8 is refused by name, not half-applied."""
+    path, _ = build(tmp_path, name)
     for check in (lambda: families.check_checkpoint(path, quantization="int8"),
                   lambda: LlamaModel.load(path, torch.float32, "cpu", quantization="int8")):
-        with pytest.raises(families.UnsupportedModel, match="--quantization int8 is not supported for mixture"):
+        with pytest.raises(families.UnsupportedModel, match=f"--quantization int8 {why}"):
             check()
-    with pytest.raises(SystemExit, match=r"^rill: .*--quantization int8 is not supported for mixture"):
+    with pytest.raises(SystemExit, match=rf"^rill: .*--quantization int8 {why}"):
         engine_args(build_parser().parse_args(["serve", str(path), "--quantization", "int8"]), str(path))
 
 

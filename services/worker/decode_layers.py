@@ -129,6 +129,9 @@ def why_not(model: LlamaModel) -> str | None:
     for layer in model.layers:
         if layer.moe is not None or (layer.q_norm is None) != (layer.k_norm is None):
             return "layers with experts, or a q norm without a k norm"
+        if layer.input_norm is None or layer.post_norm is None \
+                or (layer.q_norm is not None and layer.q_norm.shape[0] != c.head_dim):
+            return "norms the driver has not (OLMo 2's: none before attention and MLP, q/k over all heads)"
     if _decode_kernel(model) == "torch":
         return "decode attention measured faster in torch here"
     return None

@@ -86,6 +86,9 @@ def check_quantization(fam: Family, quantization: str) -> None:
     if fam.experts is not None and quantization not in ("none", "auto", None):
         raise UnsupportedModel(f"{fam.name}: --quantization {quantization} is not supported for mixture-of-experts "
                                f"models (the experts have no {quantization} path); serve with --quantization none")
+    if not fam.pre_norms and quantization not in ("none", "auto", None):
+        raise UnsupportedModel(f"{fam.name}: --quantization {quantization} folds its scales into the norms before "
+                               "attention and MLP, which this family has not; serve with --quantization none")
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...] = ()  # config.model_type, for configs without `architectures`
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm: bool = False  # RMSNorm of q and k before RoPE: over each head (Qwen3, Gemma 3) or all (OLMo 2)
     window_key: str | None = None  # config key of a sliding-window size
     window_switch: str | None = None  # config key that turns the window on (else it is on when set)
     # Which layers slide, as transformers decides: "all" (Mistral ignores layer_types), "types"
@@ -105,9 +108,10 @@ class Family:
     window_pattern: int = 6
     # Gemma: norms scale by (1 + w); the embedding is scaled by sqrt(hidden).
     gemma: bool = False
-    # Gemma 2/3: attention and MLP outputs are normed before their residual add
+    # Gemma 2/3, OLMo 2: attention and MLP outputs are normed before their residual add
     # (post_attention_layernorm is that norm, and pre_feedforward_layernorm the MLP's input norm).
     sandwich: bool = False
+    pre_norms: bool = True  # false: no norm before attention or MLP, only after (OLMo 2)
     # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the runner's own layout).
     fused: bool = False
     partial_rotary: bool = False  # honours partial_rotary_factor (Phi-4-mini); others are refused it
@@ -126,12 +130,16 @@ class Family:
     def layer_tensors(self, i: int, cfg: dict[str, Any]) -> list[str]:
         """Layer i's tensors (without the optional biases, see expected_tensors)."""
         p = f"model.layers.{i}."
-        names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
+        names = [f"{p}post_attention_layernorm.weight",
                  *(f"{n}.weight" for n in self.attn_names(i)), *(f"{n}.weight" for n in self.mlp_names(i))]
+        if self.pre_norms:
+            names.append(f"{p}input_layernorm.weight")
         if self.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
         if self.sandwich:
-            names += [f"{p}pre_feedforward_layernorm.weight", f"{p}post_feedforward_layernorm.weight"]
+            names.append(f"{p}post_feedforward_layernorm.weight")
+        if self.sandwich and self.pre_norms:
+            names.append(f"{p}pre_feedforward_layernorm.weight")
         return names
 
 
@@ -156,6 +164,11 @@ FAMILIES = (
     # optional sliding layers named by layer_types.
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), window_key="sliding_window",
            window_switch="use_sliding_window", window_layers="nope"),
+    # OLMo 2: norms after attention and MLP instead of before, q/k norms over the whole projection.
+    Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), qk_norm=True, sandwich=True, pre_norms=False),
+    # OLMo 3: OLMo 2 with three sliding-window layers to one global (layer_types), whose RoPE may be scaled.
+    Family("olmo3", ("Olmo3ForCausalLM",), ("olmo3",), qk_norm=True, sandwich=True, pre_norms=False,
+           window_key="sliding_window", window_layers="types", window_pattern=4),
     # Granite (3.x): Llama with four scalars (ModelConfig: embedding, attention, residual, logits).
     Family("granite", ("GraniteForCausalLM",), ("granite",)),
     # Phi-3 / Phi-3.5 / Phi-4 mini: fused projections, every layer within `sliding_window` (as
@@ -340,6 +353,8 @@ _GGUF_MISREAD = {
     "smollm3": "transformers reads no SmolLM3 GGUF; serve its safetensors checkpoint",
     "granite": "transformers reads no Granite GGUF; serve its safetensors checkpoint",
     "gemma": "transformers reads no Gemma (1) GGUF; serve its safetensors checkpoint",
+    "olmo2": "transformers reads no OLMo 2 GGUF; serve its safetensors checkpoint",
+    "olmo3": "transformers reads no OLMo 3 GGUF; serve its safetensors checkpoint",
 }
 
 
@@ -370,6 +385,8 @@ def supported_table() -> str:
              "gemma3": "(1 + w) norms around attention and MLP, GeGLU, scaled embedding, q/k norms, "
                        "query_pre_attn_scalar, local RoPE base; sliding-window layers alternating with "
                        "global ones",
+             "olmo2": "norms after attention and MLP, none before; q/k norms over the whole projection",
+             "olmo3": "as OLMo 2; sliding-window layers around every fourth, global one",
              "granite": "embedding, attention-scale, residual and logit multipliers (folded into the weights "
                         "where they can be)",
              "smollm3": "no RoPE in every fourth layer (no_rope_layers); optional sliding-window layers",

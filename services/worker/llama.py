@@ -203,7 +203,9 @@ class LlamaModel:
         t = h.shape[0]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            if residual is None:
+            if layer.input_norm is None:  # OLMo 2: the stream as it is
+                residual = x = h if residual is None else h + residual
+            elif residual is None:
                 residual = h
                 x = ops.rms_norm(h, layer.input_norm, eps)
             else:
@@ -211,9 +213,11 @@ class LlamaModel:
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             v = v.view(t, c.num_key_value_heads, c.head_dim)
-            if layer.q_norm is not None:  # Qwen3: each head normed on its own, before RoPE
+            if layer.q_norm is not None and layer.q_norm.shape[0] == c.head_dim:  # Qwen3: head by head
                 q = ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
                 k = ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
+            elif layer.q_norm is not None:  # OLMo 2: over the whole projection
+                q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
             # RoPE and the cache write in one op (one fused kernel on the Triton backend).
             q, k = ops.rope_and_write_kv(q.view(t, c.num_attention_heads, c.head_dim),
                                          k.view(t, c.num_key_value_heads, c.head_dim), v, positions,
@@ -224,7 +228,10 @@ class LlamaModel:
             h = layer.o(attn.reshape(t, self.q_size))
             if layer.attn_out_norm is not None:  # Gemma: the output is normed before its residual add
                 h = ops.rms_norm(h, layer.attn_out_norm, eps)
-            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            if layer.post_norm is None:
+                residual = x = h + residual
+            else:
+                x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             h = layer.moe(x) if layer.moe is not None else layer.down(self.act(layer.gate_up(x)))
             if layer.mlp_out_norm is not None:
                 h = ops.rms_norm(h, layer.mlp_out_norm, eps)

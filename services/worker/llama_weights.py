@@ -24,15 +24,17 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: the attention takes the residual stream as it is (OLMo 2)
     qkv: Linear  # fused [(heads + 2 * kv_heads) * head_dim, hidden]
     o: Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None  # the MLP's input norm; None as input_norm
     gate_up: Linear | None  # fused [2 * intermediate, hidden]; None in a sparse (experts) layer
     down: Linear | None
-    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm of each q head before RoPE (Qwen3)
+    # RMSNorm of q and k before RoPE: [head_dim], each head on its own (Qwen3, Gemma 3), or
+    # [heads * head_dim], the whole projection (OLMo 2).
+    q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
+    attn_out_norm: torch.Tensor | None = None  # Gemma 2/3, OLMo 2: norms of the attention and MLP outputs
     mlp_out_norm: torch.Tensor | None = None
     rope: str = "global"  # its RoPE table (ModelConfig.layer_rope): global, local or none
     window: int | None = None  # sliding-window size: a query at p sees keys p - window + 1 .. p
@@ -44,12 +46,12 @@ class LayerTensors:
     """One layer's weights as read (model dtype, fused like LayerWeights), before the linear layers
     are prepared: the stage where smoothing factors are folded in."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     gate_up: torch.Tensor | None
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None
@@ -164,19 +166,19 @@ class LayerReader:
         p = f"model.layers.{i}."
         *attn, o_name = family.attn_names(i)  # [q, k, v] or [qkv]: concatenated either way
         *mlp, down_name = family.mlp_names(i)
-        sandwich = family.sandwich
+        sandwich, pre = family.sandwich, family.pre_norms
         moe = read_sparse_moe(ckpt, i, self.raw, family, put) if self.sparse[i] else None
         if moe is not None:
             mlp, down_name = [], None
         return LayerTensors(
-            input_norm=norm_weight(f"{p}input_layernorm.weight"),
+            input_norm=norm_weight(f"{p}input_layernorm.weight") if pre else None,
             qkv=put(self.rotary_order(torch.cat([ckpt.get(f"{n}.weight") for n in attn]))),
             qkv_bias=put(self.rotary_order(cat_optional([ckpt.maybe(f"{n}.bias") for n in attn]))),
             o=put(self.residual(ckpt.get(f"{o_name}.weight"))), o_bias=put(self.residual(ckpt.maybe(f"{o_name}.bias"))),
             # The MLP's input norm: Llama calls it post_attention_layernorm; Gemma names it
             # pre_feedforward and uses post_attention for the attention output's own norm.
             post_norm=norm_weight(f"{p}pre_feedforward_layernorm.weight" if sandwich
-                                  else f"{p}post_attention_layernorm.weight"),
+                                  else f"{p}post_attention_layernorm.weight") if pre else None,
             gate_up=put(torch.cat([ckpt.get(f"{n}.weight") for n in mlp])) if mlp else None,
             gate_up_bias=put(cat_optional([ckpt.maybe(f"{n}.bias") for n in mlp])) if mlp else None,
             down=put(self.residual(ckpt.get(f"{down_name}.weight"))) if down_name else None,
