@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     RILL_TP_ADDRESS: str
     RILL_TP_JOIN_TIMEOUT: float | None
     RILL_URL: str | None
+    RILL_RESPONSES_TTL_S: int
     TRITON_INTERPRET: bool
     CC: str | None
     NO_COLOR: bool
@@ -104,6 +105,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "RILL_TP_JOIN_TIMEOUT": _number("RILL_TP_JOIN_TIMEOUT", float, None),
     # `rill chat`: the server's URL.
     "RILL_URL": lambda: _text("RILL_URL"),
+    # Seconds a stored /v1/responses response is kept in the broker (0: none is stored).
+    "RILL_RESPONSES_TTL_S": _number("RILL_RESPONSES_TTL_S", int, 3600),
     # Triton's interpreter (CPU tensors through the Triton kernels, for tests).
     "TRITON_INTERPRET": lambda: os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
     # The C compiler for the native kernels (else cc, then gcc).

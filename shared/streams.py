@@ -99,6 +99,10 @@ class Streams:
         """Set of the reply streams of gateways that have announced themselves."""
         return f"{self.prefix}:gateways"
 
+    def response_key(self, response_id: str) -> str:
+        """A stored /v1/responses response and the conversation before it; expires by itself."""
+        return f"{self.prefix}:response:{response_id}"
+
     def kv_chunk(self, transfer_id: str, index: int) -> str:
         """One chunk of an exported KV payload (prefill/decode disaggregation); expires by itself."""
         return f"{self.prefix}:kv:{{{transfer_id}}}:{index}"

@@ -20,7 +20,7 @@ from service_stack import ServiceStack, extra_gateway
 from rill.services.gateway import requests
 from rill.services.gateway.bodies import ChatCompletionRequest
 from rill.services.gateway.chat_output import ChatOutput, ChatStream
-from rill.services.gateway.reasoning import Reasoning, ReasoningStream, parser_hint
+from rill.services.gateway.reasoning import END, Reasoning, ReasoningStream, parser_hint
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.responses import Output
@@ -66,6 +66,29 @@ def test_streamed_pieces_add_up_to_the_split(mode: Reasoning, text: str, want: t
         assert (reasoning or None, content or None) == (want[0] or None, want[1] or None), pieces
 
 
+@pytest.mark.parametrize(("mode", "text", "want"), SPLITS)
+def test_the_reasoning_length_is_the_splits(mode: Reasoning, text: str, want: tuple[str | None, str | None]) -> None:
+    """`length` (what usage counts as reasoning tokens) ends where the split's reasoning does."""
+    n = mode.length(text)
+    thought, _ = Reasoning(mode.opened).split(text)
+    if thought is None:
+        assert n == 0
+    else:
+        assert text[:n].endswith(END) or n == len(text)
+        assert text[:n].removesuffix(END).endswith(thought)
+
+
+def test_reasoning_tokens_are_those_of_the_deltas_through_the_end_tag() -> None:
+    pieces = ["<think>", "Plan", " it.</th", "ink>\n\n", "Answer", "."]
+    out = Output()
+    out.reasoning = QWEN3
+    for i, p in enumerate(pieces):
+        out.add(TextDelta("r", i, 1, p, "stop" if i == len(pieces) - 1 else None, completion_tokens=i + 1))
+    assert out.usage()["completion_tokens_details"] == {"reasoning_tokens": 4}
+    out.reasoning = None
+    assert "completion_tokens_details" not in out.usage()
+
+
 def test_a_parser_the_template_disagrees_with_is_named_at_start() -> None:
     qwen3_like = "{{ '<|im_start|>assistant\\n' }}{% if not enable_thinking %}<think>\n\n</think>{% endif %}"
     assert "--reasoning-parser qwen3" in (parser_hint("none", ["{{ messages }}", qwen3_like]) or "")
@@ -100,6 +123,8 @@ def test_responses_stream_opens_a_reasoning_item_first() -> None:
     assert "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta") == "Paris."
     final = got[-1]["response"]["output"]
     assert [(o["type"], o["status"]) for o in final] == [("reasoning", "completed"), ("message", "completed")]
+    # Through the delta that completed "</think>" (its 26th character, in the 7th 4-character delta).
+    assert got[-1]["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 7}
     assert shape.full(_output(text), ChatOutput(reasoning=QWEN3))["output"][0]["content"] == \
         [{"type": "reasoning_text", "text": "Look it up."}]
 
@@ -213,20 +238,35 @@ def raw(stack: ServiceStack) -> str:
     return text
 
 
+@pytest.fixture(scope="module")
+def thought_tokens(stack: ServiceStack) -> int:
+    """The forced output's tokens through the one that completes "</think>" (the plain gateway's logprobs)."""
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=_body(logprobs=True), timeout=120)
+    text = ""
+    for k, entry in enumerate(resp.json()["choices"][0]["logprobs"]["content"]):
+        text += entry["token"]
+        if "</think>" in text:
+            return k + 1
+    raise AssertionError(text)
+
+
 def _parts(raw: str) -> tuple[str, str]:
     thought, answer = raw.removeprefix("<think>").split("</think>", 1)
     return thought, answer.lstrip()
 
 
-def test_whole_and_streamed_chat(reasoning_url: str, raw: str) -> None:
+def test_whole_and_streamed_chat(reasoning_url: str, raw: str, thought_tokens: int) -> None:
     thought, answer = _parts(raw)
     resp = httpx.post(f"{reasoning_url}/v1/chat/completions", json=_body(), timeout=120)
     message = resp.json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (thought, answer)
+    assert resp.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought_tokens}
     client = openai.OpenAI(base_url=f"{reasoning_url}/v1", api_key="unused", max_retries=0, timeout=120)
     body = {k: v for k, v in _body().items() if k not in ("messages", "temperature", "max_tokens")}
     chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=_body()["messages"], temperature=0,
-                                                 max_tokens=80, stream=True, extra_body=body))
+                                                 max_tokens=80, stream=True, extra_body=body,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought_tokens
     streamed_thought = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
                                for c in chunks if c.choices)
     streamed_answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -112,8 +112,10 @@ def test_structured_output(client: openai.OpenAI, mid: str) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"store": True}, "store"),
+    ({"store": "yes"}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"previous_response_id": "resp_" + "0" * 32}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
@@ -134,6 +136,34 @@ def test_refusals_name_the_field(stack: ServiceStack, mid: str, body: dict, para
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].startswith(param), err
     assert param.split("[")[0].split(".")[0] in err["message"] or "context length" in err["message"], err
+
+
+def test_stored_responses_continue_and_read_back(client: openai.OpenAI, stack: ServiceStack, mid: str) -> None:
+    """A response is stored (OpenAI's default) with a TTL; previous_response_id continues its
+    conversation as the chat request with the whole conversation would; GET reads it back and
+    DELETE removes it; a streamed one can be continued the moment its last event arrives."""
+    first = client.responses.create(model=mid, input="My name is Ada. Say hi.", max_output_tokens=8, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert 0 < stack.redis.ttl(f"{stack.prefix}:response:{first.id}") <= 3600
+    second = client.responses.create(model=mid, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=mid, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ada. Say hi."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == chat.choices[0].message.content and second.previous_response_id == first.id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model=mid, input="Count to three.", max_output_tokens=6, stream=True))
+    streamed = events[-1].response  # response.completed, or .incomplete at max_output_tokens
+    third = client.responses.create(model=mid, previous_response_id=streamed.id, input="Again.", max_output_tokens=2)
+    assert third.usage.input_tokens > streamed.usage.input_tokens + streamed.usage.output_tokens
+    unstored = client.responses.create(model=mid, input="Hi", store=False, max_output_tokens=2)
+    assert not unstored.store
+    client.responses.delete(first.id)
+    for gone in (first.id, unstored.id, "resp_1"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
 
 
 def test_chat_errors_name_the_responses_field() -> None:

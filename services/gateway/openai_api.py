@@ -1,9 +1,8 @@
 """OpenAI-compatible HTTP endpoints.
 
-Bodies are decoded and checked by requests.py (the request schema, shared with the WebSocket
-protocol) into a GenerateRequest, or refused with an APIError (400 naming the `param`). Length
-checks against the context window need tokens, so the tokenizer service does them and answers
-with an ErrorReply that becomes the same kind of error here.
+Bodies are decoded and checked by requests.py (the request schema, shared with the WebSocket protocol) into a
+GenerateRequest, or refused with an APIError (400 naming the `param`). Length checks against the context window need
+tokens, so the tokenizer service does them and answers with an ErrorReply that becomes the same kind of error here.
 """
 
 from __future__ import annotations
@@ -174,6 +173,8 @@ class SSEResponse:
             async with contextlib.aclosing(_merged(self.parts)) as batches:
                 async for part, batch in batches:
                     body = part.fmt.render(batch)
+                    if self.shape is not None:
+                        await self.shape.settle()
                     if body:  # a batch of empty-text deltas (bytes of a split character) renders to nothing
                         await send({"type": "http.response.body", "body": body, "more_body": True})
                     if part.fmt.failed:
@@ -226,8 +227,12 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
         if isinstance(outs, _Disconnected):
             return Response(status_code=499)
         logprobs, chat = reqs[0].params.logprobs is not None, _chat_output(gw, body)
+        for out in outs:
+            out.reasoning = chat.reasoning
         if shape is not None:
-            return json_response(shape.full(outs[0], chat))
+            full = shape.full(outs[0], chat)
+            await shape.settle()
+            return json_response(full)
         resp = json_response(batch_response([
             full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, chat)
             for out, echo_text in zip(outs, echoes, strict=True)]))

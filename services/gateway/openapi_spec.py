@@ -101,7 +101,11 @@ def _response_schemas() -> dict[str, Any]:
                                for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
                             "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {
                                 "type": "integer", "minimum": 0,
-                                "description": "Prompt tokens whose KV the prefix cache held."}}}}}
+                                "description": "Prompt tokens whose KV the prefix cache held."}}},
+                            "completion_tokens_details": {"type": "object", "properties": {"reasoning_tokens": {
+                                "type": "integer", "minimum": 0,
+                                "description": "With --reasoning-parser: output tokens through the end of the "
+                                               "reasoning."}}}}}
     finish = _nullable({"type": "string", "enum": ["stop", "length", "abort", "error"]})
     top = {"type": "object", "required": ["token", "logprob"],
            "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
@@ -195,6 +199,9 @@ def _post(summary: str, request: str, ok: dict[str, Any], *, streams: bool, guar
     }}
 
 
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
 def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
                ignore_unknown_fields: bool = False) -> dict[str, Any]:
     unavailable = _error_responses(503)
@@ -202,10 +209,17 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
         "/v1/completions": _post("Text completion", "CompletionRequest", _ref("Completion"), streams=True),
         "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", _ref("ChatCompletion"),
                                       streams=True),
-        "/v1/responses": _post("A response (OpenAI's Responses API; nothing is stored)", "ResponsesRequest",
+        "/v1/responses": _post("A response (OpenAI's Responses API), stored unless store is false", "ResponsesRequest",
                                _ref("Response"), streams=True,
                                events="`event: <type>` / `data: <event JSON>` pairs, response.created first and "
                                       "response.completed, response.incomplete or response.failed last"),
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "A stored response", "security": [{"bearer": []}], "parameters": [_RESPONSE_ID],
+                    "responses": {"200": {"description": "OK", "content": {JSON: {"schema": _ref("Response")}}},
+                                  **_error_responses(400, 401, 404)}},
+            "delete": {"summary": "Delete a stored response", "security": [{"bearer": []}], "parameters": [_RESPONSE_ID],
+                       "responses": {"200": {"description": "Deleted", "content": {JSON: {"schema": {"type": "object"}}}},
+                                     **_error_responses(401, 404)}}},
         **{f"{prefix}/tokenize": _post("Token ids of a prompt or of templated chat messages", "TokenizeBody",
                                        _ref("TokenizeResponse"), streams=False) for prefix in ("", "/v1")},
         **{f"{prefix}/detokenize": _post("Text of token ids", "DetokenizeBody", _ref("DetokenizeResponse"),

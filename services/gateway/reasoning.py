@@ -33,6 +33,19 @@ class Reasoning:
     opened: bool
     include: bool = True
 
+    def length(self, text: str) -> int:
+        """How many characters a finished output's reasoning takes from its start, tags included:
+        0 without any, all of it when the end tag never came (the split `split` makes)."""
+        head = text.lstrip()
+        if head.startswith(START):
+            start = len(text) - len(head) + len(START)
+        elif self.opened:
+            start = 0
+        else:
+            return 0
+        at = text.find(END, start)
+        return len(text) if at < 0 else at + len(END)
+
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished output."""
         stream = ReasoningStream(self)

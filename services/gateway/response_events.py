@@ -6,6 +6,7 @@ max_output_tokens cut it). Items come in output order: a thinking model's reason
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -18,13 +19,17 @@ from rill.services.gateway.responses import GENERATION_FAILED, Event, Output, er
 from rill.shared.schema import ErrorReply
 
 if TYPE_CHECKING:
+    from rill.services.gateway.response_store import ResponseStore
     from rill.services.gateway.responses_api import ResponsesRequest
+
+log = logging.getLogger("rill.gateway.responses")
 
 
 def _usage(out: Output) -> dict[str, Any]:
     u = out.usage()
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": u.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": u["total_tokens"]}
 
 
@@ -50,12 +55,28 @@ def _new_id(kind: str) -> str:
 class ResponseShape:
     """One /v1/responses request's Response object and stream (openai_api.Shape)."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, store: ResponseStore | None = None,
+                 items: list[dict[str, Any]] | None = None) -> None:
+        """`store`: where the finished response is kept, with `items` (the conversation before it)."""
         self.body = body
         self.model = model
         self.request_id = _new_id("resp")
         self.created = int(time.time())
         self.seq = 0
+        self.store = store
+        self.items = items or []
+        self.final: dict[str, Any] | None = None  # the finished response, until stored
+
+    async def settle(self) -> None:
+        """Store the finished response, once, before its last bytes go out: a client that
+        continues it at once finds it. A broker that fails here fails the storing, not the response."""
+        final, self.final = self.final, None
+        if self.store is None or final is None:
+            return
+        try:
+            await self.store.put(final, self.items)
+        except Exception as exc:  # a redis error of any kind
+            log.warning("response %s not stored: %s", final["id"], exc)
 
     def object(self, status: str, output: list[dict[str, Any]], out: Output | None) -> dict[str, Any]:
         b = self.body
@@ -67,8 +88,8 @@ class ResponseShape:
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "temperature": b.temperature, "top_p": b.top_p, "tool_choice": tool_choice,
                 "tools": msgspec.to_builtins(b.tools or []), "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "text": {"format": fmt}, "metadata": b.metadata or {}, "user": b.user, "store": False,
-                "previous_response_id": None, "reasoning": None, "truncation": "disabled"}
+                "text": {"format": fmt}, "metadata": b.metadata or {}, "user": b.user, "store": self.store is not None,
+                "previous_response_id": b.previous_response_id, "reasoning": None, "truncation": "disabled"}
 
     def full(self, out: Output, chat: ChatOutput) -> dict[str, Any]:
         message, _ = chat.message(out.text, out.finish_reason)
@@ -78,7 +99,8 @@ class ResponseShape:
         output += [_message(_new_id("msg"), content or "", status)] if content or (content is not None and not calls) \
             else []
         output += [_function_call(_new_id("fc"), c, status) for c in calls]
-        return self.object(status, output, out)
+        self.final = self.object(status, output, out)
+        return self.final
 
     def formatter(self, chat: ChatOutput) -> EventFormatter:
         return EventFormatter(self, chat)
@@ -106,6 +128,7 @@ class EventFormatter:
     def __init__(self, shape: ResponseShape, chat: ChatOutput) -> None:
         self.shape = shape
         self.output = Output()
+        self.output.reasoning = chat.reasoning
         self.chat = ChatStream(chat)
         self.items: list[dict[str, Any]] = []  # every item opened so far, in output order
         self.reasoning: dict[str, Any] | None = None  # the reasoning item, while it is open
@@ -192,7 +215,8 @@ class EventFormatter:
             out += s.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                            arguments=item["arguments"])
             out += s.event("response.output_item.done", output_index=at, item=item)
-        return out + s.event(f"response.{status}", response=s.object(status, self.items, self.output))
+        s.final = s.object(status, self.items, self.output)
+        return out + s.event(f"response.{status}", response=s.final)
 
     def _fail(self, err: APIError) -> bytes:
         self.failed = True

@@ -6,8 +6,8 @@ turns; `text.format` as response_format; flat function tools as chat tools), whi
 and run as /v1/chat/completions runs it; its result becomes a Response object, or the typed
 stream events (response_events.py).
 
-Rill keeps no responses: `store` must be false or absent and `previous_response_id` is refused,
-so a conversation is sent whole as `input`.
+A response is stored unless `store` is false (response_store.py): `previous_response_id`
+continues its conversation, GET and DELETE /v1/responses/{id} read and remove it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ from starlette.routing import Route
 
 from rill.services.gateway import requests
 from rill.services.gateway.bodies import ChatCompletionRequest
-from rill.services.gateway.errors import APIError
+from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.fields import Body, NotYet
 from rill.services.gateway.openai_api import SSEResponse, generate
 from rill.services.gateway.requests import Admission
 from rill.services.gateway.response_events import ResponseShape
+from rill.services.gateway.response_store import ResponseStore
 from rill.services.gateway.structured import JsonObjectFormat, TextFormat
-
-NO_STORE = "Rill keeps no responses; send the whole conversation as input"
-
 
 # ---------------------------------------------------------------------------------------------
 # The request
@@ -131,9 +129,9 @@ class ResponsesRequest(Body, kw_only=True):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    store: Annotated[Any, NotYet(NO_STORE, False)] = None
-    previous_response_id: Annotated[Any, NotYet(NO_STORE)] = None
-    conversation: Annotated[Any, NotYet(NO_STORE)] = None
+    store: bool | None = None  # absent: stored, as OpenAI's default
+    previous_response_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    conversation: Annotated[Any, NotYet("no conversation objects; continue with previous_response_id")] = None
     include: Annotated[Any, NotYet("no extra output data", [])] = None
     reasoning: Annotated[Any, NotYet("no reasoning effort or summary control")] = None
     truncation: Annotated[Any, NotYet("no truncation", "disabled")] = None
@@ -249,16 +247,66 @@ def _responses_error(err: APIError, origins: list[str]) -> APIError:
 # The endpoint
 
 
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The body's input as items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else list(body.input)
+
+
+async def _continued(body: ResponsesRequest, store: ResponseStore) -> ResponsesRequest:
+    """The body with the conversation its previous_response_id names before its own input
+    (that response's instructions are not carried over, as OpenAI's are not)."""
+    if body.previous_response_id is None:
+        return body
+    prev = await store.get(body.previous_response_id)
+    if prev is None:
+        why = "" if store.enabled else " (this server stores none: RILL_RESPONSES_TTL_S=0)"
+        raise APIError(f"previous_response_id: no stored response has id {body.previous_response_id!r} (never "
+                       f"stored, deleted, or past RILL_RESPONSES_TTL_S){why}.", 400,
+                       param="previous_response_id", code="previous_response_not_found")
+    return msgspec.structs.replace(body, input=[*prev.conversation(), *input_items(body)])
+
+
 async def create_response(request: Request) -> Response | SSEResponse:
     gw = request.app.state.gateway
     body = requests.decode(await request.body(), ResponsesRequest, gw.admission.ignore_unknown_fields)
     requests.check(body, gw.admission)  # the model, and the fields Rill does not honour
+    store = ResponseStore(gw.bus)
+    if body.store and not store.enabled:
+        raise APIError("This server stores no responses (RILL_RESPONSES_TTL_S=0); send store: false.", 400,
+                       param="store")
+    body = await _continued(body, store)
     chat, origins = chat_request(body, gw.admission)
+    kept = store if body.store is not False and store.enabled else None
     try:  # run as a chat request: its errors until the first token
-        return await generate(request, chat, ResponseShape(body, gw.model_name))
+        return await generate(request, chat, ResponseShape(body, gw.model_name, kept, input_items(body)))
     except APIError as err:
         raise _responses_error(err, origins) from None
 
 
+def _not_found(response_id: str) -> APIError:
+    return APIError(f"Response with id '{response_id}' not found.", 404, param="response_id")
+
+
+async def retrieve_response(request: Request) -> Response:
+    if request.query_params:
+        name = next(iter(request.query_params))
+        raise APIError(f"Query parameter {name!r} is not supported.", 400, param=name)
+    response_id = request.path_params["response_id"]
+    stored = await ResponseStore(request.app.state.gateway.bus).get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return json_response(stored.response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not await ResponseStore(request.app.state.gateway.bus).delete(response_id):
+        raise _not_found(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
 def routes() -> list[Route]:
-    return [Route("/v1/responses", create_response, methods=["POST"])]
+    return [Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])]

@@ -210,6 +210,7 @@ class Connection:
             entry = _Entry(cid, request_id, stream, Output(stream.n))
             if isinstance(body, ChatFrame):
                 mode = chat_output(body, self.gw.chat_parsers)
+                entry.output.reasoning = mode.reasoning
                 entry.chat = None if mode.plain else [ChatStream(mode) for _ in range(stream.n)]
         except APIError as err:
             await self._send(_error_frame(cid, err))
