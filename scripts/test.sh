@@ -8,4 +8,5 @@ scripts/setup.sh
 # Keep the working directory off sys.path (here and in every service a test starts): the
 # repository's kernels/ folder would shadow the `kernels` package transformers imports.
 export PYTHONSAFEPATH=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The slowest tests close every run: what to look at when the suite grows past ~20 minutes.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

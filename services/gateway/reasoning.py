@@ -34,8 +34,8 @@ class Reasoning:
     include: bool = True
 
     def length(self, text: str) -> int:
-        """How many characters a finished output's reasoning takes from its start, tags included:
-        0 without any, all of it when the end tag never came (the split `split` makes)."""
+        """How many characters a finished output's reasoning takes from its start, tags included
+        (where `split` cuts): 0 without any, all of it when the end tag never came."""
         head = text.lstrip()
         if head.startswith(START):
             start = len(text) - len(head) + len(START)
