@@ -14,7 +14,7 @@ import msgspec
 import openai
 import pytest
 import websockets.sync.client
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher
 from service_stack import ServiceStack, extra_gateway
 
 from rill.services.gateway import requests
@@ -25,7 +25,7 @@ from rill.services.gateway.requests import Admission
 from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.responses import Output
 from rill.services.gateway.responses_api import ResponsesRequest, chat_request
-from rill.services.gateway.structured import grammar_of
+from rill.services.gateway.structured import _byte_tokenizer, grammar_of
 from rill.services.gateway.tool_calls import Hermes, ToolMode
 from rill.services.tokenizer.chat_template import template_messages
 from rill.shared.schema import TextDelta
@@ -160,7 +160,7 @@ def _grammar(parser: str, **constraint: object) -> str:
 
 def _accepts(grammar: str, text: str, done: bool = True) -> bool:
     """Whether the grammar takes `text` byte by byte (and, `done`, may end after it)."""
-    m = LLMatcher(LLTokenizer("byte"), grammar, log_level=0)
+    m = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     return m.consume_tokens(list(text.encode())) and (m.is_accepting() or not done)
 
 

@@ -10,7 +10,8 @@ client that continues at once finds it. One key per response: one slot on a Redi
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
@@ -21,6 +22,7 @@ from rill.shared.bus import AsyncBus
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # what ResponseShape hands out
 BROKER_DOWN = "The message broker did not answer; the stored response could not be read. Try again."
+T = TypeVar("T")
 
 
 class StoredResponse(msgspec.Struct):
@@ -50,16 +52,17 @@ class ResponseStore:
     async def get(self, response_id: str) -> StoredResponse | None:
         if not RESPONSE_ID.fullmatch(response_id):
             return None
-        try:
-            data = await self.bus.r.get(self.bus.streams.response_key(response_id))
-        except RedisError as exc:
-            raise APIError(BROKER_DOWN, 503, type="server_error") from exc
+        data = await _answered(self.bus.r.get(self.bus.streams.response_key(response_id)))
         return None if data is None else msgspec.json.decode(data, type=StoredResponse)
 
     async def delete(self, response_id: str) -> bool:
-        if not RESPONSE_ID.fullmatch(response_id):
-            return False
-        try:
-            return bool(await self.bus.r.delete(self.bus.streams.response_key(response_id)))
-        except RedisError as exc:
-            raise APIError(BROKER_DOWN, 503, type="server_error") from exc
+        return bool(RESPONSE_ID.fullmatch(response_id)) and bool(
+            await _answered(self.bus.r.delete(self.bus.streams.response_key(response_id))))
+
+
+async def _answered(command: Awaitable[T]) -> T:
+    """A read of the broker for a request: a broker that fails it is the client's 503."""
+    try:
+        return await command
+    except RedisError as exc:
+        raise APIError(BROKER_DOWN, 503, type="server_error") from exc
