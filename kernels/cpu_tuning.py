@@ -28,7 +28,7 @@ from rill.kernels.ops import make_attention_metadata
 log = logging.getLogger("rill.kernels")
 
 BLOCK_SIZE = 16
-PREFILL_CHUNK = 512  # the CPU's default step budget (shared.config)
+PREFILL_CHUNK = 512  # a typical CPU prompt chunk (the budget is measured per machine: worker/step_budget.py)
 DECODE_BATCH, DECODE_CONTEXT = 32, 512
 
 

@@ -3,10 +3,12 @@
 prefill, on the same model and requests.
 
 Eight streams decode; a long prompt (default 4096 tokens) arrives. Without chunking the whole
-prompt runs in one step and every stream stalls for it; with a 512-token budget it is spread
-over steps that each still carry every decode.
+prompt runs in one step and every stream stalls for it; with a step budget it is spread over
+steps that each still carry every decode. `--budget` lists the budgets to compare: numbers, and
+`measured` for the one a worker measures on this machine (services/worker/step_budget.py; 512 was
+the fixed CPU default before it).
 
-    .venv/bin/python scripts/bench_chunked_prefill.py [MODEL] [--prompt 4096] [--budget 512]
+    .venv/bin/python scripts/bench_chunked_prefill.py [MODEL] [--prompt 4096] [--budget 512,measured]
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _inproc_engine import Engine, percentile  # noqa: E402
 
+from rill.services.worker import step_budget  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
+from rill.shared import envs  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 
 
@@ -40,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?")
     ap.add_argument("--prompt", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--budget", default="512,measured", help="comma-separated: token counts, `measured`")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--out-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
@@ -49,18 +53,29 @@ def main() -> None:
     runner = ModelRunner(model_dir, dtype=args.dtype, num_blocks=(args.prompt + 2048) // 16 + 64, block_size=16,
                          max_model_len=args.prompt + 1024)
     runner.warmup()
+    budgets = [("off (whole prompt)", args.prompt + 1024)]
+    for b in args.budget.split(","):
+        if b.strip() == "measured":
+            target_s = envs.RILL_CPU_STEP_TARGET_MS / 1e3
+            times = step_budget.measure(runner, target_s)
+            n = step_budget.choose(times, target_s)
+            print("measured: " + ", ".join(f"{k} -> {t * 1e3:.0f} ms" for k, t in times.items()) + f" => {n}")
+            budgets.append((f"measured ({n})", n))
+        else:
+            budgets.append((f"budget {int(b)}", int(b)))
     rows = []
-    for label, budget in (("off (whole prompt)", args.prompt + 1024), (f"on (budget {args.budget})", args.budget)):
-        print(f"running: chunked prefill {label} ...", flush=True)
+    for label, budget in budgets:
+        print(f"running: {label} ...", flush=True)
         rows.append((label, run(runner, budget, args.prompt, args.streams, args.out_tokens)))
     print(f"\n{args.streams} decoding streams, a {args.prompt}-token prompt arrives ({runner.dtype})")
-    print(f"{'chunked prefill':>20} | {'ITL p50 ms':>10} | {'ITL p99 ms':>10} | {'ITL max ms':>10} | "
+    print(f"{'step budget':>20} | {'ITL p50 ms':>10} | {'ITL p99 ms':>10} | {'ITL max ms':>10} | "
           f"{'long TTFT ms':>12} | {'max step tok':>12}")
     print("-" * 90)
     for label, r in rows:
         print(f"{label:>20} | {r['p50']:>10.1f} | {r['p99']:>10.1f} | {r['max']:>10.1f} | "
               f"{r['long_ttft']:>12.1f} | {r['max_step']:>12}")
-    print(f"\nITL p99 ratio off/on: {rows[0][1]['p99'] / rows[1][1]['p99']:.2f}x")
+    for label, r in rows[1:]:
+        print(f"ITL p99 off / {label}: {rows[0][1]['p99'] / r['p99']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default 512 on CPU, 2048 on CUDA)")
+                   help="token budget of one step (default: measured on CPU, 2048 on CUDA)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request may run in a step (0: the whole budget)")

@@ -233,7 +233,7 @@ class EngineArgs:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     fit_context: bool = True  # max_model_len is the model's (no --max-model-len): lower it to the KV cache
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
+    max_num_batched_tokens: int | None = None  # None: the worker's measured one (CPU) or 2048 (CUDA)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: CPU default below
     gpu_memory_utilization: float = 0.9
@@ -252,19 +252,19 @@ class EngineArgs:
     async_scheduling: bool = True  # build step N+1 while N runs (colocated engines; scheduler/service.py)
     speculative_config: str = ""  # JSON (SpeculativeConfig); empty: no speculation
 
-    def step_token_budget(self, device: str) -> int:
-        """max_num_batched_tokens, or its default on `device` (cpu / cuda)."""
-        return self.max_num_batched_tokens or default_max_num_batched_tokens(device)
+    def step_token_budget(self, device: str, measured: int = 0) -> int:
+        """max_num_batched_tokens, else what the worker measured, else the default on `device`."""
+        return self.max_num_batched_tokens or measured or default_max_num_batched_tokens(device)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k in bf16
 
 
 def default_max_num_batched_tokens(device: str) -> int:
-    """A step's token budget when none is given. On a CPU a prompt token costs milliseconds, so a
-    2048-token step would stall every running stream for seconds and make requests that finish
-    their prompt in it wait for the whole step; 512 keeps mixed steps short at the same
-    throughput (scripts/benchmarks.md). A GPU runs 2048 tokens in milliseconds."""
+    """A step's token budget when none is given and the worker measured none. A CPU worker
+    measures its own (services/worker/step_budget.py); 512 stands in only before it has (a CPU
+    prompt token costs milliseconds: 2048 would stall every running stream for seconds). A GPU
+    runs 2048 tokens in milliseconds."""
     return 2048 if device == "cuda" else 512
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     RILL_CACHE_DIR: str
     RILL_WORKER_THREADS: int | None
     RILL_STEP_THREADS: bool
+    RILL_CPU_STEP_TARGET_MS: float
     RILL_KERNELS: str
     RILL_NATIVE_KERNELS: bool
     RILL_NATIVE_MARCH: str
@@ -72,6 +73,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # A CPU decode step of a batch size may run on one of those threads fewer where steps of that
     # size measured faster so while serving (services/worker/step_threads.py); 0: always all of them.
     "RILL_STEP_THREADS": _flag("RILL_STEP_THREADS"),
+    # The longest a CPU step carrying a prompt chunk should take, when the worker measures the
+    # step budget that --max-num-batched-tokens leaves open (services/worker/step_budget.py).
+    "RILL_CPU_STEP_TARGET_MS": _number("RILL_CPU_STEP_TARGET_MS", float, 300.0),
     # Kernel backend: auto (Triton on CUDA, torch + native on CPU), torch, triton.
     "RILL_KERNELS": _choice("RILL_KERNELS", "auto"),
     # The native C CPU kernels (compiled at first use); 0 leaves plain torch.

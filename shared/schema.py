@@ -235,6 +235,7 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     # Every layer's sliding window when all of them slide (0: some layer sees the whole context):
     # the scheduler then releases the KV blocks behind it (kv_cache_manager.py).
     sliding_window: int = 0
+    max_num_batched_tokens: int = 0  # its step budget, measured (worker/step_budget.py) or given; 0: default
 
 
 class TokenLogprobs(Struct, array_like=True):

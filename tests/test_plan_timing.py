@@ -129,9 +129,10 @@ class SlowWorker(threading.Thread):
     """Answers every plan after STEP_S with token 7 for each row that completes its prompt, and
     records when it started each step and every plan it ran."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, budget: int = 0) -> None:
         super().__init__(daemon=True)
         self.bus = bus
+        self.budget = budget  # the step budget it announces (0: none measured)
         self.plan_stream, self.result_stream = bus.streams.plan(0), bus.streams.result(0)
         self.stop = threading.Event()
         self.started: dict[int, float] = {}
@@ -141,7 +142,8 @@ class SlowWorker(threading.Thread):
 
     def ready(self) -> None:
         self.bus.send(self.result_stream, WorkerReady(worker_id="slow", num_blocks=64, block_size=16,
-                                                      max_model_len=256, dtype="float32", device="cpu"))
+                                                      max_model_len=256, dtype="float32", device="cpu",
+                                                      max_num_batched_tokens=self.budget))
 
     def run(self) -> None:
         cursor = b"0-0"
@@ -189,12 +191,13 @@ class SlowWorker(threading.Thread):
 
 
 @contextmanager
-def slow_engine(redis_url: str, prefix: str, args: EngineArgs) -> Iterator[tuple[Bus, SlowWorker, SchedulerService]]:
-    """A real scheduler over the broker with a SlowWorker behind it, both running: (a client's
-    bus, the worker, the service); stopped and closed after."""
+def slow_engine(redis_url: str, prefix: str, args: EngineArgs,
+                budget: int = 0) -> Iterator[tuple[Bus, SlowWorker, SchedulerService]]:
+    """A real scheduler over the broker with a SlowWorker behind it (announcing `budget`), both
+    running: (a client's bus, the worker, the service); stopped and closed after."""
     worker_bus, sched_bus, client = (Bus(redis_url, prefix, name=f"{n}-{uuid.uuid4().hex[:6]}")
                                      for n in ("worker", "scheduler", "client"))
-    worker = SlowWorker(worker_bus)
+    worker = SlowWorker(worker_bus, budget)
     stop = StopFlag(install=False)
     service = SchedulerService(sched_bus, args, stop)
     client.r.set(service.guard.worker_key, b"1", ex=120)  # the worker's heartbeat
@@ -212,10 +215,10 @@ def slow_engine(redis_url: str, prefix: str, args: EngineArgs) -> Iterator[tuple
             bus.close()
 
 
-def submit(bus: Bus, rid: str, prompt_len: int) -> None:
+def submit(bus: Bus, rid: str, prompt_len: int, max_tokens: int = 200) -> None:
     bus.send(bus.streams.engine_in(0), TokenizedRequest(
         request_id=rid, reply_to=f"{bus.streams.prefix}:reply:test", prompt_token_ids=list(range(3, 3 + prompt_len)),
-        params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), eos_token_ids=[2],
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), eos_token_ids=[2],
         arrival_time=time.time()))
 
 

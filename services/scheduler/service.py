@@ -119,7 +119,7 @@ class SchedulerService:
 
     def configure(self, ready: WorkerReady) -> None:
         max_model_len = min(self.args.max_model_len or ready.max_model_len, ready.max_model_len)
-        budget = self.args.step_token_budget(ready.device)
+        budget = self.args.step_token_budget(ready.device, ready.max_num_batched_tokens)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=self.args.max_num_seqs,
                             max_num_batched_tokens=budget,

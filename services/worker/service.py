@@ -29,6 +29,7 @@ import msgspec
 import redis
 import torch
 
+from rill.services.worker import step_budget
 from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
 from rill.services.worker.invariance import invariance_gaps
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
@@ -178,7 +179,8 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
 
 
 def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TPGroup | None) -> None:
-    loop = _PlanLoop(redis_url, prefix, args, build_runner(args, tp), tp)
+    runner = build_runner(args, tp)
+    loop = _PlanLoop(redis_url, prefix, args, runner, tp, step_budget.resolve(runner, args, tp))
     try:
         loop.run(stop)
     finally:
@@ -190,7 +192,7 @@ class _PlanLoop:
     step; after a broker outage, reconnect and pick up where it was."""
 
     def __init__(self, redis_url: str, prefix: str, args: EngineArgs, runner: ModelRunner,
-                 tp: TPGroup | None) -> None:
+                 tp: TPGroup | None, budget: int = 0) -> None:
         self.redis_url = redis_url
         self.engine_id = args.engine_id
         self.runner = runner
@@ -204,7 +206,8 @@ class _PlanLoop:
         self.ready = WorkerReady(worker_id=me, num_blocks=runner.num_blocks,
                                  block_size=runner.block_size, max_model_len=runner.max_model_len,
                                  dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
-                                 sliding_window=runner.model.sliding_window or 0)
+                                 sliding_window=runner.model.sliding_window or 0,
+                                 max_num_batched_tokens=budget)
         # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
         self.transfers = KVTransferExecutor(runner, [RedisKVTransport(self.bus.r, self.bus.streams)])
         self.heartbeat: Heartbeat | None = None
