@@ -430,6 +430,29 @@ def test_forced_tool_calls_stream_as_deltas(client: openai.OpenAI, mid: str) -> 
     assert text
 
 
+def test_calls_in_the_models_own_format_stream_as_written(client: openai.OpenAI, mid: str) -> None:
+    """tool_choice "auto": the model's hermes call (held to one by a regex, as this small model
+    writes none of its own) streams as the forced ones do, its id and name first and then its
+    arguments in pieces, after the text before it; all of it equals the unstreamed answer."""
+    rx = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,12}", "unit": "celsius"\}\}'
+    kw = dict(model=mid, messages=ASK_WEATHER, tools=TOOLS, temperature=0, max_tokens=80,
+              extra_body={"structured_outputs": {"regex": rx + r"\n</tool_call>"}})
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content == "Checking."
+    [want] = whole.choices[0].message.tool_calls
+    content, deltas, finish = "", [], None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert content.strip() == "Checking." and finish == "tool_calls"
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.id is None for d in deltas[1:])
+    assert len(deltas) > 3 and {d.index for d in deltas} == {0}  # the arguments came in pieces
+    assert "".join(d.function.arguments or "" for d in deltas) == want.function.arguments
+    jsonschema.validate(json.loads(want.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
 def test_forced_tool_calls_cut_short_say_length(client: openai.OpenAI, stack: ServiceStack, mid: str) -> None:
     """max_tokens inside a forced call: finish_reason "length" (not "tool_calls", so that no
     client runs a tool on unfinished arguments), the call so far, no grammar text as content."""

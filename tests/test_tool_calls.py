@@ -33,10 +33,14 @@ def args(call: dict) -> dict:
     return json.loads(call["function"]["arguments"])
 
 
+def auto(parser) -> ToolMode:
+    return ToolMode("auto", parser)
+
+
 def test_hermes_parses_calls_and_keeps_leading_content() -> None:
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    content, calls = Hermes().parse(text)
+    content, calls = auto(Hermes()).message(text)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert args(calls[0]) == {"city": "Oslo"} and calls[0]["id"] != calls[1]["id"]
@@ -45,15 +49,15 @@ def test_hermes_parses_calls_and_keeps_leading_content() -> None:
 @pytest.mark.parametrize("text", ["no call here", "<tool_call>{not json}</tool_call>",
                                   '<tool_call>{"arguments": {}}</tool_call>'])
 def test_hermes_leaves_what_does_not_parse_as_content(text: str) -> None:
-    assert Hermes().parse(text) == (text, [])
+    assert auto(Hermes()).message(text) == (text, [])
 
 
 def test_llama3_json_parses_semicolon_separated_calls() -> None:
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}'
-    content, calls = Llama3Json().parse(text)
+    content, calls = auto(Llama3Json()).message(text)
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert args(calls[0]) == {"city": "Rome"}
-    assert Llama3Json().parse("The weather is fine.") == ("The weather is fine.", [])
+    assert auto(Llama3Json()).message("The weather is fine.") == ("The weather is fine.", [])
 
 
 def test_parser_follows_the_chat_template() -> None:
@@ -66,18 +70,19 @@ def test_parser_follows_the_chat_template() -> None:
 def test_granite_calls_follow_their_marker_as_a_json_array() -> None:
     text = ('Checking.<|tool_call|>[{"arguments": {"city": "Oslo"}, "name": "get_weather"}, '
             '{"name": "get_time", "arguments": {}}]')
-    content, calls = GraniteJson().parse(text)
+    content, calls = auto(GraniteJson()).message(text)
     assert content == "Checking." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert args(calls[0]) == {"city": "Oslo"}
     for bad in ("No call here.", "<|tool_call|>[{\"name\": ", "<|tool_call|>[]", "<|tool_call|>[{\"arguments\": {}}]"):
-        assert GraniteJson().parse(bad) == (bad, [])
+        assert auto(GraniteJson()).message(bad) == (bad, [])
     assert pick_parser("auto", ["{%- if message.tool_calls %}<|tool_call|>{{ message.tool_calls | tojson }}"]).name \
         == "granite"
     s = ToolStream(ToolMode("auto", GraniteJson()))
     assert s.feed("Checking.<|tool") == ("Checking.", [])  # the marker may be starting: held
-    assert s.feed('_call|>[{"name": "get_time", "arguments": {}}]') == ("", [])
-    tail, deltas, calls = s.finish()
-    assert tail == "" and [d["function"]["name"] for d in deltas] == ["get_time"]
+    content, deltas = s.feed('_call|>[{"name": "get_time", "arguments": {}}]')
+    assert content == "" and [d["function"]["name"] for d in deltas] == ["get_time"]
+    tail, more, calls = s.finish()
+    assert tail == "" and more == [] and calls[0]["id"] == deltas[0]["id"]
 
 
 def test_forced_schemas_accept_exactly_the_offered_calls() -> None:
@@ -99,9 +104,12 @@ def test_stream_holds_back_a_possible_call_and_releases_plain_text() -> None:
     assert s.feed("Sure, ") == ("Sure, ", [])
     assert s.feed("<tool") == ("", [])  # may be a marker starting
     assert s.feed("_call>") == ("", [])
-    assert s.feed('{"name": "get_time", "arguments": {}}</tool_call>') == ("", [])
-    tail, deltas, calls = s.finish()
-    assert tail == "" and calls[0]["function"]["name"] == "get_time" and deltas == [{"index": 0, **calls[0]}]
+    content, deltas = s.feed('{"name": "get_time", "arguments": {}}</tool_call>')
+    assert content == "" and deltas == [{"index": 0, "id": deltas[0]["id"], "type": "function",
+                                         "function": {"name": "get_time", "arguments": "{}"}}]
+    tail, more, calls = s.finish()
+    assert tail == "" and more == [] and calls == [{"id": deltas[0]["id"], "type": "function",
+                                                    "function": {"name": "get_time", "arguments": "{}"}}]
     plain = ToolStream(ToolMode("auto", Hermes()))
     assert plain.feed("a <tool") == ("a ", [])
     assert plain.feed("box> is fine") == ("<toolbox> is fine", [])
@@ -130,6 +138,76 @@ def test_forced_calls_stream_their_arguments_as_generated() -> None:
             assert all("id" not in d for d in mine[1:])
             assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]
             json.loads(call["function"]["arguments"])
+
+
+def streamed(mode: ToolMode, text: str, step: int = 3) -> tuple[str, list[dict], list[dict]]:
+    """`text` fed `step` characters at a time: (content streamed, every tool-call delta, the calls)."""
+    s = ToolStream(mode)
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        piece, got = s.feed(text[i:i + step])
+        content += piece
+        deltas += got
+    tail, more, calls = s.finish()
+    return content + tail, deltas + more, calls
+
+
+def assert_deltas_add_up(deltas: list[dict], calls: list[dict]) -> None:
+    for k, call in enumerate(calls):
+        mine = [d for d in deltas if d["index"] == k]
+        assert mine[0]["id"] == call["id"] and mine[0]["function"]["name"] == call["function"]["name"]
+        assert all("id" not in d for d in mine[1:])
+        assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]
+
+
+@pytest.mark.parametrize("parser, text", [
+    (Hermes(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+               '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    (Llama3Json(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
+                   '{"name": "get_time", "parameters": {}}'),
+    (GraniteJson(), 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}, '
+                    '{"arguments": {}, "name": "get_time"}]'),
+])
+def test_calls_in_the_models_own_format_stream_as_written(parser, text: str) -> None:
+    """Each call's id and name as soon as its name is written, then its arguments piece by piece
+    (one written arguments-first goes out whole once it is); the content before the calls
+    streams, and all of it adds up to the finished text's message."""
+    mode = ToolMode("auto", parser)
+    content, deltas, calls = streamed(mode, text)
+    want_content, want = mode.message(text)
+    assert content.strip() == (want_content or "") and [c["function"] for c in calls] == [c["function"] for c in want]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert args(calls[0]) == {"city": "Oslo", "unit": "c"} and args(calls[1]) == {}
+    assert len([d for d in deltas if d["index"] == 0]) > 5  # the arguments arrived in pieces
+    assert_deltas_add_up(deltas, calls)
+    assert calls_finish("stop", calls) == "tool_calls"
+    one = ToolMode("auto", parser, parallel=False)
+    assert [c["function"]["name"] for c in streamed(one, text)[2]] == ["get_weather"]
+
+
+def test_a_call_cut_short_keeps_what_was_written() -> None:
+    """max_tokens inside a hermes call's arguments: the call with its arguments so far, as
+    streamed, and the finish stays "length"; a name not yet whole is no call."""
+    text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Os'
+    content, deltas, calls = streamed(ToolMode("auto", Hermes()), text)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"city": "Os'
+    assert_deltas_add_up(deltas, calls)
+    assert calls_finish("length", calls) == "length" and calls_finish("stop", calls) == "stop"
+    text = 'Sure.<tool_call>{"name": "get_wea'
+    assert streamed(ToolMode("auto", Hermes()), text) == (text, [], [])
+
+
+def test_hermes_arguments_may_hold_the_end_tag_or_be_a_string() -> None:
+    code = {"code": "print('</tool_call>')"}
+    text = f'<tool_call>{{"name": "run", "arguments": {json.dumps(code)}}}</tool_call>'
+    content, deltas, calls = streamed(ToolMode("auto", Hermes()), text, step=2)
+    assert content == "" and args(calls[0]) == code
+    assert_deltas_add_up(deltas, calls)
+    text = '<tool_call>{"name": "run", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    content, deltas, calls = streamed(ToolMode("auto", Hermes()), text)
+    assert args(calls[0]) == {"x": 1}
+    assert_deltas_add_up(deltas, calls)
 
 
 def test_forced_modes_turn_json_into_calls() -> None:

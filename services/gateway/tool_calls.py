@@ -14,14 +14,14 @@
 - "none" leaves the output as text.
 
 Streaming: content streams as it comes until a call may be starting (the parser's marker);
-from there the text is held and, at the finish, sent as complete tool-call deltas (id, name and
-arguments in one chunk per call, as clients accumulate). Forced calls, whose format the grammar
-guarantees, stream as they are generated: a call's id and name once its name is complete, then
-its arguments piece by piece, as OpenAI streams them.
+from there the text is held back from content, and calls stream as they are generated, forced
+or in the model's own format alike: a call's id and name once its name is complete, then its
+arguments piece by piece, as OpenAI streams them. A call written with its arguments before its
+name goes out whole once it is.
 
-Cut short by max_tokens, forced calls keep what was generated (the last call's arguments end
-where the output did, as OpenAI's do) and the finish reason stays "length", so that a client
-does not run a tool on arguments the model never finished.
+Cut short by max_tokens, calls keep what was generated (the last call's arguments end where the
+output did, as OpenAI's do) and the finish reason stays "length", so that a client does not run
+a tool on arguments the model never finished.
 """
 
 from __future__ import annotations
@@ -52,24 +52,57 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Parsers of the model's own format ("auto")
 
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_CALL_END = re.compile(r"\s*\}")
+
+Written = tuple[str, str]  # a call so far: (name, arguments as written)
+
+
+def written_calls(body: str, pos: int = 0, between: str = " \t\r\n") -> list[Written]:
+    """The calls written from `pos` of `body`: {"name": .., "arguments" (or "parameters"): ..}
+    objects separated by characters of `between`. A call is known once its name is, and its
+    arguments (an object) count as written so far, the last call's possibly cut short (being
+    generated, or ended by max_tokens). An object in another key order, or whose arguments are
+    a string, is read once whole. Reading stops at anything else."""
+    decoder = json.JSONDecoder()
+    calls: list[Written] = []
+    while True:
+        while pos < len(body) and body[pos] in between:
+            pos += 1
+        head = _CALL_HEAD.match(body, pos)
+        value = head.end() if head is not None else pos
+        if head is not None and (value == len(body) or body[value] == "{"):
+            name = json.loads(head.group(1))
+            try:
+                _, end = decoder.raw_decode(body, value)
+            except ValueError:
+                return [*calls, (name, body[value:])]
+            calls.append((name, body[value:end]))
+            close = _CALL_END.match(body, end)
+            if close is None:
+                return calls
+            pos = close.end()
+            continue
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:  # cut short: a call whose name was written is kept, its arguments not yet
+            return [*calls, (json.loads(head.group(1)), "")] if head is not None else calls
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return calls
+        arguments = obj.get("arguments", obj.get("parameters", {}))
+        calls.append((obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)))
+
 
 class Hermes:
     name = "hermes"
     marker = "<tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        start = text.find(self.marker)
-        if start < 0:
-            return text, []
-        calls = []
-        for body in self._block.findall(text[start:]):
-            obj = _json_object(body)
-            if obj is None or not isinstance(obj.get("name"), str):
-                return text, []  # not a well-formed call: the text stays content
-            calls.append(_call(obj["name"], obj.get("arguments", {})))
-        content = text[:start].strip()
-        return content or None, calls
+    def calls(self, text: str) -> list[Written]:
+        # Each call reads on past its block's end tag: arguments may hold that text in a string.
+        return [c for m in re.finditer(re.escape(self.marker), text) for c in written_calls(text, m.end())[:1]]
+
+    def content(self, text: str) -> str | None:
+        return text[:text.find(self.marker)].strip() or None
 
 
 class Llama3Json:
@@ -77,46 +110,31 @@ class Llama3Json:
     marker = "{"  # a call is the whole message: JSON from its first character
     _tag = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def calls(self, text: str) -> list[Written]:
         body = text.strip().removeprefix(self._tag).strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                return text, []
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return text, []
-            calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
-            pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip())
-        return None, calls
+        return written_calls(body, between="; \t\r\n") if body.startswith("{") else []
+
+    def content(self, text: str) -> str | None:
+        return None
 
     def starts(self, text: str) -> bool:
         head = text.lstrip()
-        return head.startswith("{") or head.startswith(self._tag)
+        return head.startswith("{") or head.startswith(self._tag) or self._tag.startswith(head)
 
 
 class GraniteJson:
     name = "granite"
     marker = "<|tool_call|>"
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def calls(self, text: str) -> list[Written]:
         start = text.find(self.marker)
         if start < 0:
-            return text, []
-        try:
-            items = json.loads(text[start + len(self.marker):])
-        except ValueError:
-            return text, []
-        items = items if isinstance(items, list) else [items]
-        if not items or not all(isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
-            return text, []
-        calls = [_call(it["name"], it.get("arguments", it.get("parameters", {}))) for it in items]
-        return text[:start].strip() or None, calls
+            return []
+        body = text[start + len(self.marker):].lstrip()
+        return written_calls(body, 1, ", \t\r\n") if body.startswith("[") else written_calls(body)[:1]
+
+    def content(self, text: str) -> str | None:
+        return text[:text.find(self.marker)].strip() or None
 
 
 def marker_tail(text: str, marker: str) -> int:
@@ -217,35 +235,11 @@ def _rooted(schema: dict[str, Any], base: str) -> dict[str, Any]:
     return copy
 
 
-_ITEM_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
-_ITEM_END = re.compile(r"\s*\}")
-
-
-def required_calls(text: str) -> list[tuple[str, str]]:
-    """(name, arguments as written) of each call of a "required" array so far: its whole items,
-    then one cut short (max_tokens, or still streaming) with its arguments so far. The grammar
-    writes "name" before "parameters", so a call is known once its name is."""
+def required_calls(text: str) -> list[Written]:
+    """(name, arguments as written) of each call of a "required" array so far (the grammar writes
+    "name" before "parameters", so a call is known once its name is)."""
     body = text.lstrip()
-    if not body.startswith("["):
-        return []
-    decoder = json.JSONDecoder()
-    calls: list[tuple[str, str]] = []
-    pos = 1
-    while True:
-        while pos < len(body) and body[pos] in ", \t\r\n":
-            pos += 1
-        head = _ITEM_HEAD.match(body, pos)
-        if head is None:
-            return calls
-        try:
-            _, end = decoder.raw_decode(body, head.end())
-        except ValueError:
-            return [*calls, (json.loads(head.group(1)), body[head.end():])]
-        calls.append((json.loads(head.group(1)), body[head.end():end]))
-        close = _ITEM_END.match(body, end)
-        if close is None:
-            return calls
-        pos = close.end()
+    return written_calls(body, 1, ", \t\r\n") if body.startswith("[") else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,16 +255,20 @@ class ToolMode:
     parser: Parser
     parallel: bool = True  # parallel_tool_calls; false keeps the first call the model made
 
-    def forced_calls(self, text: str) -> list[tuple[str, str]]:
-        """(name, arguments as written) of a forced choice's calls so far."""
+    def written(self, text: str) -> list[Written]:
+        """(name, arguments as written) of the calls in `text` so far."""
+        if self.choice == "auto":
+            calls = self.parser.calls(text)
+            return calls if self.parallel else calls[:1]
         return required_calls(text) if self.choice == "required" else [(self.choice, text)]
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished output."""
-        if self.choice == "auto":
-            content, calls = self.parser.parse(text)
-            return content, calls if self.parallel else calls[:1]
-        return None, [_call(name, args) for name, args in self.forced_calls(text)]
+        """(content, tool_calls) of a finished output: in the model's own format ("auto"), the
+        text before the calls, or all of it as content where no call was written."""
+        calls = [_call(name, arguments) for name, arguments in self.written(text)]
+        if self.choice != "auto":
+            return None, calls
+        return (self.parser.content(text), calls) if calls else (text, [])
 
     def holds(self, text: str) -> int:
         """How much of `text` (everything streamed so far) may already be a tool call, counted
@@ -284,31 +282,29 @@ class ToolMode:
 
 
 class ToolStream:
-    """One choice's streamed text with the tool-call tail held back. Forced calls stream as
-    they are generated (OpenAI's deltas: the id and name first, then pieces of arguments);
-    calls parsed from the model's own format ("auto") go out whole at the finish."""
+    """One choice's streamed text with the tool-call tail held back from content, and its calls
+    streamed as they are written (OpenAI's deltas: the id and name first, then pieces of
+    arguments)."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self.text = ""
         self.sent = 0  # characters of `text` already streamed as content
-        self.ids: list[str] = []  # forced calls announced so far
+        self.ids: list[str] = []  # calls announced so far
         self.args_sent: list[int] = []
 
     def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
         """The content that may stream now and the tool-call deltas, given the next piece of text."""
         self.text += piece
-        if self.mode.choice != "auto":
-            return "", self._call_deltas()
         free = len(self.text) - self.mode.holds(self.text)
-        if free <= self.sent:
-            return "", []
-        out, self.sent = self.text[self.sent:free], free
-        return out, []
+        out = ""
+        if free > self.sent:
+            out, self.sent = self.text[self.sent:free], free
+        return out, self._call_deltas() if free < len(self.text) else []
 
     def _call_deltas(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for k, (name, args) in enumerate(self.mode.forced_calls(self.text)):
+        for k, (name, args) in enumerate(self.mode.written(self.text)):
             if k == len(self.ids):
                 self.ids.append(call_id())
                 self.args_sent.append(len(args))
@@ -322,10 +318,8 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
         """At the finish: (content still to stream, tool-call deltas still to send, the calls)."""
         content, calls = self.mode.message(self.text)
-        head = content or ""  # the whole text when no call parsed ("auto"); forced calls have none
+        head = content or ""  # the whole text when no call was written ("auto"); forced calls have none
         tail = head[self.sent:] if len(head) > self.sent else ""
-        if self.mode.choice == "auto":
-            return tail, [{"index": k, **c} for k, c in enumerate(calls)], calls
         deltas = self._call_deltas()
         return tail, deltas, [{**c, "id": self.ids[k]} for k, c in enumerate(calls)]
 
