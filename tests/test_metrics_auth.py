@@ -460,7 +460,8 @@ async def test_openapi_document(make_server) -> None:
     documented = set(spec["paths"])
     assert documented == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
                           "/detokenize", "/v1/tokenize", "/v1/detokenize", "/tokenizer_info", "/health", "/metrics",
-                          "/stats", "/openapi.json", "/v1/responses", "/v1/responses/{response_id}"}
+                          "/stats", "/openapi.json", "/v1/responses", "/v1/responses/{response_id}",
+                          "/v1/responses/{response_id}/input_items"}
     # Every HTTP route of the app is documented (the chat page's files and the WebSocket aside).
     served = {getattr(r, "path", None) for r in srv.app.routes} - {"/", "/static/{name}", "/v1/ws"}
     served = {p.replace(":path}", "}") for p in served}  # a None would fail here, as in the comparison

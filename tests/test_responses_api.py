@@ -166,6 +166,40 @@ def test_stored_responses_continue_and_read_back(client: openai.OpenAI, stack: S
         client.responses.delete(first.id)
 
 
+def test_input_items_list_the_conversation_a_response_answered(client: openai.OpenAI, stack: ServiceStack,
+                                                               mid: str) -> None:
+    """GET /v1/responses/{id}/input_items: the items before the response's output (a continued
+    response's earlier turns included), each with an id, newest first unless order=asc, in pages
+    of `limit` that `after` walks; bad parameters are 400s naming them."""
+    first = client.responses.create(model=mid, input="My name is Ada.", max_output_tokens=4, temperature=0)
+    [item] = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+    second = client.responses.create(model=mid, previous_response_id=first.id, max_output_tokens=2, input=[
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": "What is my name?"}])
+    asc = client.responses.input_items.list(second.id, order="asc")
+    assert [i.role for i in asc.data] == ["user", "assistant", "developer", "user"] and not asc.has_more
+    assert asc.data[0].id == item.id and asc.data[1].id == first.output[0].id  # the same items, the same ids
+    assert [i.id for i in client.responses.input_items.list(second.id).data] == [i.id for i in asc.data][::-1]
+    ids, after = [], None
+    while True:  # pages of one, as the client walks them
+        page = client.responses.input_items.list(second.id, order="asc", limit=1, **({"after": after} if after else {}))
+        ids += [i.id for i in page.data]
+        after = page.last_id
+        if not page.has_more:
+            break
+    assert ids == [i.id for i in asc.data]
+    rest = client.responses.input_items.list(second.id, order="asc", after=ids[1], limit=5)
+    assert [i.id for i in rest.data] == ids[2:] and not rest.has_more and rest.data[-1].id == rest.last_id
+    base = f"{stack.base_url}/v1/responses/{second.id}/input_items"
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after"), ("include=x", "include")):
+        r = httpx.get(f"{base}?{query}", timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_" + "0" * 32)
+
+
 def test_chat_errors_name_the_responses_field() -> None:
     """An error of the chat request behind a response names the field the client sent: a message
     by the input item (or the instructions) it came from, max_tokens as max_output_tokens."""

@@ -202,13 +202,9 @@ def _post(summary: str, request: str, ok: dict[str, Any], *, streams: bool, guar
 _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
-def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
-               ignore_unknown_fields: bool = False) -> dict[str, Any]:
-    unavailable = _error_responses(503)
-    paths: dict[str, Any] = {
-        "/v1/completions": _post("Text completion", "CompletionRequest", _ref("Completion"), streams=True),
-        "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", _ref("ChatCompletion"),
-                                      streams=True),
+def _responses_paths() -> dict[str, Any]:
+    """/v1/responses and the stored responses' routes."""
+    return {
         "/v1/responses": _post("A response (OpenAI's Responses API), stored unless store is false", "ResponsesRequest",
                                _ref("Response"), streams=True,
                                events="`event: <type>` / `data: <event JSON>` pairs, response.created first and "
@@ -220,6 +216,24 @@ def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
             "delete": {"summary": "Delete a stored response", "security": [{"bearer": []}], "parameters": [_RESPONSE_ID],
                        "responses": {"200": {"description": "Deleted", "content": {JSON: {"schema": {"type": "object"}}}},
                                      **_error_responses(401, 404)}}},
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "The input items a stored response answered, a page at a time", "security": [{"bearer": []}],
+            "parameters": [_RESPONSE_ID, *({"name": n, "in": "query", "required": False, "schema": s} for n, s in (
+                ("order", {"enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                ("after", {"type": "string"})))],
+            "responses": {"200": {"description": "OK", "content": {JSON: {"schema": {"type": "object"}}}},
+                          **_error_responses(400, 401, 404)}}},
+    }
+
+
+def build_spec(model_name: str, max_model_len: int, max_logprobs: int,
+               ignore_unknown_fields: bool = False) -> dict[str, Any]:
+    unavailable = _error_responses(503)
+    paths: dict[str, Any] = {
+        "/v1/completions": _post("Text completion", "CompletionRequest", _ref("Completion"), streams=True),
+        "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", _ref("ChatCompletion"),
+                                      streams=True),
+        **_responses_paths(),
         **{f"{prefix}/tokenize": _post("Token ids of a prompt or of templated chat messages", "TokenizeBody",
                                        _ref("TokenizeResponse"), streams=False) for prefix in ("", "/v1")},
         **{f"{prefix}/detokenize": _post("Text of token ids", "DetokenizeBody", _ref("DetokenizeResponse"),

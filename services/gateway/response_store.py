@@ -1,4 +1,5 @@
-"""Stored responses of /v1/responses: `store`, `previous_response_id`, GET and DELETE by id.
+"""Stored responses of /v1/responses: `store`, `previous_response_id`, GET and DELETE by id,
+and the input items each one answered (GET .../input_items).
 
 A stored response lives in the broker under its own key for RILL_RESPONSES_TTL_S, beside the
 conversation that led to it (its input items, previous responses' included), so any gateway
@@ -10,6 +11,7 @@ client that continues at once finds it. One key per response: one slot on a Redi
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -46,6 +48,9 @@ class ResponseStore:
         return self.ttl_s > 0
 
     async def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        """Keep `response` beside the input `items` it answered, each given an id of its own
+        where the client sent none (as OpenAI lists them)."""
+        items = [item if "id" in item else {"id": _item_id(item), **item} for item in items]
         data = msgspec.json.encode(StoredResponse(response, items))
         await self.bus.r.set(self.bus.streams.response_key(response["id"]), data, ex=self.ttl_s)
 
@@ -58,6 +63,13 @@ class ResponseStore:
     async def delete(self, response_id: str) -> bool:
         return bool(RESPONSE_ID.fullmatch(response_id)) and bool(
             await _answered(self.bus.r.delete(self.bus.streams.response_key(response_id))))
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _item_id(item: dict[str, Any]) -> str:
+    return f"{_ID_PREFIX.get(item.get('type', 'message'), 'item')}_{uuid.uuid4().hex}"
 
 
 async def _answered(command: Awaitable[T]) -> T:

@@ -299,6 +299,33 @@ async def retrieve_response(request: Request) -> Response:
     return json_response(stored.response)
 
 
+async def list_input_items(request: Request) -> Response:
+    """The input items a stored response answered (its conversation before its output, earlier
+    turns' included), OpenAI's list page: `order` desc (default) or asc, `limit` 1-100 (20),
+    `after` an item id. `include` asks for data of images, files and encrypted reasoning, none of
+    which Rill keeps: a 400."""
+    q = request.query_params
+    for name in q:
+        if name not in ("order", "limit", "after"):
+            raise APIError(f"Query parameter {name!r} is not supported.", 400, param=name)
+    order, limit = q.get("order", "desc"), q.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", 400, param="order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise APIError(f"limit must be an integer from 1 to 100, got {limit!r}.", 400, param="limit")
+    stored = await ResponseStore(request.app.state.gateway.bus).get(request.path_params["response_id"])
+    if stored is None:
+        raise _not_found(request.path_params["response_id"])
+    items = stored.input if order == "asc" else stored.input[::-1]
+    ids = [item.get("id") for item in items]
+    if "after" in q and q["after"] not in ids:
+        raise APIError(f"after: no input item of this response has id {q['after']!r}.", 400, param="after")
+    start = ids.index(q["after"]) + 1 if "after" in q else 0
+    page = items[start:start + int(limit)]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)})
+
+
 async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not await ResponseStore(request.app.state.gateway.bus).delete(response_id):
@@ -309,4 +336,5 @@ async def delete_response(request: Request) -> Response:
 def routes() -> list[Route]:
     return [Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])]
