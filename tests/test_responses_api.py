@@ -214,3 +214,21 @@ def test_chat_errors_name_the_responses_field() -> None:
     err = _responses_error(APIError("max_tokens is too large.", param="max_tokens"), origins)
     assert (err.param, err.message) == ("max_output_tokens", "max_output_tokens is too large.")
     assert _responses_error(APIError("x", param="tools[1].function.parameters"), origins).param == "tools[1].parameters"
+
+
+def test_a_fault_shaping_a_stream_ends_it_with_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception while one request's chunks are built (a bug, not the client's
+    doing) ends that stream with OpenAI's error event and [DONE], not a cut connection."""
+    from rill.services.gateway import responses
+    from rill.shared.schema import TextDelta
+
+    fmt = responses.ChunkFormatter("chat", "chatcmpl-1", "m", include_usage=True)
+    assert b"hi" in fmt.render([TextDelta("chatcmpl-1", 0, 1, "hi", None, 3, 1)]) and not fmt.failed
+
+    def broken(self, batch):
+        raise RecursionError("deep")
+
+    monkeypatch.setattr(responses.ChunkFormatter, "_render", broken)
+    out = fmt.render([TextDelta("chatcmpl-1", 1, 1, "!", None, 3, 2)])
+    assert json.loads(out.decode().removeprefix("data: "))["error"]["type"] == "server_error" and fmt.failed
+    assert responses.stream_end([fmt]) == responses.DONE  # no usage chunk after a failure

@@ -210,6 +210,19 @@ def test_hermes_arguments_may_hold_the_end_tag_or_be_a_string() -> None:
     assert_deltas_add_up(deltas, calls)
 
 
+def test_output_json_cannot_read_is_text_not_an_error() -> None:
+    """Arguments nested deeper than the JSON decoder goes, and a name with an escape JSON does not
+    know: the call is cut short or no call, as streamed, never an exception."""
+    deep = '<tool_call>{"name": "a", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    content, deltas, calls = streamed(ToolMode("auto", Hermes()), deep, step=500)
+    assert [c["function"]["name"] for c in calls] == ["a"] and calls_finish("stop", calls) == "stop"
+    assert_deltas_add_up(deltas, calls)
+    bad = '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>'
+    assert streamed(ToolMode("auto", Hermes()), bad) == (bad, [], [])
+    assert streamed(ToolMode("required", Hermes()), '[{"name": "a", "parameters": ' + "[" * 5000)[2][0]["function"][
+        "name"] == "a"
+
+
 def test_forced_modes_turn_json_into_calls() -> None:
     content, calls = ToolMode("required", Hermes()).message('[{"name": "get_weather", "parameters": {"city": "X"}}]')
     assert content is None and calls[0]["function"]["name"] == "get_weather" and args(calls[0]) == {"city": "X"}

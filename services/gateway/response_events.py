@@ -15,7 +15,7 @@ import msgspec
 
 from rill.services.gateway.chat_output import ChatOutput, ChatStream
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.responses import GENERATION_FAILED, Event, Output, error_from_reply
+from rill.services.gateway.responses import GENERATION_FAILED, OUTPUT_FAILED, Event, Output, error_from_reply
 from rill.shared.schema import ErrorReply
 
 if TYPE_CHECKING:
@@ -225,6 +225,13 @@ class EventFormatter:
         return self.shape.event("response.failed", response=failed)
 
     def render(self, batch: list[Event]) -> bytes:
+        try:
+            return self._render(batch)
+        except Exception:  # a fault shaping one request's output ends that request, in the stream's own terms
+            log.exception("response %s: its output could not be shaped", self.shape.request_id)
+            return self._fail(APIError(OUTPUT_FAILED, 500, type="server_error"))
+
+    def _render(self, batch: list[Event]) -> bytes:
         out = b""
         for ev in batch:
             if isinstance(ev, ErrorReply):

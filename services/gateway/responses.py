@@ -7,6 +7,7 @@ choice keeps its own text, finish reason, token count and logprobs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -21,6 +22,9 @@ from rill.shared.kinds import RequestKind
 from rill.shared.schema import ErrorReply, TextDelta, TextLogprob, TopLogprob
 
 GENERATION_FAILED = "The request failed during generation."
+OUTPUT_FAILED = "The server could not shape this request's output; the request was ended."
+
+log = logging.getLogger("rill.gateway")
 # JSON has no -inf; OpenAI reports an impossible token's logprob as -9999.0.
 MIN_LOGPROB = -9999.0
 
@@ -320,6 +324,14 @@ class ChunkFormatter:
         return b""
 
     def render(self, batch: list[Event]) -> bytes:
+        try:
+            return self._render(batch)
+        except Exception:  # a fault shaping one request's output ends that request, in the stream's own terms
+            log.exception("request %s: its output could not be shaped", self.request_id)
+            self.failed = True
+            return sse(APIError(OUTPUT_FAILED, 500, type="server_error").body())
+
+    def _render(self, batch: list[Event]) -> bytes:
         out: list[bytes] = []
         for ev in batch:
             if isinstance(ev, ErrorReply):

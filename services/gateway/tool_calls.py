@@ -63,34 +63,47 @@ def written_calls(body: str, pos: int = 0, between: str = " \t\r\n") -> list[Wri
     objects separated by characters of `between`. A call is known once its name is, and its
     arguments (an object) count as written so far, the last call's possibly cut short (being
     generated, or ended by max_tokens). An object in another key order, or whose arguments are
-    a string, is read once whole. Reading stops at anything else."""
-    decoder = json.JSONDecoder()
+    a string, is read once whole. Reading stops at anything else. JSON nested too deep to read
+    counts as cut short: the model's text, never an error."""
     calls: list[Written] = []
     while True:
         while pos < len(body) and body[pos] in between:
             pos += 1
         head = _CALL_HEAD.match(body, pos)
+        name = _read_json(head.group(1), 0) if head is not None else None
+        if head is not None and name is None:  # an escape JSON does not know: no call
+            return calls
         value = head.end() if head is not None else pos
         if head is not None and (value == len(body) or body[value] == "{"):
-            name = json.loads(head.group(1))
-            try:
-                _, end = decoder.raw_decode(body, value)
-            except ValueError:
-                return [*calls, (name, body[value:])]
-            calls.append((name, body[value:end]))
-            close = _CALL_END.match(body, end)
+            read = _read_json(body, value)
+            if read is None:
+                return [*calls, (name[0], body[value:])]
+            calls.append((name[0], body[value:read[1]]))
+            close = _CALL_END.match(body, read[1])
             if close is None:
                 return calls
             pos = close.end()
             continue
-        try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:  # cut short: a call whose name was written is kept, its arguments not yet
-            return [*calls, (json.loads(head.group(1)), "")] if head is not None else calls
+        read = _read_json(body, pos)
+        if read is None:  # cut short: a call whose name was written is kept, its arguments not yet
+            return [*calls, (name[0], "")] if name is not None else calls
+        obj, pos = read
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return calls
         arguments = obj.get("arguments", obj.get("parameters", {}))
         calls.append((obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)))
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _read_json(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value at `pos` of `text` and where it ends, or None: not (yet) JSON, or deeper
+    than the decoder reads."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
 
 
 class Hermes:
@@ -154,11 +167,9 @@ def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
+    text = text.strip()
+    read = _read_json(text, 0)
+    return read[0] if read is not None and read[1] == len(text) and isinstance(read[0], dict) else None
 
 
 Parser = Hermes | Llama3Json | GraniteJson
