@@ -261,8 +261,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k
 
 
 def default_max_num_batched_tokens(device: str) -> int:
-    """A step's token budget when none is given and the worker measured none. A CPU worker
-    measures its own (services/worker/step_budget.py); 512 stands in only before it has (a CPU
+    """A step's token budget when none is given and the worker announced none. A CPU worker
+    measures its own (services/worker/step_budget.py); 512 stands in for one that did not (a CPU
     prompt token costs milliseconds: 2048 would stall every running stream for seconds). A GPU
     runs 2048 tokens in milliseconds."""
     return 2048 if device == "cuda" else 512

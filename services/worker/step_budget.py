@@ -3,11 +3,12 @@
 A step carrying a chunk of a prompt holds every running stream for its whole length, so the budget
 bounds their inter-token latency; a chunk too small leaves the GEMMs short of their speed and reads
 long prompts slower. Where that balance lies depends on the CPU, the model, its dtype and the
-threads (a 512-token SmolLM2 step takes a seventh of a second on one core kind, seconds on
-another: scripts/benchmarks.md), so the worker times one prompt step at each candidate size,
-smallest first, and keeps the smallest size that reads prompts within KNEE of the fastest size
-whose step fits RILL_CPU_STEP_TARGET_MS (the smallest candidate where none fits). The answer is
-kept in Rill's cache folder per machine and model, so every later start agrees without measuring.
+threads (one core kind runs a step many times faster than another: scripts/benchmarks.md), so
+the worker times one prompt step at each candidate size, smallest first, and keeps the smallest
+size that reads prompts within KNEE of the fastest size whose step fits RILL_CPU_STEP_TARGET_MS
+(the smallest candidate where none fits). The bound is a fresh prompt's step: a chunk late in a
+long prompt also reads its prefix, and takes longer. The answer is kept in Rill's cache folder
+per machine and model, so every later start agrees without measuring.
 
 CUDA keeps 2048: a GPU runs such a step in milliseconds, and the warm-up that sizes its KV cache
 needs the budget before any step could be timed.
