@@ -23,7 +23,7 @@ import redis
 from rill.services.gateway.errors import APIError
 from rill.services.tokenizer.chat_template import ChatTemplates, TemplateError
 from rill.services.tokenizer.service import RequestError, Tokenizer
-from rill.services.tokenizer.tool_prompt import with_tools
+from rill.services.tokenizer.tool_prompt import tools_in_system, with_tools
 from rill.shared.request_params import ChatMessage, ChatToolCall
 from rill.shared.schema import GenerateRequest
 
@@ -87,11 +87,14 @@ def _hf_template(name: str) -> str | None:
 def test_prompt_and_ids_equal_transformers(hf, tokenizers: dict[str, Tokenizer], template: str, case: str) -> None:
     """Templates that render tools get them as transformers passes them; the others (SmolLM2's,
     Gemma's) would drop them, so they get the messages tool_prompt.py writes, rendered as
-    transformers renders those."""
+    transformers renders those; Phi-4-mini's (the model's own, from its tokenizer_config.json)
+    gets them in its system message, as its model card writes them."""
     ours, theirs, tools = CASES[case]
     tok = tokenizers[template]
     in_text = tools is not None and not template.endswith("_tools.jinja")
-    if in_text:
+    if in_text and template == "phi4_mini.jinja":
+        theirs, tools_arg = tools_in_system(theirs, tools), None
+    elif in_text:
         theirs, tools_arg = with_tools(theirs, tools), None
     else:
         tools_arg = tools
@@ -140,6 +143,26 @@ def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Pa
     assert out["reads"] == "T2[user][assistant][tool][tool]"
     plain_tok = Tokenizer(smollm2_dir, 256, chat_template=str(tmp_path / "plain.jinja"))
     assert plain_tok.render(hist[:1], True, []) == plain_tok.render(hist[:1]) == "[user]Weather?"  # no tools offered
+
+
+def test_phi4_mini_takes_tools_in_its_system_message(tokenizers: dict[str, Tokenizer]) -> None:
+    """The prompt Phi-4-mini's model card shows: the functions' JSON list between <|tool|> tags
+    in the system turn (the card's system text when the request has none); earlier calls as
+    <|tool_call|> JSON; and the gateway reads its calls with the phi4_mini parser."""
+    from rill.services.gateway.tool_calls import pick_parser, template_sources
+
+    tok = tokenizers["phi4_mini.jinja"]
+    functions = json.dumps([WEATHER["function"]], ensure_ascii=False)
+    prompt = tok.render([ChatMessage(role="user", content="Weather in Paris?")], True, [WEATHER])
+    assert prompt == ("<|system|>You are a helpful assistant with some tools.<|tool|>" + functions
+                      + "<|/tool|><|end|><|user|>Weather in Paris?<|end|><|assistant|>")
+    ours = CASES["tool round trip"][0]
+    prompt = tok.render(ours, True, [WEATHER])
+    assert prompt.startswith("<|system|>You help.<|tool|>" + functions + "<|/tool|><|end|>")
+    assert '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]' \
+        '<|/tool_call|><|end|><|tool|>{"temp": 21}<|end|>' in prompt
+    assert tok.render(ours[:2], True) == "<|system|>You help.<|end|><|user|>Weather in Paris?<|end|><|assistant|>"
+    assert pick_parser("auto", template_sources(".", TEMPLATES / "phi4_mini.jinja")).name == "phi4_mini"
 
 
 def test_text_prompts_eos_and_decode_equal_transformers(hf, tokenizers: dict[str, Tokenizer]) -> None:

@@ -15,6 +15,7 @@ from rill.services.gateway.tool_calls import (
     GraniteJson,
     Hermes,
     Llama3Json,
+    Phi4Mini,
     ToolMode,
     ToolStream,
     calls_finish,
@@ -83,6 +84,37 @@ def test_granite_calls_follow_their_marker_as_a_json_array() -> None:
     assert content == "" and [d["function"]["name"] for d in deltas] == ["get_time"]
     tail, more, calls = s.finish()
     assert tail == "" and more == [] and calls[0]["id"] == deltas[0]["id"]
+
+
+def test_phi4_mini_calls_with_or_without_brackets_and_end_tag() -> None:
+    """Phi-4-mini writes `<|tool_call|>[...]<|/tool_call|>`, at times without the brackets or the
+    end tag; each form is the same calls, streamed as written."""
+    want = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    items = '{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}'
+    for text in (f"<|tool_call|>[{items}]<|/tool_call|>", f"<|tool_call|>{items}<|/tool_call|>",
+                 f"<|tool_call|>[{items}]", f"Let me see.<|tool_call|>{items}"):
+        mode = ToolMode("auto", Phi4Mini())
+        content, calls = mode.message(text)
+        assert [(c["function"]["name"], args(c)) for c in calls] == want, text
+        assert content == ("Let me see." if text.startswith("Let") else None)
+        _, deltas, streamed_calls = streamed(mode, text)
+        assert_deltas_add_up(deltas, streamed_calls)
+    assert pick_parser("phi4_mini", []).name == "phi4_mini"
+
+
+def test_a_request_with_tools_keeps_special_tokens() -> None:
+    """A call's marker is a special token in some vocabularies (Granite's, Phi-4-mini's): with
+    tools ("auto") the output keeps special tokens unless the request says otherwise."""
+    from rill.services.gateway.requests import sampling_params
+
+    def params(**kw: object):
+        return sampling_params(msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **kw},
+                                               ChatCompletionRequest))
+
+    assert params(tools=[WEATHER]).skip_special_tokens is False
+    assert params(tools=[WEATHER], skip_special_tokens=True).skip_special_tokens is True
+    assert params().skip_special_tokens is True
+    assert params(tools=[WEATHER], tool_choice="none").skip_special_tokens is True
 
 
 def test_forced_schemas_accept_exactly_the_offered_calls() -> None:

@@ -354,6 +354,10 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw["stop_token_ids"] = req.stop_token_ids or []
     kw["logit_bias"] = req.logit_bias or {}
     kw["grammar"] = grammar_of(req, reasoning if thinks(req) else "none")
+    if isinstance(req, ChatCompletionRequest) and tool_choice_name(req.tool_choice, req.tools) == "auto":
+        # Calls in the model's own format start with a marker that is a special token in some
+        # vocabularies (Granite's and Phi-4-mini's <|tool_call|>): kept, or no call would parse.
+        kw.setdefault("skip_special_tokens", False)
     if isinstance(req, CompletionRequest) and req.echo and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]  # echo scores the prompt's tokens too
     return SamplingParams(**kw)

@@ -8,9 +8,12 @@
   by the parser the chat template implies or `--tool-call-parser` names: "hermes"
   (`<tool_call>{"name": .., "arguments": ..}</tool_call>`, Qwen 2.5/3, Hermes, SmolLM3) or
   "llama3_json" (`{"name": .., "parameters": ..}` objects separated by ";", optionally after
-  `<|python_tag|>`) or "granite" (`<|tool_call|>` then a JSON array of {"name", "arguments"},
-  Granite 3.x). Text that does not parse stays content. A chat template that renders no
-  tools gets them as hermes text (services/tokenizer/tool_prompt.py), so hermes is parsed.
+  `<|python_tag|>`) or "granite" / "phi4_mini" (`<|tool_call|>` then a JSON array of
+  {"name", "arguments"} or the objects bare, Granite 3.x and Phi-4-mini, whose template takes the
+  tools in the system message: services/tokenizer/tool_prompt.py). Text that does not parse
+  stays content. A chat template that renders no tools gets them as hermes text
+  (tool_prompt.py), so hermes is parsed. Special tokens stay in the text of a request with tools
+  ("auto"; requests.py): some formats' markers are special tokens.
 - "none" leaves the output as text.
 
 Streaming: content streams as it comes until a call may be starting (the parser's marker);
@@ -36,8 +39,9 @@ from typing import Any
 import msgspec
 
 from rill.services.gateway.structured import json_objects
+from rill.services.tokenizer.tool_prompt import SYSTEM_TOOLS
 
-PARSERS = ("auto", "hermes", "llama3_json", "granite")
+PARSERS = ("auto", "hermes", "llama3_json", "granite", "phi4_mini")
 
 
 def call_id() -> str:
@@ -144,10 +148,16 @@ class GraniteJson:
         if start < 0:
             return []
         body = text[start + len(self.marker):].lstrip()
-        return written_calls(body, 1, ", \t\r\n") if body.startswith("[") else written_calls(body)[:1]
+        # An array, or the objects bare (Phi-4-mini drops the brackets at times); reading stops
+        # at the end tag where the model writes one (<|/tool_call|>).
+        return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
 
     def content(self, text: str) -> str | None:
         return text[:text.find(self.marker)].strip() or None
+
+
+class Phi4Mini(GraniteJson):
+    name = "phi4_mini"  # Granite's marker and items; its template takes the tools in the system message
 
 
 def marker_tail(text: str, marker: str) -> int:
@@ -172,7 +182,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return read[0] if read is not None and read[1] == len(text) and isinstance(read[0], dict) else None
 
 
-Parser = Hermes | Llama3Json | GraniteJson
+Parser = Hermes | Llama3Json | GraniteJson | Phi4Mini
 
 
 def pick_parser(name: str, templates: list[str]) -> Parser:
@@ -183,9 +193,13 @@ def pick_parser(name: str, templates: list[str]) -> Parser:
         return Llama3Json()
     if name == "granite":
         return GraniteJson()
+    if name == "phi4_mini":
+        return Phi4Mini()
     source = "\n".join(templates)
     if GraniteJson.marker in source:
         return GraniteJson()
+    if "<|tool|>" in source and SYSTEM_TOOLS.search(source):
+        return Phi4Mini()
     if "<|python_tag|>" in source or ("ipython" in source and "<tool_call>" not in source):
         return Llama3Json()
     return Hermes()  # the commonest format, and what templates without tool support get

@@ -41,6 +41,7 @@ import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rill.services.tokenizer.tool_prompt import SYSTEM_TOOLS
 from rill.shared.request_params import ChatMessage
 from rill.shared.tokenizer_files import read_json
 
@@ -153,6 +154,11 @@ class ChatTemplate:
     def reads_tools(self) -> bool:
         """Whether it renders a request's tools at all (else tool_prompt.py writes them as text)."""
         return "tools" in self.variables
+
+    @property
+    def takes_system_tools(self) -> bool:
+        """Whether it renders tools only as a system message's own `tools` (Phi-4-mini's)."""
+        return not self.reads_tools and SYSTEM_TOOLS.search(self.source) is not None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, special_tokens: Mapping[str, str] | None = None,

@@ -24,7 +24,7 @@ from rill.services.tokenizer.chat_template import (
     template_messages,
 )
 from rill.services.tokenizer.router import DEFAULT_POLICY, Router
-from rill.services.tokenizer.tool_prompt import with_tools
+from rill.services.tokenizer.tool_prompt import tools_in_system, with_tools
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
@@ -85,6 +85,8 @@ class Tokenizer:
         try:
             if not tools or template.reads_tools:  # an empty list offers nothing to describe
                 return template.render(msgs, tools, add_generation_prompt, special, extra)
+            if template.takes_system_tools:
+                return template.render(tools_in_system(msgs, tools), None, add_generation_prompt, special, extra)
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return template.render(with_tools(msgs, tools), None, add_generation_prompt, special, extra)
             except TemplateError:  # e.g. "System role not supported"
@@ -181,6 +183,8 @@ def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consume
     if not tokenizer.templates:
         log.warning("the model has no chat template (a base model?): chat requests get a 400; serve one with "
                     "--chat-template FILE, or use /v1/completions")
+    elif any(t.takes_system_tools for t in tokenizer.templates.templates.values()):
+        log.info("the chat template takes tools in the system message (Phi-4-mini's way): a request's tools go there")
     elif not any(t.reads_tools for t in tokenizer.templates.templates.values()):
         log.info("the chat template renders no tools: a request's tools go in as text (hermes format)")
     try:

@@ -10,12 +10,21 @@ templates without tool support:
 - an assistant turn's calls become `<tool_call>` blocks after its content;
 - tool results become user turns of `<tool_response>` blocks (consecutive ones in one turn),
   since such templates know no tool role or reject it.
+
+Phi-4-mini's template reads no `tools` either, but a system message's own: the JSON list of
+functions it writes between <|tool|> tags, as the model was trained (tools_in_system). Its calls
+come back as `<|tool_call|>[...]` (the gateway's phi4_mini parser).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+# A template that renders a system message's `tools` field (Phi-4-mini's).
+SYSTEM_TOOLS = re.compile(r"""message\s*\[\s*['"]tools['"]\s*\]|message\.tools\b""")
+DEFAULT_SYSTEM = "You are a helpful assistant with some tools."  # Phi-4-mini's model card's
 
 _INTRO = ("# Tools\n\nYou may call one or more of the functions below to answer. Their signatures, "
           "one JSON object per line:\n<tools>\n")
@@ -67,3 +76,22 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], in_s
         head = out[0]["content"]
         return [{**out[0], "content": f"{head}\n\n{text}" if head else text}, *out[1:]]
     return [{"role": "system", "content": text}, *out]
+
+
+def tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` (template messages) with `tools` as Phi-4-mini's template takes them: the
+    functions' JSON list in the system message's `tools` (a system message first when there is
+    none), and an assistant turn's calls as `<|tool_call|>[...]<|/tool_call|>` after its content.
+    Tool results keep their role, which the template writes as it writes any."""
+    functions = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                for c in m["tool_calls"]], ensure_ascii=False)
+            text = f"{m['content'] or ''}<|tool_call|>{calls}<|/tool_call|>"
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+        out.append(m)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "tools": functions}, *out[1:]]
+    return [{"role": "system", "content": DEFAULT_SYSTEM, "tools": functions}, *out]
