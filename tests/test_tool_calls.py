@@ -15,6 +15,7 @@ from rill.services.gateway.tool_calls import (
     GraniteJson,
     Hermes,
     Llama3Json,
+    Mistral,
     Phi4Mini,
     ToolMode,
     ToolStream,
@@ -100,6 +101,25 @@ def test_phi4_mini_calls_with_or_without_brackets_and_end_tag() -> None:
         _, deltas, streamed_calls = streamed(mode, text)
         assert_deltas_add_up(deltas, streamed_calls)
     assert pick_parser("phi4_mini", []).name == "phi4_mini"
+
+
+def test_mistral_calls_in_either_of_its_formats() -> None:
+    """[TOOL_CALLS] then a JSON array (ids after the arguments, as Mistral writes them in its
+    history), or name[ARGS]{...} per call (tokenizer v11 on); both streamed as written."""
+    want = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for text in ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}, '
+                 '{"name": "get_time", "arguments": {}, "id": "f5g6h7i8j"}]',
+                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
+                 '"arguments": {}}]',
+                 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'):
+        mode = ToolMode("auto", Mistral())
+        content, calls = mode.message(text)
+        assert [(c["function"]["name"], args(c)) for c in calls] == want, text
+        assert content == ("Sure." if text.startswith("Sure") else None)
+        _, deltas, streamed_calls = streamed(mode, text, step=2)
+        assert_deltas_add_up(deltas, streamed_calls)
+        assert len(deltas) > 4
+    assert pick_parser("auto", ['{{- "[TOOL_CALLS] [" }}']).name == "mistral"
 
 
 def test_a_request_with_tools_keeps_special_tokens() -> None:

@@ -10,8 +10,9 @@
   "llama3_json" (`{"name": .., "parameters": ..}` objects separated by ";", optionally after
   `<|python_tag|>`) or "granite" / "phi4_mini" (`<|tool_call|>` then a JSON array of
   {"name", "arguments"} or the objects bare, Granite 3.x and Phi-4-mini, whose template takes the
-  tools in the system message: services/tokenizer/tool_prompt.py). Text that does not parse
-  stays content. A chat template that renders no tools gets them as hermes text
+  tools in the system message: services/tokenizer/tool_prompt.py) or "mistral" (`[TOOL_CALLS]`
+  then a JSON array, or `name[ARGS]{..}` per call in Mistral's newer tokenizers). Text that does
+  not parse stays content. A chat template that renders no tools gets them as hermes text
   (tool_prompt.py), so hermes is parsed. Special tokens stay in the text of a request with tools
   ("auto"; requests.py): some formats' markers are special tokens.
 - "none" leaves the output as text.
@@ -41,7 +42,7 @@ import msgspec
 from rill.services.gateway.structured import json_objects
 from rill.services.tokenizer.tool_prompt import SYSTEM_TOOLS
 
-PARSERS = ("auto", "hermes", "llama3_json", "granite", "phi4_mini")
+PARSERS = ("auto", "hermes", "llama3_json", "granite", "phi4_mini", "mistral")
 
 
 def call_id() -> str:
@@ -84,9 +85,14 @@ def written_calls(body: str, pos: int = 0, between: str = " \t\r\n") -> list[Wri
                 return [*calls, (name[0], body[value:])]
             calls.append((name[0], body[value:read[1]]))
             close = _CALL_END.match(body, read[1])
-            if close is None:
-                return calls
-            pos = close.end()
+            if close is None:  # more keys after the arguments (Mistral writes an "id"): past the object
+                whole = _read_json(body, pos)
+                if whole is None:
+                    return calls
+                close_at = whole[1]
+            else:
+                close_at = close.end()
+            pos = close_at
             continue
         read = _read_json(body, pos)
         if read is None:  # cut short: a call whose name was written is kept, its arguments not yet
@@ -160,6 +166,36 @@ class Phi4Mini(GraniteJson):
     name = "phi4_mini"  # Granite's marker and items; its template takes the tools in the system message
 
 
+class Mistral:
+    """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo),
+    or, from tokenizer v11 on (Mistral Small 3.2, Devstral), `[TOOL_CALLS]name[ARGS]{...}` per call."""
+
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    _named = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
+
+    def calls(self, text: str) -> list[Written]:
+        at = [m.end() for m in re.finditer(re.escape(self.marker), text)]
+        if not at:
+            return []
+        named = self._named.match(text, at[0])
+        if named is None:
+            body = text[at[0]:].lstrip()
+            return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
+        calls: list[Written] = []
+        for start in at:
+            named = self._named.match(text, start)
+            if named is None:
+                return calls
+            read = _read_json(text, named.end())
+            arguments = text[named.end():read[1]] if read is not None else text[named.end():]
+            calls.append((named.group(1), arguments.split(self.marker)[0]))
+        return calls
+
+    def content(self, text: str) -> str | None:
+        return text[:text.find(self.marker)].strip() or None
+
+
 def marker_tail(text: str, marker: str) -> int:
     """How many characters at the end of `text` may be the start of `marker` (held back while
     streaming until the next piece tells)."""
@@ -182,7 +218,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return read[0] if read is not None and read[1] == len(text) and isinstance(read[0], dict) else None
 
 
-Parser = Hermes | Llama3Json | GraniteJson | Phi4Mini
+Parser = Hermes | Llama3Json | GraniteJson | Phi4Mini | Mistral
 
 
 def pick_parser(name: str, templates: list[str]) -> Parser:
@@ -195,7 +231,11 @@ def pick_parser(name: str, templates: list[str]) -> Parser:
         return GraniteJson()
     if name == "phi4_mini":
         return Phi4Mini()
+    if name == "mistral":
+        return Mistral()
     source = "\n".join(templates)
+    if Mistral.marker in source:
+        return Mistral()
     if GraniteJson.marker in source:
         return GraniteJson()
     if "<|tool|>" in source and SYSTEM_TOOLS.search(source):
