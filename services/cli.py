@@ -42,9 +42,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default=DEFAULT_POLICY, choices=list(POLICIES),
                    help="tokenizer: how each new request's engine is picked among data-parallel engines "
                         "(cache-aware: the engine holding the longest prefix of the prompt, unless overloaded)")
-    from rill.services.gateway import reasoning, tool_calls
+    from rill.services.gateway import reasoning, tool_formats
 
-    p.add_argument("--tool-call-parser", default="auto", choices=list(tool_calls.PARSERS),
+    p.add_argument("--tool-call-parser", default="auto", choices=list(tool_formats.PARSERS),
                    help="gateway: the model's tool-call format (auto: read from its chat template)")
     p.add_argument("--reasoning-parser", default="none", choices=list(reasoning.PARSERS),
                    help="gateway: a thinking model's <think>...</think> as reasoning_content (qwen3: when the "
@@ -323,7 +323,7 @@ def run_service(ns: argparse.Namespace) -> None:
         from rill.services.gateway.chat_output import ChatParsers
         from rill.services.gateway.limit_flags import limit_kwargs
         from rill.services.gateway.reasoning import parser_hint
-        from rill.services.gateway.tool_calls import pick_parser, template_sources
+        from rill.services.gateway.tool_formats import pick_parser, template_sources
         templates = template_sources(model_dir, ns.chat_template)
         if (hint := parser_hint(ns.reasoning_parser, templates)) is not None:
             log.warning(hint)

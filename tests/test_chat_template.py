@@ -149,7 +149,7 @@ def test_phi4_mini_takes_tools_in_its_system_message(tokenizers: dict[str, Token
     """The prompt Phi-4-mini's model card shows: the functions' JSON list between <|tool|> tags
     in the system turn (the card's system text when the request has none); earlier calls as
     <|tool_call|> JSON; and the gateway reads its calls with the phi4_mini parser."""
-    from rill.services.gateway.tool_calls import pick_parser, template_sources
+    from rill.services.gateway.tool_formats import pick_parser, template_sources
 
     tok = tokenizers["phi4_mini.jinja"]
     functions = json.dumps([WEATHER["function"]], ensure_ascii=False)

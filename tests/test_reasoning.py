@@ -26,7 +26,8 @@ from rill.services.gateway.response_events import ResponseShape
 from rill.services.gateway.responses import Output
 from rill.services.gateway.responses_api import ResponsesRequest, chat_request
 from rill.services.gateway.structured import _byte_tokenizer, grammar_of
-from rill.services.gateway.tool_calls import Hermes, ToolMode
+from rill.services.gateway.tool_calls import ToolMode
+from rill.services.gateway.tool_formats import Hermes
 from rill.services.tokenizer.chat_template import template_messages
 from rill.shared.schema import TextDelta
 

@@ -11,18 +11,8 @@ import pytest
 
 from rill.services.gateway.bodies import ChatCompletionRequest
 from rill.services.gateway.chat_tools import FunctionTool
-from rill.services.gateway.tool_calls import (
-    GraniteJson,
-    Hermes,
-    Llama3Json,
-    Mistral,
-    Phi4Mini,
-    ToolMode,
-    ToolStream,
-    calls_finish,
-    forced_schema,
-    pick_parser,
-)
+from rill.services.gateway.tool_calls import ToolMode, ToolStream, calls_finish, forced_schema, tool_mode
+from rill.services.gateway.tool_formats import GraniteJson, Hermes, Llama3Json, Mistral, Phi4Mini, pick_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -120,6 +110,35 @@ def test_mistral_calls_in_either_of_its_formats() -> None:
         assert_deltas_add_up(deltas, streamed_calls)
         assert len(deltas) > 4
     assert pick_parser("auto", ['{{- "[TOOL_CALLS] [" }}']).name == "mistral"
+
+
+def test_qwen3_coder_xml_calls_take_their_schemas_types() -> None:
+    """Qwen3-Coder's XML calls: each parameter typed by the function's schema (a string stays
+    text even when it reads as a number), one streaming once written, the object closed at
+    </function>; a call cut short is not valid JSON, so its finish stays its own."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"},
+                                               "days": {"type": "integer"}, "metric": {"type": "boolean"},
+                                               "hours": {"type": "array"}, "note": {"type": ["string", "null"]}}}
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "tools": [tool, TIME]},
+                          ChatCompletionRequest)
+    mode = tool_mode(req, "qwen3_coder")
+    text = ("Checking.\n<tool_call>\n<function=forecast>\n<parameter=city>\nSan\nJose\n</parameter>\n"
+            "<parameter=zip>\n95112\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\n"
+            "true\n</parameter>\n<parameter=hours>\n[6, 12]\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+    content, calls = mode.message(text)
+    assert content == "Checking." and [c["function"]["name"] for c in calls] == ["forecast", "get_time"]
+    assert args(calls[0]) == {"city": "San\nJose", "zip": "95112", "days": 3, "metric": True, "hours": [6, 12],
+                              "note": "42"} and args(calls[1]) == {}
+    assert calls_finish("stop", calls) == "tool_calls"
+    _, deltas, streamed_calls = streamed(mode, text, step=4)
+    assert_deltas_add_up(deltas, streamed_calls)
+    assert len([d for d in deltas if d["index"] == 0]) >= 7  # the name, then a piece per parameter and the end
+    cut = mode.message(text[:text.index("<parameter=days>")])[1]
+    assert cut[0]["function"]["arguments"] == '{"city": "San\\nJose", "zip": "95112"'
+    assert calls_finish("length", cut) == "length" and calls_finish("stop", cut) == "stop"
+    assert pick_parser("auto", ["<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>"]).name == "qwen3_coder"
 
 
 def test_a_request_with_tools_keeps_special_tokens() -> None:

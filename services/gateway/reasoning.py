@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rill.services.gateway.tool_calls import marker_tail
+from rill.services.gateway.tool_formats import marker_tail
 
 START, END = "<think>", "</think>"
 PARSERS = ("none", "qwen3", "deepseek_r1")

@@ -4,17 +4,9 @@
   does): a named choice generates that function's arguments as JSON; "required" generates a
   JSON array of {"name", "parameters"} objects, one of the offered functions each (one call
   when parallel_tool_calls is false). Even a small model so emits calls that parse.
-- "auto" (the default with tools) lets the model answer in its own format, parsed afterwards
-  by the parser the chat template implies or `--tool-call-parser` names: "hermes"
-  (`<tool_call>{"name": .., "arguments": ..}</tool_call>`, Qwen 2.5/3, Hermes, SmolLM3) or
-  "llama3_json" (`{"name": .., "parameters": ..}` objects separated by ";", optionally after
-  `<|python_tag|>`) or "granite" / "phi4_mini" (`<|tool_call|>` then a JSON array of
-  {"name", "arguments"} or the objects bare, Granite 3.x and Phi-4-mini, whose template takes the
-  tools in the system message: services/tokenizer/tool_prompt.py) or "mistral" (`[TOOL_CALLS]`
-  then a JSON array, or `name[ARGS]{..}` per call in Mistral's newer tokenizers). Text that does
-  not parse stays content. A chat template that renders no tools gets them as hermes text
-  (tool_prompt.py), so hermes is parsed. Special tokens stay in the text of a request with tools
-  ("auto"; requests.py): some formats' markers are special tokens.
+- "auto" (the default with tools) lets the model answer in its own format, read by the parser
+  the chat template implies or `--tool-call-parser` names (tool_formats.py). Special tokens stay
+  in the text of such a request (requests.py): some formats' markers are special tokens.
 - "none" leaves the output as text.
 
 Streaming: content streams as it comes until a call may be starting (the parser's marker);
@@ -31,18 +23,23 @@ a tool on arguments the model never finished.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from rill.services.gateway.structured import json_objects
-from rill.services.tokenizer.tool_prompt import SYSTEM_TOOLS
-
-PARSERS = ("auto", "hermes", "llama3_json", "granite", "phi4_mini", "mistral")
+from rill.services.gateway.tool_formats import (
+    Llama3Json,
+    Parser,
+    Qwen3Coder,
+    Written,
+    marker_tail,
+    pick_parser,
+    read_json,
+    written_calls,
+)
 
 
 def call_id() -> str:
@@ -54,157 +51,6 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-# ---------------------------------------------------------------------------------------------
-# Parsers of the model's own format ("auto")
-
-_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-_CALL_END = re.compile(r"\s*\}")
-
-Written = tuple[str, str]  # a call so far: (name, arguments as written)
-
-
-def written_calls(body: str, pos: int = 0, between: str = " \t\r\n") -> list[Written]:
-    """The calls written from `pos` of `body`: {"name": .., "arguments" (or "parameters"): ..}
-    objects separated by characters of `between`. A call is known once its name is, and its
-    arguments (an object) count as written so far, the last call's possibly cut short (being
-    generated, or ended by max_tokens). An object in another key order, or whose arguments are
-    a string, is read once whole. Reading stops at anything else. JSON nested too deep to read
-    counts as cut short: the model's text, never an error."""
-    calls: list[Written] = []
-    while True:
-        while pos < len(body) and body[pos] in between:
-            pos += 1
-        head = _CALL_HEAD.match(body, pos)
-        name = _read_json(head.group(1), 0) if head is not None else None
-        if head is not None and name is None:  # an escape JSON does not know: no call
-            return calls
-        value = head.end() if head is not None else pos
-        if head is not None and (value == len(body) or body[value] == "{"):
-            read = _read_json(body, value)
-            if read is None:
-                return [*calls, (name[0], body[value:])]
-            calls.append((name[0], body[value:read[1]]))
-            close = _CALL_END.match(body, read[1])
-            if close is None:  # more keys after the arguments (Mistral writes an "id"): past the object
-                whole = _read_json(body, pos)
-                if whole is None:
-                    return calls
-                close_at = whole[1]
-            else:
-                close_at = close.end()
-            pos = close_at
-            continue
-        read = _read_json(body, pos)
-        if read is None:  # cut short: a call whose name was written is kept, its arguments not yet
-            return [*calls, (name[0], "")] if name is not None else calls
-        obj, pos = read
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return calls
-        arguments = obj.get("arguments", obj.get("parameters", {}))
-        calls.append((obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)))
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _read_json(text: str, pos: int) -> tuple[Any, int] | None:
-    """The JSON value at `pos` of `text` and where it ends, or None: not (yet) JSON, or deeper
-    than the decoder reads."""
-    try:
-        return _DECODER.raw_decode(text, pos)
-    except (ValueError, RecursionError):
-        return None
-
-
-class Hermes:
-    name = "hermes"
-    marker = "<tool_call>"
-
-    def calls(self, text: str) -> list[Written]:
-        # Each call reads on past its block's end tag: arguments may hold that text in a string.
-        return [c for m in re.finditer(re.escape(self.marker), text) for c in written_calls(text, m.end())[:1]]
-
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
-
-
-class Llama3Json:
-    name = "llama3_json"
-    marker = "{"  # a call is the whole message: JSON from its first character
-    _tag = "<|python_tag|>"
-
-    def calls(self, text: str) -> list[Written]:
-        body = text.strip().removeprefix(self._tag).strip()
-        return written_calls(body, between="; \t\r\n") if body.startswith("{") else []
-
-    def content(self, text: str) -> str | None:
-        return None
-
-    def starts(self, text: str) -> bool:
-        head = text.lstrip()
-        return head.startswith("{") or head.startswith(self._tag) or self._tag.startswith(head)
-
-
-class GraniteJson:
-    name = "granite"
-    marker = "<|tool_call|>"
-
-    def calls(self, text: str) -> list[Written]:
-        start = text.find(self.marker)
-        if start < 0:
-            return []
-        body = text[start + len(self.marker):].lstrip()
-        # An array, or the objects bare (Phi-4-mini drops the brackets at times); reading stops
-        # at the end tag where the model writes one (<|/tool_call|>).
-        return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
-
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
-
-
-class Phi4Mini(GraniteJson):
-    name = "phi4_mini"  # Granite's marker and items; its template takes the tools in the system message
-
-
-class Mistral:
-    """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo),
-    or, from tokenizer v11 on (Mistral Small 3.2, Devstral), `[TOOL_CALLS]name[ARGS]{...}` per call."""
-
-    name = "mistral"
-    marker = "[TOOL_CALLS]"
-    _named = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
-
-    def calls(self, text: str) -> list[Written]:
-        at = [m.end() for m in re.finditer(re.escape(self.marker), text)]
-        if not at:
-            return []
-        named = self._named.match(text, at[0])
-        if named is None:
-            body = text[at[0]:].lstrip()
-            return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
-        calls: list[Written] = []
-        for start in at:
-            named = self._named.match(text, start)
-            if named is None:
-                return calls
-            read = _read_json(text, named.end())
-            arguments = text[named.end():read[1]] if read is not None else text[named.end():]
-            calls.append((named.group(1), arguments.split(self.marker)[0]))
-        return calls
-
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
-
-
-def marker_tail(text: str, marker: str) -> int:
-    """How many characters at the end of `text` may be the start of `marker` (held back while
-    streaming until the next piece tells)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
     """The finish reason of a choice whose text became calls: "tool_calls" when the model ended
     them whole; otherwise its own ("length", or "stop" at a stop string: arguments cut short)."""
@@ -214,44 +60,8 @@ def calls_finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
 
 def _json_object(text: str) -> dict[str, Any] | None:
     text = text.strip()
-    read = _read_json(text, 0)
+    read = read_json(text, 0)
     return read[0] if read is not None and read[1] == len(text) and isinstance(read[0], dict) else None
-
-
-Parser = Hermes | Llama3Json | GraniteJson | Phi4Mini | Mistral
-
-
-def pick_parser(name: str, templates: list[str]) -> Parser:
-    """`--tool-call-parser`; "auto" reads the chat template's own tool-call format."""
-    if name == "hermes":
-        return Hermes()
-    if name == "llama3_json":
-        return Llama3Json()
-    if name == "granite":
-        return GraniteJson()
-    if name == "phi4_mini":
-        return Phi4Mini()
-    if name == "mistral":
-        return Mistral()
-    source = "\n".join(templates)
-    if Mistral.marker in source:
-        return Mistral()
-    if GraniteJson.marker in source:
-        return GraniteJson()
-    if "<|tool|>" in source and SYSTEM_TOOLS.search(source):
-        return Phi4Mini()
-    if "<|python_tag|>" in source or ("ipython" in source and "<tool_call>" not in source):
-        return Llama3Json()
-    return Hermes()  # the commonest format, and what templates without tool support get
-
-
-def template_sources(model_dir: str | Path, override: str | Path | None) -> list[str]:
-    from rill.services.tokenizer.chat_template import load_templates
-
-    try:
-        return [t.source for t in load_templates(model_dir, override).templates.values()]
-    except (OSError, ValueError):
-        return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,4 +207,7 @@ def tool_mode(req: Any, parser: str) -> ToolMode | None:
     choice = tool_choice_name(getattr(req, "tool_choice", None), tools)
     if not tools or choice == "none":
         return None
-    return ToolMode(choice, pick_parser(parser, []), req.parallel_tool_calls is not False)
+    reader = pick_parser(parser, [])
+    if isinstance(reader, Qwen3Coder):  # its values are typed by the functions' schemas
+        reader = Qwen3Coder({t.function.name: t.function.parameters for t in tools})
+    return ToolMode(choice, reader, req.parallel_tool_calls is not False)
