@@ -14,7 +14,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import Speculator
 from rill.services.worker.model_runner import ModelRunner
-from rill.shared.config import QUANTIZATIONS
+from rill.shared.config import QUANTIZATIONS, StepCost
 from rill.shared.request_params import SamplingParams
 from rill.shared.schema import TokenizedRequest
 
@@ -41,10 +41,10 @@ class Timeline:
 
 class Engine:
     def __init__(self, runner: ModelRunner, budget: int, caching: bool = True, max_seqs: int = 64,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, step_cost: StepCost | None = None) -> None:
         self.runner = runner
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                               max_model_len=runner.max_model_len),
+                                               max_model_len=runner.max_model_len, step_cost=step_cost),
                                KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching,
                                               sliding_window=runner.model.sliding_window), speculator)
         self.timeline = Timeline()

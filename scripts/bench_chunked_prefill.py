@@ -6,7 +6,8 @@ Eight streams decode; a long prompt (default 4096 tokens) arrives. Without chunk
 prompt runs in one step and every stream stalls for it; with a step budget it is spread over
 steps that each still carry every decode. `--budget` lists the budgets to compare: numbers, and
 `measured` for the one a worker measures on this machine (services/worker/step_budget.py; 512 was
-the fixed CPU default before it).
+the fixed CPU default before it), run twice: chunks of the whole budget, and chunks shortened
+deep in the prompt by the measured context cost, as `rill serve` runs them.
 
     .venv/bin/python scripts/bench_chunked_prefill.py [MODEL] [--prompt 4096] [--budget 512,measured]
 """
@@ -23,12 +24,14 @@ from _inproc_engine import Engine, percentile  # noqa: E402
 from rill.services.worker import step_budget  # noqa: E402
 from rill.services.worker.model_runner import ModelRunner  # noqa: E402
 from rill.shared import envs  # noqa: E402
+from rill.shared.config import StepCost  # noqa: E402
 from rill.shared.model_files import resolve_model  # noqa: E402
 
 
-def run(runner: ModelRunner, budget: int, prompt: int, streams: int, out_tokens: int) -> dict[str, float]:
+def run(runner: ModelRunner, budget: int, prompt: int, streams: int, out_tokens: int,
+        step_cost: StepCost | None = None) -> dict[str, float]:
     runner.reset()
-    engine = Engine(runner, budget=budget, caching=False)
+    engine = Engine(runner, budget=budget, caching=False, step_cost=step_cost)
     for i in range(streams):
         engine.submit(f"s{i}", [100 + i, 200, 300, 400, 500 + i], max_tokens=out_tokens)
     for _ in range(5):  # streams are decoding
@@ -53,20 +56,21 @@ def main() -> None:
     runner = ModelRunner(model_dir, dtype=args.dtype, num_blocks=(args.prompt + 2048) // 16 + 64, block_size=16,
                          max_model_len=args.prompt + 1024)
     runner.warmup()
-    budgets = [("off (whole prompt)", args.prompt + 1024)]
+    budgets: list[tuple[str, int, StepCost | None]] = [("off (whole prompt)", args.prompt + 1024, None)]
     for b in args.budget.split(","):
         if b.strip() == "measured":
             target_s = envs.RILL_CPU_STEP_TARGET_MS / 1e3
             times = step_budget.measure(runner, target_s)
             n = step_budget.choose(times, target_s)
-            print("measured: " + ", ".join(f"{k} -> {t * 1e3:.0f} ms" for k, t in times.items()) + f" => {n}")
-            budgets.append((f"measured ({n})", n))
+            cost = StepCost(times[n] / n, step_budget.context_cost(runner, n), target_s)
+            print("measured: " + ", ".join(f"{k} -> {t * 1e3:.0f} ms" for k, t in times.items()) + f" => {n}; {cost}")
+            budgets += [(f"measured ({n})", n, None), (f"measured ({n}) + ctx", n, cost)]
         else:
-            budgets.append((f"budget {int(b)}", int(b)))
+            budgets.append((f"budget {int(b)}", int(b), None))
     rows = []
-    for label, budget in budgets:
+    for label, budget, cost in budgets:
         print(f"running: {label} ...", flush=True)
-        rows.append((label, run(runner, budget, args.prompt, args.streams, args.out_tokens)))
+        rows.append((label, run(runner, budget, args.prompt, args.streams, args.out_tokens, cost)))
     print(f"\n{args.streams} decoding streams, a {args.prompt}-token prompt arrives ({runner.dtype})")
     print(f"{'step budget':>20} | {'ITL p50 ms':>10} | {'ITL p99 ms':>10} | {'ITL max ms':>10} | "
           f"{'long TTFT ms':>12} | {'max step tok':>12}")

@@ -257,6 +257,37 @@ class EngineArgs:
         return self.max_num_batched_tokens or measured or default_max_num_batched_tokens(device)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What a CPU worker measured of its prompt steps (services/worker/step_budget.py): seconds
+    a prompt token takes at a prompt's start, the share of that a token of context adds (a chunk
+    deep in a prompt reads the whole prefix), and the step-time target measured against."""
+
+    token_s: float
+    context: float
+    target_s: float
+
+    def chunk(self, n: int, context: int, budget: int) -> int:
+        """At most `n` prompt tokens after `context` others: as many as a step within the target
+        holds (or within a budget-sized chunk's time at a prompt's start, where that is longer),
+        never under a quarter of the budget: shorter chunks would spend more in per-step work
+        than they spare the streams that share the step."""
+        bound = max(self.target_s, budget * self.token_s)
+        fits = bound / (self.token_s * (1 + self.context * context))
+        return min(n, max(budget // 4, int(fits)))
+
+    def wire(self) -> list[float]:
+        return [self.token_s, self.context, self.target_s]
+
+    def __str__(self) -> str:
+        return (f"{self.token_s * 1e3:.3f} ms a prompt token, +{self.context:.1e} of that per token of context, "
+                f"target {self.target_s * 1e3:.0f} ms")
+
+    @classmethod
+    def of(cls, wire: list[float]) -> StepCost | None:
+        return cls(*wire) if len(wire) == 3 and wire[0] > 0 else None
+
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~14k SmolLM2 tokens in fp32, ~28k in bf16
 
 

@@ -74,7 +74,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # size measured faster so while serving (services/worker/step_threads.py); 0: always all of them.
     "RILL_STEP_THREADS": _flag("RILL_STEP_THREADS"),
     # The longest a CPU step carrying a prompt chunk should take, when the worker measures the
-    # step budget that --max-num-batched-tokens leaves open (services/worker/step_budget.py).
+    # step budget that --max-num-batched-tokens leaves open and the scheduler cuts chunks deep in
+    # a long prompt to it (services/worker/step_budget.py).
     "RILL_CPU_STEP_TARGET_MS": _number("RILL_CPU_STEP_TARGET_MS", float, 300.0),
     # Kernel backend: auto (Triton on CUDA, torch + native on CPU), torch, triton.
     "RILL_KERNELS": _choice("RILL_KERNELS", "auto"),

@@ -192,9 +192,9 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     # Disaggregation: KV to export (prefill engine) or import (decode engine) after the step.
     kv_exports: list[KVExport] = []
     kv_imports: list[KVImport] = []
-    # Speculative decoding: draft tokens each scheduled request runs after its last token, to be
-    # verified this step (aligned with scheduled_request_ids; empty when no request has any).
-    # DRAFT_PLACEHOLDER drafts are the worker's draft model's to propose.
+    # Speculative decoding: draft tokens each scheduled request verifies after its last token
+    # (aligned with scheduled_request_ids; empty when none has any); DRAFT_PLACEHOLDER drafts are
+    # the worker's draft model's to propose.
     spec_token_ids: list[list[int]] = []
 
     def num_drafts(self) -> list[int]:
@@ -232,10 +232,12 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     dtype: str
     device: str
     quantization: str = "none"  # of the linear layers ("int8": W8A8); the KV cache stays in `dtype`
-    # Every layer's sliding window when all of them slide (0: some layer sees the whole context):
-    # the scheduler then releases the KV blocks behind it (kv_cache_manager.py).
+    # Every layer's window when all of them slide (0: some layer sees the whole context): the
+    # scheduler releases the KV blocks behind it (kv_cache_manager.py).
     sliding_window: int = 0
     max_num_batched_tokens: int = 0  # its step budget, measured (worker/step_budget.py) or given; 0: default
+    # Its prompt steps' cost (StepCost: worker/step_budget.py); empty where it measured none.
+    step_cost: list[float] = []
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -254,17 +256,15 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     token_ids: list[int]
     forward_ms: float = 0.0
     error: str | None = None  # a failed step; the scheduler fails the step's requests
-    # Aligned with token_ids when any sampled row asked for logprobs (None for the others);
-    # empty when none did, so steps without logprobs carry nothing extra.
+    # Aligned with token_ids when any sampled row asked for logprobs (None for the others); empty
+    # when none did.
     logprobs: list[TokenLogprobs | None] = []
-    # One per KVExport / KVImport of the plan, in any order.
-    kv_exports: list[KVManifest] = []
+    kv_exports: list[KVManifest] = []  # one per KVExport / KVImport of the plan, in any order
     kv_imports: list[KVImportResult] = []
     # With the first output token of a request that asked for prompt_logprobs: one entry per
     # prompt token (the first has no logprobs), aligned with request_ids; empty when none did.
     prompt_logprobs: list[list[TokenLogprobs]] = []
-    # Requests that failed on their own this step (not in request_ids): id -> why; the rest stands.
-    errors: dict[str, str] = {}
+    errors: dict[str, str] = {}  # requests that failed on their own (not in request_ids): id -> why
     # Speculative decoding: how many of token_ids (and of logprobs) each request got, aligned
     # with request_ids: its accepted drafts plus one. Empty when every request got one token.
     num_tokens: list[int] = []

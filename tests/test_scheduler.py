@@ -6,6 +6,7 @@ import pytest
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig, Status
+from rill.shared.config import StepCost
 from rill.shared.request_params import SamplingParams
 from rill.shared.schema import StepPlan, StepResult, TokenizedRequest
 
@@ -75,6 +76,28 @@ def test_block_diffs_only_send_new_blocks() -> None:
             assert rid == "a"
             sent += blocks
     assert len(sent) == len(set(sent)) == 4  # 4 prompt + 10 output = 14 tokens -> 4 blocks (last token never cached)
+
+
+def test_chunks_deep_in_a_prompt_shorten_to_hold_the_step_time() -> None:
+    """With the worker's step cost (1 ms a token at a prompt's start, +1 % per token of context,
+    an 80 ms target), a chunk after c tokens of context holds what fits 80 ms: 80 / (1 + 0.01 c)
+    tokens, at most the budget, never under a quarter of it; with no measured cost, and where
+    the budget's own step at a prompt's start is longer than the target, the budget's time holds."""
+    def chunks(cost: StepCost | None) -> list[int]:
+        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
+                                      step_cost=cost), KVCacheManager(256, 4))
+        s.add(make("long", 600, max_tokens=1))
+        return [p.num_scheduled_tokens[0] for p in run_to_idle(s) if p.num_scheduled_tokens]
+
+    assert chunks(None) == [64] * 9 + [24]
+    for target_s, bound in ((0.080, 80), (0.010, 64)):
+        got = chunks(StepCost(0.001, 0.01, target_s))
+        done = 0
+        for n in got:
+            assert n == min(600 - done, 64, max(16, int(bound / (1 + 0.01 * done)))), (target_s, got)
+            done += n
+        assert done == 600 and got[0] == 64 and 16 in got
+    assert chunks(StepCost(0.001, 0.01, 0.080))[:3] == [64, 48, 37]  # 80 / 1.64 = 48 after 64
 
 
 def test_chunked_prefill_respects_budget_and_mixes_with_decode() -> None:

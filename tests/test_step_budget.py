@@ -4,6 +4,7 @@ its cache, and the scheduler taking the budget the worker announces over a real 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,13 +60,13 @@ def runner(tiny_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Model
 
 
 def counting_steps(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the prompt steps `runner` runs from now on."""
+    """The sizes of the prompt steps `runner` runs from now on (a step after context: -size)."""
     sizes: list[int] = []
     warmup = runner.warmup
 
-    def counted(n: int = 16) -> None:
-        sizes.append(n)
-        warmup(n)
+    def counted(n: int = 16, context: int = 0) -> float:
+        sizes.append(-n if context else n)
+        return warmup(n, context)
 
     monkeypatch.setattr(runner, "warmup", counted)
     return sizes
@@ -76,24 +77,35 @@ def test_a_worker_measures_its_budget_once_per_machine_and_model(
     args = EngineArgs(model_dir=str(tiny_llama[0]))
     steps = counting_steps(runner, monkeypatch)
     budget = step_budget.resolve(runner, args)
-    # The tiny model's context (256) bounds the sizes tried; each is timed after a first run.
+    # The tiny model's context (256) bounds the sizes tried, each timed after a first run, and
+    # leaves no room to time a chunk after context: that cost stays unmeasured.
     assert set(steps) <= {128, 256} and steps[:3] == [128, 128, 128]
-    assert budget in (128, 256)
+    assert budget.tokens in (128, 256) and budget.cost is not None and budget.cost.context == 0
     kept = json.loads(next((tmp_path / "cache" / "step-budget").glob("*.json")).read_text())
-    assert kept["budget"] == budget and set(kept["step_ms"]) <= {"128", "256"}
+    assert kept["budget"] == budget.tokens and set(kept["step_ms"]) <= {"128", "256"}
     steps.clear()
     assert step_budget.resolve(runner, args) == budget  # a later start reads the answer...
     assert steps == []  # ...without stepping
     monkeypatch.setenv("RILL_CPU_STEP_TARGET_MS", "0.001")  # another target is another question
-    assert step_budget.resolve(runner, args) == 128  # nothing fits: the smallest size
+    assert step_budget.resolve(runner, args).tokens == 128  # nothing fits: the smallest size
     assert steps[:3] == [128, 128, 128] and set(steps) == {128}  # stopped at the first size past the target
 
 
 def test_a_given_budget_is_kept_without_measuring(
         runner: ModelRunner, tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
     steps = counting_steps(runner, monkeypatch)
-    assert step_budget.resolve(runner, EngineArgs(model_dir=str(tiny_llama[0]), max_num_batched_tokens=200)) == 200
-    assert steps == []
+    given = step_budget.resolve(runner, EngineArgs(model_dir=str(tiny_llama[0]), max_num_batched_tokens=200))
+    assert given == step_budget.StepBudget(200) and given.cost is None and steps == []  # chunks keep the budget
+
+
+def test_context_makes_a_prompt_chunk_dearer(smollm2_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2: a chunk after 1,024 tokens of context, against one at a prompt's start; the
+    runner steps through that context in chunks of the budget first."""
+    runner = ModelRunner(smollm2_dir, dtype="auto", device="cpu", num_blocks=96, block_size=16, max_model_len=1536)
+    steps = counting_steps(runner, monkeypatch)
+    cost = step_budget.context_cost(runner, 128)
+    assert steps == [128, 128, -128] and cost > 0
+    assert step_budget.context_cost(runner, 768) == 0  # 768 tokens of room left: too little to tell
 
 
 def chunks_of(worker, rid: str) -> list[int]:
@@ -127,8 +139,10 @@ def test_tensor_parallel_ranks_measure_together_and_agree(tmp_path: Path) -> Non
              for rank in (0, 1)]
     assert [p.wait(180) for p in procs] == [0, 0]
     answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert answers[0] == answers[1] and answers[0][0] == answers[0][1]
-    assert answers[0][0] in (128, 256)  # what the context holds
+    # One budget; each rank timed its own steps, the lead's are kept and read back by both.
+    assert {a[0] for ranks in answers for a in ranks} == {answers[0][0][0]}
+    assert answers[0][0] == answers[0][1] == answers[1][1]
+    assert answers[0][0][0] in (128, 256)  # what the context holds
 
 
 def _rank_main(rank: int, address: str, model_dir: str, out: str) -> None:
@@ -140,7 +154,7 @@ def _rank_main(rank: int, address: str, model_dir: str, out: str) -> None:
     runner.warmup()
     envs.export("RILL_CACHE_DIR", str(Path(out, "cache")))  # budgets in a fresh folder, kernels as usual
     args = EngineArgs(model_dir=model_dir, tensor_parallel_size=2, tp_rank=rank)
-    budgets = [step_budget.resolve(runner, args, tp) for _ in range(2)]
+    budgets = [dataclasses.astuple(step_budget.resolve(runner, args, tp)) for _ in range(2)]
     Path(out, f"rank{rank}.json").write_text(json.dumps(budgets))
 
 

@@ -34,6 +34,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.request import Refusal, Request, Status
 from rill.services.scheduler.request_states import RequestStates
 from rill.services.scheduler.speculation import Speculator
+from rill.shared.config import StepCost
 from rill.shared.kinds import EngineRole, FinishReason
 from rill.shared.schema import DetokBatch, StepPlan, StepResult, TokenizedRequest
 
@@ -46,6 +47,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
+    step_cost: StepCost | None = None  # the worker's measure of its prompt steps; None: chunks take the budget
     policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
     role: EngineRole = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
@@ -106,8 +108,17 @@ class Scheduler(RequestStates):
         if req.num_inflight_samples and self._ends_on_placeholder(req):
             return 0
         n = min(req.num_known_tokens - req.num_planned_tokens, budget)
+        return self._prompt_chunk(n, req.num_planned_tokens) if n > 1 else n
+
+    def _prompt_chunk(self, n: int, context: int) -> int:
+        """At most `n` prompt tokens after `context` computed ones: within
+        long_prefill_token_threshold, and, where the worker measured its steps, within the step
+        time deep in a long prompt too (StepCost.chunk): every running stream waits for it."""
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 and n > 1 else n
+        if cap > 0:
+            n = min(n, cap)
+        cost = self.config.step_cost
+        return cost.chunk(n, context, self.config.max_num_batched_tokens) if cost is not None else n
 
     def _ends_on_placeholder(self, req: Request) -> bool:
         """A token already in flight is certainly this request's last (length limits): scheduling
@@ -179,10 +190,7 @@ class Scheduler(RequestStates):
                 j += 1
                 continue
             computed = len(shared) * self.kv.block_size
-            n = min(req.num_tokens - computed, budget)
-            cap = self.config.long_prefill_token_threshold
-            if cap > 0:
-                n = min(n, cap)
+            n = self._prompt_chunk(min(req.num_tokens - computed, budget), computed)
             if self.kv.allocate(req.request_id, computed + n, prefix_blocks=shared) is None:
                 break
             self.kv.record_query(req.num_tokens, computed, preempted=req.num_preemptions > 0)

@@ -39,7 +39,7 @@ from rill.services.scheduler.prefix_summary import PrefixSummary
 from rill.services.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import Speculator
 from rill.shared.bus import Backoff, Bus, Entry
-from rill.shared.config import EngineArgs, SpeculativeConfig
+from rill.shared.config import EngineArgs, SpeculativeConfig, StepCost
 from rill.shared.lifecycle import POLL_MS, StopFlag
 from rill.shared.resp import Command
 from rill.shared.schema import (
@@ -125,6 +125,7 @@ class SchedulerService:
                             max_num_batched_tokens=budget,
                             max_model_len=max_model_len,
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
+                            step_cost=StepCost.of(ready.step_cost),
                             policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching,
                            sliding_window=ready.sliding_window or None),

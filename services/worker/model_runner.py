@@ -412,20 +412,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ warm-up
 
-    def warmup(self, num_tokens: int = 16) -> None:
-        """Run one throwaway prefill of `num_tokens` (first-call kernel set-up, memory profiling)."""
-        num_tokens = max(1, min(num_tokens, self.max_model_len, self.num_blocks * self.block_size))
-        rid = "__rill_warmup__"
-        nblocks = -(-num_tokens // self.block_size)
-        plan = StepPlan(step_id=-1, new_requests=[NewRequestData(
-            request_id=rid, token_ids=[0] * num_tokens, params=SamplingParams(temperature=0.0),
-            block_ids=list(range(nblocks)))], cached_request_ids=[], cached_new_block_ids=[],
-            scheduled_request_ids=[rid], num_scheduled_tokens=[num_tokens])
-        result = self.execute(plan)
-        self._forget(rid)
-        self.last_logits = None
-        if result.error:
-            raise RuntimeError(f"warm-up step failed: {result.error}")
+    def warmup(self, num_tokens: int = 16, context: int = 0) -> float:
+        """Run one throwaway prompt step of `num_tokens` (first-call kernel set-up, memory
+        profiling, timing), after `context` tokens of the same prompt run first in steps of at
+        most `num_tokens`; returns the seconds of that last step."""
+        room = min(self.max_model_len, self.num_blocks * self.block_size)
+        num_tokens = max(1, min(num_tokens, room))
+        context = max(0, min(context, room - num_tokens))
+        rid, total = "__rill_warmup__", context + num_tokens
+        new = NewRequestData(request_id=rid, token_ids=[0] * total, params=SamplingParams(temperature=0.0),
+                             block_ids=list(range(-(-total // self.block_size))))
+        chunks = [min(num_tokens, context - at) for at in range(0, context, num_tokens)] + [num_tokens]
+        seconds = 0.0
+        try:
+            for i, n in enumerate(chunks):
+                plan = StepPlan(step_id=-1, new_requests=[new] if i == 0 else [], cached_request_ids=[] if i == 0 else [rid],
+                                cached_new_block_ids=[] if i == 0 else [[]], scheduled_request_ids=[rid],
+                                num_scheduled_tokens=[n])
+                start = time.perf_counter()
+                result = self.execute(plan)
+                seconds = time.perf_counter() - start
+                if result.error:
+                    raise RuntimeError(f"warm-up step failed: {result.error}")
+        finally:
+            self._forget(rid)
+            self.last_logits = None
         if self.graphs is None and graphs_wanted(self.device, self.model):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len)
             self.graphs.capture()
+        return seconds
