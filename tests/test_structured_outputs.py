@@ -502,3 +502,7 @@ def test_websocket_tool_call_in_done_frame(stack: ServiceStack) -> None:
     (call,) = done["tool_calls"]
     assert call["function"]["name"] == "get_time"
     jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[1]["function"]["parameters"])
+    # The call streamed in delta frames as SSE chunks carry it: id and name, then argument pieces.
+    deltas = [d for f in frames if f["type"] == "delta" for d in f.get("tool_calls", [])]
+    assert deltas[0]["id"] == call["id"] and deltas[0]["function"]["name"] == "get_time" and len(deltas) > 2
+    assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]

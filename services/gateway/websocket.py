@@ -5,13 +5,15 @@ Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
                 {"type": "cancel", "id": ..}
 (chat and completion frames are the HTTP bodies plus `type` and `id`, checked by the same
 schema, requests.py; `echo` and `return_tokens_as_token_ids` are refused here)
-Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..]}
+Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..], "tool_calls"?: [..]}
                 {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..},
                  "tool_calls"?: [..], "tool_calls_by_index"?: [[..], ..]}
 
 Sampling fields are the chat/completions ones; `logprobs` (true, with `top_logprobs`) adds the
 chat-shaped logprobs of a delta's tokens; with `n` > 1 each delta names its sample's `index`
-and the done frame, sent once every sample ended, lists each sample's finish reason.
+and the done frame, sent once every sample ended, lists each sample's finish reason. Tool calls
+stream in delta frames as OpenAI's chunks carry them (a call's id and name, then pieces of its
+arguments, by `index` of call); the done frame has them whole.
                 {"id": .., "type": "error", "error": {"message": .., "type": .., "param": .., "code": ..}}
 
 Every request ends with exactly one `done` or `error` frame. A bad frame only earns an error
@@ -71,6 +73,7 @@ class _Pending:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[TextLogprob] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's tool-call deltas
 
 
 def _id_error() -> APIError:
@@ -246,6 +249,7 @@ class Connection:
                         d = entry.chat[i].feed(text, ev.finish_reason is not None)
                         text = d.content
                         p.reasoning.append(d.reasoning)
+                        p.tool_calls.extend(d.tool_calls)
                         if d.calls:
                             entry.calls[i] = d.calls
                     p.text.append(text)
@@ -268,7 +272,7 @@ class Connection:
         # One frame per sample per wake-up: deltas that queued up meanwhile go out together.
         for i, p in sorted(pending.items()):
             text, reasoning = "".join(p.text), "".join(p.reasoning)
-            if not text and not reasoning and not p.logprobs:
+            if not text and not reasoning and not p.logprobs and not p.tool_calls:
                 continue
             frame: dict[str, Any] = {"id": entry.client_id, "type": "delta", "text": text}
             if reasoning:
@@ -277,6 +281,8 @@ class Connection:
                 frame["index"] = i
             if p.logprobs:
                 frame["logprobs"] = chat_logprobs(p.logprobs)["content"]
+            if p.tool_calls:
+                frame["tool_calls"] = p.tool_calls
             await self._send_owned(entry, frame)
         pending.clear()
 
