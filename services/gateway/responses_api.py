@@ -288,10 +288,15 @@ def _not_found(response_id: str) -> APIError:
     return APIError(f"Response with id '{response_id}' not found.", 404, param="response_id")
 
 
+def _only_query(request: Request, allowed: tuple[str, ...] = ()) -> None:
+    """A query parameter the route does not take is a 400 naming it."""
+    for name in request.query_params:
+        if name not in allowed:
+            raise APIError(f"Query parameter {name!r} is not supported.", 400, param=name)
+
+
 async def retrieve_response(request: Request) -> Response:
-    if request.query_params:
-        name = next(iter(request.query_params))
-        raise APIError(f"Query parameter {name!r} is not supported.", 400, param=name)
+    _only_query(request)
     response_id = request.path_params["response_id"]
     stored = await ResponseStore(request.app.state.gateway.bus).get(response_id)
     if stored is None:
@@ -304,10 +309,8 @@ async def list_input_items(request: Request) -> Response:
     turns' included), OpenAI's list page: `order` desc (default) or asc, `limit` 1-100 (20),
     `after` an item id. `include` asks for data of images, files and encrypted reasoning, none of
     which Rill keeps: a 400."""
+    _only_query(request, ("order", "limit", "after"))
     q = request.query_params
-    for name in q:
-        if name not in ("order", "limit", "after"):
-            raise APIError(f"Query parameter {name!r} is not supported.", 400, param=name)
     order, limit = q.get("order", "desc"), q.get("limit", "20")
     if order not in ("asc", "desc"):
         raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", 400, param="order")

@@ -87,16 +87,27 @@ def read_json(text: str, pos: int) -> tuple[Any, int] | None:
         return None
 
 
-class Hermes:
+class _Marked:
+    """A format whose calls follow a marker: the text before it is the message's content."""
+
+    marker: str
+
+    def content(self, text: str) -> str | None:
+        return text[:text.find(self.marker)].strip() or None
+
+
+def _listed(body: str) -> list[Written]:
+    """The calls of a JSON array, or of the same objects bare, at the start of `body`."""
+    return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
+
+
+class Hermes(_Marked):
     name = "hermes"
     marker = "<tool_call>"
 
     def calls(self, text: str) -> list[Written]:
         # Each call reads on past its block's end tag: arguments may hold that text in a string.
         return [c for m in re.finditer(re.escape(self.marker), text) for c in written_calls(text, m.end())[:1]]
-
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
 
 
 class Llama3Json:
@@ -116,7 +127,7 @@ class Llama3Json:
         return head.startswith("{") or head.startswith(self._tag) or self._tag.startswith(head)
 
 
-class GraniteJson:
+class GraniteJson(_Marked):
     name = "granite"
     marker = "<|tool_call|>"
 
@@ -125,19 +136,15 @@ class GraniteJson:
         if start < 0:
             return []
         body = text[start + len(self.marker):].lstrip()
-        # An array, or the objects bare (Phi-4-mini drops the brackets at times); reading stops
-        # at the end tag where the model writes one (<|/tool_call|>).
-        return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
-
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
+        # Phi-4-mini drops the brackets at times; reading stops at its end tag (<|/tool_call|>).
+        return _listed(body)
 
 
 class Phi4Mini(GraniteJson):
     name = "phi4_mini"  # Granite's marker and items; its template takes the tools in the system message
 
 
-class Mistral:
+class Mistral(_Marked):
     """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo),
     or, from tokenizer v11 on (Mistral Small 3.2, Devstral), `[TOOL_CALLS]name[ARGS]{...}` per call."""
 
@@ -151,8 +158,7 @@ class Mistral:
             return []
         named = self._named.match(text, at[0])
         if named is None:
-            body = text[at[0]:].lstrip()
-            return written_calls(body, 1 if body.startswith("[") else 0, ", \t\r\n")
+            return _listed(text[at[0]:].lstrip())
         calls: list[Written] = []
         for start in at:
             named = self._named.match(text, start)
@@ -163,11 +169,8 @@ class Mistral:
             calls.append((named.group(1), arguments.split(self.marker)[0]))
         return calls
 
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
 
-
-class Qwen3Coder:
+class Qwen3Coder(_Marked):
     """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`, a
     value on lines of its own. The arguments are the JSON object of the parameters read so far
     (one streams once its closing tag is written), closed at </function>; each value becomes its
@@ -200,9 +203,6 @@ class Qwen3Coder:
             calls.append((name, "{" + ", ".join(pairs) + ("}" if closed else "")))
         return calls
 
-    def content(self, text: str) -> str | None:
-        return text[:text.find(self.marker)].strip() or None
-
 
 def _typed(value: str, kind: Any) -> Any:
     """A parameter's text as its schema `kind` ("string", "integer", "number", "boolean",
@@ -210,8 +210,9 @@ def _typed(value: str, kind: Any) -> Any:
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds and len(kinds) == 1:
         return value
-    read = read_json(value.strip(), 0)
-    if read is None or read[1] != len(value.strip()):
+    stripped = value.strip()
+    read = read_json(stripped, 0)
+    if read is None or read[1] != len(stripped):
         return value
     want = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
             "null": type(None)}

@@ -155,7 +155,7 @@ class ChatTemplate:
         """Whether it renders a request's tools at all (else tool_prompt.py writes them as text)."""
         return "tools" in self.variables
 
-    @property
+    @cached_property
     def takes_system_tools(self) -> bool:
         """Whether it renders tools only as a system message's own `tools` (Phi-4-mini's)."""
         return not self.reads_tools and SYSTEM_TOOLS.search(self.source) is not None

@@ -412,13 +412,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ warm-up
 
+    @property
+    def room(self) -> int:
+        """The most tokens one request can hold: its context length, or the whole KV cache."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
     def warmup(self, num_tokens: int = 16, context: int = 0) -> float:
         """Run one throwaway prompt step of `num_tokens` (first-call kernel set-up, memory
         profiling, timing), after `context` tokens of the same prompt run first in steps of at
         most `num_tokens`; returns the seconds of that last step."""
-        room = min(self.max_model_len, self.num_blocks * self.block_size)
-        num_tokens = max(1, min(num_tokens, room))
-        context = max(0, min(context, room - num_tokens))
+        num_tokens = max(1, min(num_tokens, self.room))
+        context = max(0, min(context, self.room - num_tokens))
         rid, total = "__rill_warmup__", context + num_tokens
         new = NewRequestData(request_id=rid, token_ids=[0] * total, params=SamplingParams(temperature=0.0),
                              block_ids=list(range(-(-total // self.block_size))))

@@ -192,7 +192,7 @@ class _PlanLoop:
     step; after a broker outage, reconnect and pick up where it was."""
 
     def __init__(self, redis_url: str, prefix: str, args: EngineArgs, runner: ModelRunner,
-                 tp: TPGroup | None, budget: step_budget.StepBudget | None = None) -> None:
+                 tp: TPGroup | None, budget: step_budget.StepBudget) -> None:
         self.redis_url = redis_url
         self.engine_id = args.engine_id
         self.runner = runner
@@ -207,8 +207,8 @@ class _PlanLoop:
                                  block_size=runner.block_size, max_model_len=runner.max_model_len,
                                  dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
                                  sliding_window=runner.model.sliding_window or 0,
-                                 max_num_batched_tokens=budget.tokens if budget else 0,
-                                 step_cost=budget.cost.wire() if budget and budget.cost else [])
+                                 max_num_batched_tokens=budget.tokens,
+                                 step_cost=budget.cost.wire() if budget.cost else [])
         # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
         self.transfers = KVTransferExecutor(runner, [RedisKVTransport(self.bus.r, self.bus.streams)])
         self.heartbeat: Heartbeat | None = None

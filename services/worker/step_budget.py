@@ -94,25 +94,24 @@ def _measure_and_keep(runner: ModelRunner, path: Path, target_s: float, tp: TPGr
     budget = choose(times, target_s)
     if tp is not None:
         budget = tp.all_reduce_min(budget)
-    found = StepBudget(budget, StepCost(times[budget] / budget, context_cost(runner, budget), target_s))
+    cost = StepCost(times[budget] / budget, context_cost(runner, budget), target_s)
     if tp is None or tp.lead:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"budget": budget, "step_cost": found.cost.wire() if found.cost else [],
+        tmp.write_text(json.dumps({"budget": budget, "step_cost": cost.wire(),
                                    "step_ms": {n: round(t * 1e3, 2) for n, t in times.items()}}))
         os.replace(tmp, path)  # atomic: a reader never sees half a file
     log.info("step budget: %d tokens, %s; a prompt step took %s (target %.0f ms; measured in %.1f s)",
-             budget, found.cost, ", ".join(f"{n} -> {t * 1e3:.0f} ms" for n, t in times.items()),
+             budget, cost, ", ".join(f"{n} -> {t * 1e3:.0f} ms" for n, t in times.items()),
              target_s * 1e3, time.perf_counter() - start)
-    return found
+    return StepBudget(budget, cost)
 
 
 def measure(runner: ModelRunner, target_s: float, tp: TPGroup | None = None) -> dict[int, float]:
     """Seconds of one prompt step of each candidate size, smallest first, best of two after a
     first run that sets the size up; stops past `target_s`, once doubling stops paying, or at
     what the context and the KV cache hold."""
-    limit = min(runner.max_model_len, runner.num_blocks * runner.block_size)
     times: dict[int, float] = {}
-    for n in [c for c in CANDIDATES if c <= limit] or [limit]:
+    for n in [c for c in CANDIDATES if c <= runner.room] or [runner.room]:
         runner.warmup(n)
         times[n] = min(runner.warmup(n) for _ in range(2))
         half = times.get(n // 2)
@@ -128,8 +127,7 @@ def context_cost(runner: ModelRunner, budget: int) -> float:
     """What a token of context adds to a prompt token's cost, relative to a fresh prompt's: a
     budget-sized chunk timed after up to CONTEXT_PROBE tokens of context against one at the
     start; 0 where the context holds too little to tell."""
-    room = min(runner.max_model_len, runner.num_blocks * runner.block_size)
-    context = min(8 * budget, CONTEXT_PROBE, room - budget)
+    context = min(8 * budget, CONTEXT_PROBE, runner.room - budget)
     if context < 2 * budget:
         return 0.0
     fresh = min(runner.warmup(budget) for _ in range(2))
