@@ -182,6 +182,29 @@ def test_a_conversion_is_found_by_content_and_names_the_live_file(tmp_path: Path
     assert model_files.file_key(tmp_path / "b.gguf") != model_files.file_key(tmp_path / "venv2" / "a.gguf")
 
 
+def test_a_conversion_parses_the_header_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            tok: dict[str, Any]) -> None:
+    """transformers asks for the config, the tokenizer and the weights, each reading the file:
+    one conversion parses it once, and leaves gguf-py as it found it."""
+    import gguf
+
+    monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path / "cache"))
+    arch, label, overrides = GGUF_CASES["llama"]
+    write_gguf(build("llama", tmp_path / "st", VOCAB, **overrides), arch, label, tok, tmp_path / "a.gguf")
+    parsed: list[str] = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path: Any, *args: Any) -> None:
+            parsed.append(str(path))
+            super().__init__(path, *args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    names = gguf.get_tensor_name_map
+    convert_gguf(tmp_path / "a.gguf")
+    assert parsed == [str(tmp_path / "a.gguf")]
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is names
+
+
 def test_gguf_of_an_unserved_architecture_is_refused_at_start(tmp_path: Path) -> None:
     """Before anything is converted: the architecture is read from the file's header."""
     path = tmp_path / "tiny-gpt2.gguf"
