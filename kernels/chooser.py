@@ -279,6 +279,9 @@ def tune(probes: Iterable[Callable[[], Probe | None]], keys: Iterable[str], key:
         fcntl.flock(lock, fcntl.LOCK_EX)
         table = cached()
         todo = [(k, make) for k, make in pairs if k not in table.entries]
+        if todo:
+            log.info("kernel choice: measuring %d entries on this machine (once: later starts reuse them) ...",
+                     len(todo))
         start = time.perf_counter()
         for i, (k, make) in enumerate(todo):
             if time.perf_counter() - start > TOTAL_S:

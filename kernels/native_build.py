@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from rill.shared import envs
@@ -79,6 +80,8 @@ def build(folder: Path) -> tuple[Path, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target, key
+        log.info("building native CPU kernels for this machine (once: later starts reuse them) ...")
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
             cmd = [cc, *flags, "-I", str(HEADERS[0].parent), "-o", str(built), *map(str, SOURCES)]
@@ -86,5 +89,5 @@ def build(folder: Path) -> tuple[Path, str]:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
             os.replace(built, target)
-        log.info("built native CPU kernels: %s", target)
+        log.info("built native CPU kernels in %.1f s: %s", time.perf_counter() - start, target)
     return target, key

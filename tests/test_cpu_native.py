@@ -233,13 +233,18 @@ def test_failed_build_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
-def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A fresh cache folder builds once; a changed source builds a second library beside it. (One
-    small source stands for all of them: the rule is the same, the full build takes ~15 s.)"""
+def test_build_is_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A fresh cache folder builds once, saying so before it starts (a start waits on it); a
+    changed source builds a second library beside it. (One small source stands for all of them:
+    the rule is the same.)"""
     monkeypatch.setenv("RILL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native_build, "SOURCES", [Path(native_build.__file__).with_name("cpu_sampling.c")])
-    first = cpu_native._build()
-    assert first.exists() and cpu_native._build() == first
+    with caplog.at_level("INFO", logger=native_build.log.name):
+        first = cpu_native._build()
+        assert first.exists() and cpu_native._build() == first
+    said = [r.getMessage() for r in caplog.records if r.name == native_build.log.name]
+    assert len(said) == 2 and said[0].startswith("building") and said[1].startswith("built"), said
     changed = tmp_path / "changed.c"
     changed.write_text(native_build.SOURCES[-1].read_text() + "\n// changed\n")
     monkeypatch.setattr(native_build, "SOURCES", [*native_build.SOURCES[:-1], changed])

@@ -89,6 +89,7 @@ def resolve(runner: ModelRunner, args: EngineArgs, tp: TPGroup | None = None) ->
 
 
 def _measure_and_keep(runner: ModelRunner, path: Path, target_s: float, tp: TPGroup | None) -> StepBudget:
+    log.info("step budget: measuring prompt steps on this machine (once per model: later starts reuse it) ...")
     start = time.perf_counter()
     times = measure(runner, target_s, tp)
     budget = choose(times, target_s)
