@@ -60,9 +60,7 @@ def main() -> None:
     for b in args.budget.split(","):
         if b.strip() == "measured":
             target_s = envs.RILL_CPU_STEP_TARGET_MS / 1e3
-            times = step_budget.measure(runner, target_s)
-            n = step_budget.choose(times, target_s)
-            cost = StepCost(times[n] / n, step_budget.context_cost(runner, n), target_s)
+            times, n, cost = step_budget.measure_budget(runner, target_s)
             print("measured: " + ", ".join(f"{k} -> {t * 1e3:.0f} ms" for k, t in times.items()) + f" => {n}; {cost}")
             budgets += [(f"measured ({n})", n, None), (f"measured ({n}) + ctx", n, cost)]
         else:

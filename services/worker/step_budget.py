@@ -91,11 +91,7 @@ def resolve(runner: ModelRunner, args: EngineArgs, tp: TPGroup | None = None) ->
 def _measure_and_keep(runner: ModelRunner, path: Path, target_s: float, tp: TPGroup | None) -> StepBudget:
     log.info("step budget: measuring prompt steps on this machine (once per model: later starts reuse it) ...")
     start = time.perf_counter()
-    times = measure(runner, target_s, tp)
-    budget = choose(times, target_s)
-    if tp is not None:
-        budget = tp.all_reduce_min(budget)
-    cost = StepCost(times[budget] / budget, context_cost(runner, budget), target_s)
+    times, budget, cost = measure_budget(runner, target_s, tp)
     if tp is None or tp.lead:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"budget": budget, "step_cost": cost.wire(),
@@ -105,6 +101,16 @@ def _measure_and_keep(runner: ModelRunner, path: Path, target_s: float, tp: TPGr
              budget, cost, ", ".join(f"{n} -> {t * 1e3:.0f} ms" for n, t in times.items()),
              target_s * 1e3, time.perf_counter() - start)
     return StepBudget(budget, cost)
+
+
+def measure_budget(runner: ModelRunner, target_s: float,
+                   tp: TPGroup | None = None) -> tuple[dict[int, float], int, StepCost]:
+    """The prompt-step times measured ({tokens: seconds}), the budget they give and its steps' cost."""
+    times = measure(runner, target_s, tp)
+    budget = choose(times, target_s)
+    if tp is not None:
+        budget = tp.all_reduce_min(budget)
+    return times, budget, StepCost(times[budget] / budget, context_cost(runner, budget), target_s)
 
 
 def measure(runner: ModelRunner, target_s: float, tp: TPGroup | None = None) -> dict[int, float]:
