@@ -97,6 +97,8 @@ def _measure_and_keep(runner: ModelRunner, path: Path, target_s: float, tp: TPGr
         tmp.write_text(json.dumps({"budget": budget, "step_cost": cost.wire(),
                                    "step_ms": {n: round(t * 1e3, 2) for n, t in times.items()}}))
         os.replace(tmp, path)  # atomic: a reader never sees half a file
+    if tp is not None:  # every rank announces the lead's answer, and goes on once it is kept
+        cost = tp.share(cost)
     log.info("step budget: %d tokens, %s; a prompt step took %s (target %.0f ms; measured in %.1f s)",
              budget, cost, ", ".join(f"{n} -> {t * 1e3:.0f} ms" for n, t in times.items()),
              target_s * 1e3, time.perf_counter() - start)
