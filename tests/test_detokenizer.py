@@ -297,6 +297,19 @@ def test_special_tokens(detok: Detokenizer, tok) -> None:
         check(detok, tok, ids, [1] * len(ids), skip=skip, stop=["<|im_start|>"])
 
 
+def test_a_stop_token_ends_the_text_unseen(detok: Detokenizer, tok) -> None:
+    """A row the engine ended on a stop token (finish "stop": EOS or a stop_token_ids id) leaves
+    that token's text out, special or not, unless include_stop_str_in_output (as vLLM)."""
+    body = tok.encode("Hi 你好")
+    for stop_id in (EOS, tok.encode(" there")[0]):
+        ids = [*body, stop_id]
+        for steps in ([1] * len(ids), [len(ids)], [len(ids) - 1, 1]):
+            for include in (False, True):
+                outs = stream(detok, ids, steps, include=include, skip=False, finish="stop")
+                want = tok.decode(ids if include else body, skip_special_tokens=False)
+                assert "".join(o.text for o in outs) == want and outs[-1].finish_reason == "stop", (stop_id, steps)
+
+
 def test_empty_rows(detok: Detokenizer, tok) -> None:
     ids = tok.encode("ab 世")
     # A finishing row with no new tokens (e.g. an abort) flushes what was held back.

@@ -263,6 +263,11 @@ def test_lengths_stops_and_eos(client: openai.OpenAI, hf) -> None:
     by_id = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0,
                                       extra_body={"stop_token_ids": [ids[3]]})
     assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ids.index(ids[3]) + 1
+    # The stop token's text is left out (as vLLM), unless include_stop_str_in_output.
+    assert by_id.choices[0].text == tok.decode(ids[:ids.index(ids[3])]), (by_id.choices[0].text, text)
+    kept_id = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={
+        "stop_token_ids": [ids[3]], "include_stop_str_in_output": True})
+    assert kept_id.choices[0].text == tok.decode(ids[:ids.index(ids[3]) + 1])
     # A prompt the model answers briefly: EOS ends it early, ignore_eos and min_tokens do not.
     short = [{"role": "user", "content": "Reply with just the word yes."}]
     early = client.chat.completions.create(model=name, messages=short, max_tokens=48, temperature=0)

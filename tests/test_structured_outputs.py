@@ -363,6 +363,12 @@ def test_forced_tool_calls_round_trip(client: openai.OpenAI, mid: str) -> None:
     final = client.chat.completions.create(model=mid, messages=history, tools=TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=40)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    # With tool_choice auto special tokens are kept (a call's marker may be one), but the EOS that
+    # ends a text answer is not text.
+    plain = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "What is 2+2? Be brief."}],
+                                           tools=TOOLS, temperature=0, max_tokens=40)
+    assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls, plain
+    assert plain.choices[0].message.content and "<|im_end|>" not in plain.choices[0].message.content, plain
 
 
 # As pydantic writes a function whose argument is a model: "$defs" and references into its root.

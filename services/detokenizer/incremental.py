@@ -243,6 +243,10 @@ class Detokenizer:
         just before it (`context_ids`). `final`: the request ends here, flush held-back text."""
         stops = [s for s in stop if s]
         final = final or finish_reason is not None
+        if finish_reason == "stop" and not include_stop_str:
+            # The engine stopped on this row's last token (EOS or a stop_token_ids id; stop
+            # strings are found here): as vLLM, its text is not output, special or not.
+            new_ids = new_ids[:-1]
         at_start = len(context_ids) >= offset  # the context reaches back to the first output token
         if self._tables is not None:
             window, prev_len = self._window_bytes(context_ids, new_ids, at_start, skip_special_tokens,
