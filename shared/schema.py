@@ -32,6 +32,8 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True  # the template's opening of the assistant's turn
+    continue_final_message: bool = False  # the prompt ends inside the final message: the output goes on with it
     avoid_engine: int = -1  # sent again after this engine lost it: elsewhere while another runs
 
 
@@ -65,6 +67,7 @@ class TokenizeRequest(Struct, tag_field="_t", tag="tokenize", omit_defaults=True
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] = {}
 
@@ -206,11 +209,8 @@ DRAFT_PLACEHOLDER = -1
 
 
 class Hello(Struct, tag_field="_t", tag="hello", array_like=True):
-    """Scheduler -> worker at start: forget all request state and announce yourself again.
-
-    Together with the worker's unsolicited WorkerReady at its own start, this makes the
-    handshake work whichever of the two processes starts first.
-    """
+    """Scheduler -> worker at start: forget all request state and announce yourself again (with
+    the worker's unsolicited WorkerReady at its own start, the handshake works whichever starts first)."""
 
     scheduler_id: str
 

@@ -111,6 +111,44 @@ def test_prompt_and_ids_equal_transformers(hf, tokenizers: dict[str, Tokenizer],
         assert case != "tool round trip" or '{"temp": 21}' in prompt
 
 
+@pytest.mark.parametrize("template", ["model", *(f.name for f in TEMPLATE_FILES)])
+@pytest.mark.parametrize("begun", ["The weather in Paris is", "Sure: {\"city\": ", "trailing space "])
+def test_continue_final_message_equals_transformers(hf, tokenizers: dict[str, Tokenizer], template: str,
+                                                    begun: str) -> None:
+    """An assistant reply the client began: the prompt ends inside it (no end of turn), as
+    transformers cuts it, or the request is refused by name where transformers refuses it."""
+    ours = [*CASES["multi-turn"][0], ChatMessage(role="assistant", content=begun)]
+    theirs = [*CASES["multi-turn"][1], {"role": "assistant", "content": begun}]
+    tok = tokenizers[template]
+    try:
+        want = hf.apply_chat_template(theirs, chat_template=_hf_template(template), add_generation_prompt=False,
+                                      continue_final_message=True, tokenize=False)
+    except ValueError:
+        with pytest.raises(RequestError) as err:
+            tok.render(ours, False, continue_final_message=True)
+        assert err.value.param == "continue_final_message"
+        return
+    got = tok.render(ours, False, continue_final_message=True)
+    assert got == want and got.rstrip().endswith(begun.rstrip())
+    assert tok.chat_ids(ours, False, continue_final_message=True) == list(hf.apply_chat_template(
+        theirs, chat_template=_hf_template(template), add_generation_prompt=False, continue_final_message=True,
+        tokenize=True, return_dict=False))
+
+
+def test_continue_final_message_refused_where_the_template_rewrites_it(hf) -> None:
+    """A template that rewrites the final message (or never writes content) leaves nowhere to
+    continue it: transformers raises, Rill refuses by name."""
+    from rill.services.tokenizer.chat_template import ContinueError
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
+    for source in ("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
+                   "{% for m in messages %}{{ m.role }}{% endfor %}"):
+        with pytest.raises(ValueError, match="continue_final_message"):
+            hf.apply_chat_template(msgs, chat_template=source, continue_final_message=True, tokenize=False)
+        with pytest.raises(ContinueError, match="continue_final_message"):
+            ChatTemplates({"default": source}).pick(False).render(msgs, continue_final_message=True)
+
+
 def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:
     """A template that never reads `tools`: the signatures in the system turn (or the first user
     turn when it refuses a system one), calls and results as hermes blocks; one that reads
@@ -373,6 +411,16 @@ def test_tokenize_endpoint_renders_tools_and_tool_history(stack: str, hf) -> Non
             hf.decode(r.json()["tokens"])
         r = c.post("/v1/tokenize", json={"messages": openai_messages[:2], "chat_template_kwargs": {"tokenize": 1}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+        # A reply the client began: continued (add_generation_prompt left out means false then).
+        begun = [*openai_messages[:2], {"role": "assistant", "content": "It is"}]
+        r = c.post("/v1/tokenize", json={"messages": begun, "continue_final_message": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == hf.apply_chat_template(begun, chat_template=template, continue_final_message=True,
+                                                            return_dict=False)
+        for bad in ({"messages": begun, "continue_final_message": True, "add_generation_prompt": True},
+                    {"prompt": "x", "continue_final_message": False}):
+            r = c.post("/v1/tokenize", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
 def test_bench_replicas_reports_lean_replicas(redis_url: str, tmp_path: Path) -> None:

@@ -98,6 +98,37 @@ def test_greedy_matches_transformers_over_http(stack: ServiceStack, smollm2_hf) 
         assert_same_or_near_tie(tok, model, ids, hf, resp.choices[0].message.content)
 
 
+def test_a_begun_assistant_reply_is_continued(stack: ServiceStack, smollm2_hf) -> None:
+    """continue_final_message: the prompt ends inside the client's begun reply (transformers' ids),
+    the output goes on with it greedily as transformers' does, over HTTP and the WebSocket."""
+    tok, model = smollm2_hf
+    messages = [{"role": "user", "content": "List three rivers of Europe."}, {"role": "assistant", "content": "1. The"}]
+    out = tok.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
+    model_id = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=16,
+                                          extra_body={"continue_final_message": True})
+    assert resp.usage.prompt_tokens == len(ids)
+    assert_same_or_near_tie(tok, model, ids, hf_greedy(model, ids, 16), resp.choices[0].message.content)
+
+    async def over_ws() -> list[dict]:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat", "id": "c", "messages": messages, "max_tokens": 16,
+                                      "temperature": 0, "continue_final_message": True}))
+            frames = []
+            while not frames or frames[-1]["type"] == "delta":
+                frames.append(json.loads(await ws.recv()))
+            return frames
+
+    frames = asyncio.run(over_ws())
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["prompt_tokens"] == len(ids)
+    assert "".join(f["text"] for f in frames[:-1]) == resp.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, extra_body={
+            "continue_final_message": True, "add_generation_prompt": True})
+
+
 def test_openai_client_streams_chat(stack: ServiceStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
     model = client.models.list().data[0].id

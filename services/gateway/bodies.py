@@ -76,6 +76,9 @@ Tools = Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)]
 FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 TEMPLATES = "a per-request chat template is not supported; the server's --chat-template applies"
 BEAM = "Rill has no beam search"
+GENERATION_PROMPT = "Open the assistant's turn after the messages (default: true, unless continue_final_message)."
+CONTINUE = ("End the prompt inside the final message, with no end of turn, so the output goes on with it (an "
+            "assistant reply the client began); not with add_generation_prompt: true.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,8 +232,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     function_call: Annotated[Any, NotYet(FUNCTIONS, "none")] = None
     chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
     chat_template_kwargs: dict[str, Any] | None = None  # the ones the template reads reach it
-    add_generation_prompt: Annotated[Any, NotYet(TEMPLATES, True)] = None
-    continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
+    add_generation_prompt: Annotated[bool, Meta(description=GENERATION_PROMPT)] | None = None
+    continue_final_message: Annotated[bool, Meta(description=CONTINUE)] | None = None
     documents: Annotated[Any, NotYet(TEMPLATES)] = None
     add_special_tokens: Annotated[Any, NotYet(TEMPLATES, False)] = None  # the template brings its own
     echo: Annotated[Any, NotYet("no echo on chat", False)] = None
@@ -289,9 +292,9 @@ class TokenizeBody(_Body):
     prompt: str | None = None
     messages: Messages | None = None
     add_special_tokens: Annotated[bool, Meta(description="Text prompts only.")] | None = None
-    add_generation_prompt: Annotated[bool, Meta(description="Messages only.")] | None = None
+    add_generation_prompt: Annotated[bool, Meta(description=f"Messages only. {GENERATION_PROMPT}")] | None = None
     return_token_strs: Annotated[Any, NotYet("no token strings", False)] = None
-    continue_final_message: Annotated[Any, NotYet(TEMPLATES, False)] = None
+    continue_final_message: Annotated[bool, Meta(description=f"Messages only. {CONTINUE}")] | None = None
     chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Tools | None = None

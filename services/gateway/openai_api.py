@@ -29,7 +29,6 @@ from rill.services.gateway.bodies import (
     TokenizeBody,
 )
 from rill.services.gateway.chat_output import PLAIN, ChatOutput, chat_output
-from rill.services.gateway.chat_tools import tool_definitions
 from rill.services.gateway.engine_stats import read_engine_stats
 from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.responses import (
@@ -45,7 +44,7 @@ from rill.services.gateway.responses import (
     stream_end,
 )
 from rill.shared.kinds import RequestKind
-from rill.shared.schema import ErrorReply, GenerateRequest, TokenizeRequest
+from rill.shared.schema import ErrorReply, GenerateRequest
 
 if TYPE_CHECKING:
     from rill.services.gateway.gateway import Gateway
@@ -346,15 +345,7 @@ async def tokenize(request: Request) -> Response:
     """vLLM's /tokenize: the ids a prompt (or chat messages, templated) turns into."""
     gw = _gateway(request)
     body = requests.parse(await request.body(), TokenizeBody, gw.admission)
-    if body.messages is not None:
-        msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream,
-                              messages=requests.chat_messages(body.messages),
-                              add_generation_prompt=body.add_generation_prompt is not False,
-                              tools=tool_definitions(body.tools), chat_template_kwargs=body.chat_template_kwargs or {})
-    else:
-        msg = TokenizeRequest(request_id="", reply_to=gw.reply_stream, prompt=body.prompt,
-                              add_special_tokens=body.add_special_tokens is not False)
-    reply = await gw.call(msg)
+    reply = await gw.call(requests.tokenize_request(body, gw.reply_stream))
     return json_response({"count": len(reply.token_ids), "max_model_len": await served_max_model_len(gw),
                           "tokens": reply.token_ids})
 

@@ -37,7 +37,7 @@ from rill.services.gateway.structured import check as check_structured
 from rill.services.gateway.structured import grammar_of
 from rill.shared.kinds import RequestKind
 from rill.shared.request_params import ChatMessage, SamplingParams
-from rill.shared.schema import GenerateRequest
+from rill.shared.schema import GenerateRequest, TokenizeRequest
 
 log = logging.getLogger("rill.gateway.requests")
 
@@ -269,11 +269,22 @@ def _check_tokenize(req: TokenizeBody) -> None:
     if req.messages is not None and req.add_special_tokens:
         raise _bad("add_special_tokens is not supported yet with messages (the chat template brings its own).",
                    "add_special_tokens")
-    if req.prompt is not None and req.add_generation_prompt is not None:
-        raise _bad("add_generation_prompt applies to messages only.", "add_generation_prompt")
-    for name in ("tools", "chat_template_kwargs"):  # they reach the chat template, which text skips
+    # They reach the chat template, which text skips.
+    for name in ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"):
         if req.prompt is not None and getattr(req, name) is not None:
             raise _bad(f"{name} applies to messages only.", name)
+    if req.messages is not None:
+        turn_ending(req)
+
+
+def turn_ending(req: ChatCompletionRequest | TokenizeBody) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) for the chat template: a new assistant turn
+    is opened after the messages unless the final one is continued; asking for both is a 400."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise _bad("continue_final_message and add_generation_prompt cannot both be true: the final message is "
+                   "either continued or followed by a new assistant turn.", "continue_final_message")
+    return (not cont if req.add_generation_prompt is None else req.add_generation_prompt), cont
 
 
 def check(req: Struct, gate: Admission) -> None:
@@ -283,6 +294,7 @@ def check(req: Struct, gate: Admission) -> None:
     if isinstance(req, ChatCompletionRequest):
         _check_messages(req.messages)
         _check_tools(req)
+        turn_ending(req)
         if req.include_reasoning is False and not gate.reasoning:
             raise APIError("include_reasoning: false needs a server started with --reasoning-parser (without "
                            "one, reasoning is never split out of the content).", param="include_reasoning")
@@ -335,8 +347,10 @@ def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
 
 def thinks(req: GenerateBody) -> bool:
     """Whether the output may open with reasoning: a chat request, unless its template was told
-    not to think (`enable_thinking: false`, Qwen3's and SmolLM3's switch)."""
-    return isinstance(req, ChatCompletionRequest) and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+    not to think (`enable_thinking: false`, Qwen3's and SmolLM3's switch) or it continues its
+    final message (the output goes on with that message's text)."""
+    return (isinstance(req, ChatCompletionRequest) and not req.continue_final_message
+            and (req.chat_template_kwargs or {}).get("enable_thinking") is not False)
 
 
 def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParams:
@@ -376,9 +390,22 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
     prompts: list[str | list[int] | None] = [None] if chat else list(prompts_of(req.prompt))
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     params, arrival = sampling_params(req, reasoning), time.time()
+    opens, continues = turn_ending(req) if isinstance(req, ChatCompletionRequest) else (True, False)
     return [GenerateRequest(request_id=rid, reply_to=reply_to, kind=kind_of(req), params=params,
                             arrival_time=arrival, messages=chat_messages(req.messages) if chat else None,
                             prompt=prompt, priority=req.priority or 0,
                             tools=tool_definitions(req.tools) if chat else None,
-                            chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {})
+                            chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {},
+                            add_generation_prompt=opens, continue_final_message=continues)
             for rid, prompt in zip(ids, prompts, strict=True)]
+
+
+def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:
+    """The checked /tokenize body as the message the tokenizer consumes."""
+    if body.messages is None:
+        return TokenizeRequest(request_id="", reply_to=reply_to, prompt=body.prompt,
+                               add_special_tokens=body.add_special_tokens is not False)
+    opens, continues = turn_ending(body)
+    return TokenizeRequest(request_id="", reply_to=reply_to, messages=chat_messages(body.messages),
+                           add_generation_prompt=opens, continue_final_message=continues,
+                           tools=tool_definitions(body.tools), chat_template_kwargs=body.chat_template_kwargs or {})

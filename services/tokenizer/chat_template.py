@@ -52,8 +52,16 @@ log = logging.getLogger("rill.tokenizer.chat_template")
 RESERVED_KWARGS = frozenset({"messages", "chat_template", "tokenize"})
 
 
+# transformers' marker for where the final message's text ends (continue_final_message).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 class TemplateError(ValueError):
     """The template (or the request's arguments to it) could not produce a prompt."""
+
+
+class ContinueError(TemplateError):
+    """continue_final_message asked of a template that does not write the final message as given."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,14 +170,32 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, special_tokens: Mapping[str, str] | None = None,
-               kwargs: Mapping[str, Any] | None = None) -> str:
+               kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False) -> str:
+        """The prompt text; with `continue_final_message`, cut where the final message's text ends
+        (no end of turn after it), so the model goes on writing that message."""
+        final = messages[-1]["content"] if continue_final_message else ""
+        if continue_final_message:
+            if "content" not in self.source:
+                raise ContinueError("continue_final_message: the chat template never writes a message's content")
+            messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
         # The request's kwargs win, over tools and add_generation_prompt too (as in vLLM).
         context = {**(special_tokens or {}), "messages": messages, "tools": tools, "documents": None,
                    "add_generation_prompt": add_generation_prompt, **(kwargs or {})}
         try:
-            return self._template.render(context)
+            text = self._template.render(context)
         except Exception as exc:  # raise_exception(...), or messages the template cannot handle (TypeError...)
             raise TemplateError(str(exc) or type(exc).__name__) from exc
+        return _cut_at_tag(text, final) if continue_final_message else text
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """transformers' cut: before the tag, less the spacing a template that trims the message
+    took from the tag's end."""
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise ContinueError("continue_final_message: the chat template does not write the final message as "
+                            "given (it drops or rewrites it), so there is no place to continue it")
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 class ChatTemplates:

@@ -18,6 +18,7 @@ import redis
 from msgspec import Struct
 
 from rill.services.tokenizer.chat_template import (
+    ContinueError,
     TemplateError,
     load_templates,
     template_kwargs,
@@ -70,7 +71,8 @@ class Tokenizer:
         self.vocab_size = self.config.vocab_size
 
     def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text the chat template makes of these messages (and tools)."""
         if not messages:
             raise RequestError("messages must be a non-empty list", "messages")
@@ -82,16 +84,23 @@ class Tokenizer:
         except TemplateError as exc:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
         msgs, special = template_messages(messages), self.tok.special_tokens
+
+        def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+            return template.render(msgs, tools, add_generation_prompt, special, extra, continue_final_message)
+
         try:
             if not tools or template.reads_tools:  # an empty list offers nothing to describe
-                return template.render(msgs, tools, add_generation_prompt, special, extra)
+                return render(msgs, tools)
             if template.takes_system_tools:
-                return template.render(tools_in_system(msgs, tools), None, add_generation_prompt, special, extra)
+                return render(tools_in_system(msgs, tools))
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
-                return template.render(with_tools(msgs, tools), None, add_generation_prompt, special, extra)
+                return render(with_tools(msgs, tools))
+            except ContinueError:
+                raise
             except TemplateError:  # e.g. "System role not supported"
-                return template.render(with_tools(msgs, tools, in_system=False), None, add_generation_prompt,
-                                       special, extra)
+                return render(with_tools(msgs, tools, in_system=False))
+        except ContinueError as exc:
+            raise RequestError(str(exc), "continue_final_message") from exc
         except TemplateError as exc:  # a template can reject roles or orderings
             raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
 
@@ -108,9 +117,11 @@ class Tokenizer:
                 "chat_template": template}
 
     def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:
+                 tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
+                 continue_final_message: bool = False) -> list[int]:
         # The template writes its own special tokens, so none are added (as apply_chat_template does).
-        return self.tok.encode(self.render(messages, add_generation_prompt, tools, kwargs), add_special_tokens=False)
+        text = self.render(messages, add_generation_prompt, tools, kwargs, continue_final_message)
+        return self.tok.encode(text, add_special_tokens=False)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -120,7 +131,9 @@ class Tokenizer:
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
-            return self.check_ids(self.chat_ids(req.messages, True, req.tools, req.chat_template_kwargs), "messages")
+            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
+                                req.continue_final_message)
+            return self.check_ids(ids, "messages")
         if isinstance(req.prompt, str):
             return self.check_ids(self.tok.encode(req.prompt, add_special_tokens=True), "prompt")
         if isinstance(req.prompt, list):
@@ -130,7 +143,8 @@ class Tokenizer:
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         """/tokenize: the ids a generate request with this prompt or these messages would run."""
         if req.messages is not None:
-            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs)
+            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
+                                req.continue_final_message)
         elif req.prompt is not None:
             ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
