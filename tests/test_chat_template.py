@@ -23,7 +23,7 @@ import redis
 from rill.services.gateway.errors import APIError
 from rill.services.tokenizer.chat_template import ChatTemplates, TemplateError
 from rill.services.tokenizer.service import RequestError, Tokenizer
-from rill.services.tokenizer.tool_prompt import tools_in_system, with_tools
+from rill.services.tokenizer.tool_prompt import calls_in_content, history_as_text, tools_in_system, with_tools
 from rill.shared.request_params import ChatMessage, ChatToolCall
 from rill.shared.schema import GenerateRequest
 
@@ -147,6 +147,34 @@ def test_continue_final_message_refused_where_the_template_rewrites_it(hf) -> No
             hf.apply_chat_template(msgs, chat_template=source, continue_final_message=True, tokenize=False)
         with pytest.raises(ContinueError, match="continue_final_message"):
             ChatTemplates({"default": source}).pick(False).render(msgs, continue_final_message=True)
+
+
+@pytest.mark.parametrize("template", ["model", *(f.name for f in TEMPLATE_FILES)])
+def test_a_developer_message_is_the_system_turn(hf, tokenizers: dict[str, Tokenizer], template: str) -> None:
+    """OpenAI's "developer" role replaced "system": a template that does not know the name gets
+    the turn as "system" (Gemma's would otherwise refuse it); one that does gets it as is."""
+    ours = [ChatMessage(role="developer", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    want = hf.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                                  chat_template=_hf_template(template), add_generation_prompt=True, tokenize=False)
+    assert tokenizers[template].render(ours) == want
+    knows = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# developer #}"
+    assert ChatTemplates({"default": knows}).pick(False).render([{"role": "developer", "content": "x"}]) == \
+        "developer:x;"
+
+
+@pytest.mark.parametrize("template", ["model", "gemma.jinja", "phi4_mini.jinja"])
+def test_tool_history_without_tools_is_text_where_the_template_renders_none(
+        hf, tokenizers: dict[str, Tokenizer], template: str) -> None:
+    """A later turn that offers no tools still shows the model its earlier calls and results (as
+    with tools), not an empty assistant turn (SmolLM2's, Phi-4-mini's) or a refused "tool" role (Gemma's)."""
+    ours, theirs, _ = CASES["tool round trip"]
+    ours = [*ours, ChatMessage(role="assistant", content="18 degrees."), ChatMessage(role="user", content="Thanks")]
+    theirs = [*theirs, {"role": "assistant", "content": "18 degrees."}, {"role": "user", "content": "Thanks"}]
+    as_text = calls_in_content if template == "phi4_mini.jinja" else history_as_text
+    got = tokenizers[template].render(ours)
+    assert got == hf.apply_chat_template(as_text(theirs), chat_template=_hf_template(template),
+                                         add_generation_prompt=True, tokenize=False)
+    assert '"name": "get_weather"' in got and '{"temp": 21}' in got
 
 
 def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ string (text parts joined with newlines, null as ""), `name` is kept when given,
 tool-use templates expect; arguments that are not a JSON object become {}), an empty
 `tool_calls` list is dropped, tool messages carry `tool_call_id`, and an assistant turn's
 `reasoning_content` is passed when the client sent it back (Qwen3's template reads it). A template that never
-reads `tools` would drop them: tool_prompt.py writes them, the calls and the results as text.
+reads `tools` would drop them: tool_prompt.py writes them, the calls and the results as text. A "developer"
+message (OpenAI's newer name for the system turn) is a system one where the template never names that role.
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class ChatTemplate:
                kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False) -> str:
         """The prompt text; with `continue_final_message`, cut where the final message's text ends
         (no end of turn after it), so the model goes on writing that message."""
+        if "developer" not in self.source:  # OpenAI's newer name for the system turn, unknown to most templates
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         final = messages[-1]["content"] if continue_final_message else ""
         if continue_final_message:
             if "content" not in self.source:

@@ -25,7 +25,7 @@ from rill.services.tokenizer.chat_template import (
     template_messages,
 )
 from rill.services.tokenizer.router import DEFAULT_POLICY, Router
-from rill.services.tokenizer.tool_prompt import tools_in_system, with_tools
+from rill.services.tokenizer.tool_prompt import calls_in_content, history_as_text, tools_in_system, with_tools
 from rill.shared.bus import CLAIM_IDLE_MS, Bus, Entry
 from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
@@ -89,10 +89,13 @@ class Tokenizer:
             return template.render(msgs, tools, add_generation_prompt, special, extra, continue_final_message)
 
         try:
-            if not tools or template.reads_tools:  # an empty list offers nothing to describe
+            if template.reads_tools:
                 return render(msgs, tools)
+            # None offered (an empty list describes none): earlier calls and results still as text.
             if template.takes_system_tools:
-                return render(tools_in_system(msgs, tools))
+                return render(tools_in_system(msgs, tools) if tools else calls_in_content(msgs))
+            if not tools:
+                return render(history_as_text(msgs))
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return render(with_tools(msgs, tools))
             except ContinueError:

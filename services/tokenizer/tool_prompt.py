@@ -10,6 +10,7 @@ templates without tool support:
 - an assistant turn's calls become `<tool_call>` blocks after its content;
 - tool results become user turns of `<tool_response>` blocks (consecutive ones in one turn),
   since such templates know no tool role or reject it.
+The history is written so whether or not the request offers tools again.
 
 Phi-4-mini's template reads no `tools` either, but a system message's own: the JSON list of
 functions it writes between <|tool|> tags, as the model was trained (tools_in_system). Its calls
@@ -84,6 +85,15 @@ def tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
     none), and an assistant turn's calls as `<|tool_call|>[...]<|/tool_call|>` after its content.
     Tool results keep their role, which the template writes as it writes any."""
     functions = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+    out = calls_in_content(messages)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "tools": functions}, *out[1:]]
+    return [{"role": "system", "content": DEFAULT_SYSTEM, "tools": functions}, *out]
+
+
+def calls_in_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant turn's calls as Phi-4-mini writes them, `<|tool_call|>[...]<|/tool_call|>`
+    after its content (its template writes no `tool_calls`)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.get("tool_calls"):
@@ -92,6 +102,4 @@ def tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
             text = f"{m['content'] or ''}<|tool_call|>{calls}<|/tool_call|>"
             m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
         out.append(m)
-    if out and out[0]["role"] == "system":
-        return [{**out[0], "tools": functions}, *out[1:]]
-    return [{"role": "system", "content": DEFAULT_SYSTEM, "tools": functions}, *out]
+    return out
