@@ -176,8 +176,9 @@ class ChatTemplate:
         (no end of turn after it), so the model goes on writing that message."""
         if "developer" not in self.source:  # OpenAI's newer name for the system turn, unknown to most templates
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        final = messages[-1]["content"] if continue_final_message else ""
+        final = ""
         if continue_final_message:
+            final = messages[-1]["content"]
             if "content" not in self.source:
                 raise ContinueError("continue_final_message: the chat template never writes a message's content")
             messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]

@@ -91,10 +91,9 @@ class Tokenizer:
         try:
             if template.reads_tools:
                 return render(msgs, tools)
-            # None offered (an empty list describes none): earlier calls and results still as text.
-            if template.takes_system_tools:
+            if template.takes_system_tools:  # Phi-4-mini's: tools in its system message, calls in content
                 return render(tools_in_system(msgs, tools) if tools else calls_in_content(msgs))
-            if not tools:
+            if not tools:  # none offered (an empty list describes none): earlier calls and results as text
                 return render(history_as_text(msgs))
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return render(with_tools(msgs, tools))

@@ -10,7 +10,7 @@ templates without tool support:
 - an assistant turn's calls become `<tool_call>` blocks after its content;
 - tool results become user turns of `<tool_response>` blocks (consecutive ones in one turn),
   since such templates know no tool role or reject it.
-The history is written so whether or not the request offers tools again.
+Calls and results in the history are written so whether or not the request offers tools.
 
 Phi-4-mini's template reads no `tools` either, but a system message's own: the JSON list of
 functions it writes between <|tool|> tags, as the model was trained (tools_in_system). Its calls
