@@ -31,7 +31,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     prompt: str | list[int] | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
-    chat_template_kwargs: dict[str, Any] = {}
+    chat_template_kwargs: dict[str, Any] = {}  # the body's, and its documents
     add_generation_prompt: bool = True  # the template's opening of the assistant's turn
     continue_final_message: bool = False  # the prompt ends inside the final message: the output goes on with it
     avoid_engine: int = -1  # sent again after this engine lost it: elsewhere while another runs

@@ -177,6 +177,27 @@ def test_tool_history_without_tools_is_text_where_the_template_renders_none(
     assert '"name": "get_weather"' in got and '{"temp": 21}' in got
 
 
+RAG = ("{% for d in documents or [] %}<doc title=\"{{ d.title }}\">{{ d.text }}</doc>\n{% endfor %}"
+       "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_documents_reach_a_template_that_reads_them(hf, smollm2_dir: str, tmp_path: Path) -> None:
+    """A request's documents (in its template variables) render as transformers renders them; a
+    template that reads none refuses them by name rather than drop them."""
+    (tmp_path / "rag.jinja").write_text(RAG)
+    docs = [{"title": "Rivers", "text": "The Rhine is 1,230 km long."}, {"title": "Zürich", "text": "A lake."}]
+    msgs = [ChatMessage(role="user", content="How long is the Rhine?")]
+    got = Tokenizer(smollm2_dir, 2048, chat_template=str(tmp_path / "rag.jinja")).render(
+        msgs, kwargs={"documents": docs})
+    assert got == hf.apply_chat_template([{"role": "user", "content": "How long is the Rhine?"}], documents=docs,
+                                         chat_template=RAG, add_generation_prompt=True, tokenize=False)
+    assert '<doc title="Zürich">A lake.</doc>' in got
+    with pytest.raises(RequestError) as err:
+        Tokenizer(smollm2_dir, 2048).render(msgs, kwargs={"documents": docs})
+    assert err.value.param == "documents"
+
+
 def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:
     """A template that never reads `tools`: the signatures in the system turn (or the first user
     turn when it refuses a system one), calls and results as hermes blocks; one that reads

@@ -42,6 +42,7 @@ from rill.services.gateway.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from rill.services.gateway.errors import APIError
 from rill.services.gateway.openapi_spec import build_spec
 from rill.services.gateway.requests import Admission, generate_requests, not_yet_fields, parse
 from rill.shared.bus import FIELD
@@ -291,6 +292,29 @@ def test_bodies_translate_to_the_same_sampling_params() -> None:
     batch = generate_requests(parse(b'{"prompt": ["a", [5, 6], "b"], "n": 2}', CompletionRequest, gate), "r", "x")
     assert [(b.request_id, b.prompt, b.params.n) for b in batch] == [("r-0", "a", 2), ("r-1", [5, 6], 2),
                                                                      ("r-2", "b", 2)]
+
+
+def test_chat_template_settings_reach_the_tokenizer() -> None:
+    """documents ride in the template's variables (chat_template_kwargs win, as in vLLM); the
+    turn's ending is stated for the tokenizer, whose defaults are a plain new turn."""
+    gate, docs = Admission(MODEL), [{"title": "Rivers", "text": "The Rhine is long."}]
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+    def chat(**body: Any) -> Any:
+        (req,) = generate_requests(parse(json.dumps({"messages": msgs, **body}), ChatCompletionRequest, gate), "r", "x")
+        return req
+
+    assert chat(documents=docs).chat_template_kwargs == {"documents": docs}
+    assert chat(documents=docs, chat_template_kwargs={"documents": [], "k": 1}).chat_template_kwargs == {
+        "documents": [], "k": 1}
+    assert (chat().add_generation_prompt, chat().continue_final_message, chat().chat_template_kwargs) == (True, False, {})
+    cont = chat(continue_final_message=True)
+    assert (cont.add_generation_prompt, cont.continue_final_message) == (False, True)
+    for bad, param in (({"documents": [{"title": 1}]}, "documents"),
+                       ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message")):
+        with pytest.raises(APIError) as err:
+            chat(**bad)
+        assert err.value.param is not None and err.value.param.startswith(param), err.value
 
 
 async def _answer_tokenizer(down: Downstream, reply: TokenizeReply) -> str:

@@ -234,7 +234,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # the ones the template reads reach it
     add_generation_prompt: Annotated[bool, Meta(description=GENERATION_PROMPT)] | None = None
     continue_final_message: Annotated[bool, Meta(description=CONTINUE)] | None = None
-    documents: Annotated[Any, NotYet(TEMPLATES)] = None
+    documents: Annotated[list[dict[str, str]], Meta(description=(
+        "For a chat template that reads them (retrieval-augmented generation): typically each with a title and "
+        "a text. A template that reads none: 400."))] | None = None
     add_special_tokens: Annotated[Any, NotYet(TEMPLATES, False)] = None  # the template brings its own
     echo: Annotated[Any, NotYet("no echo on chat", False)] = None
     reasoning_effort: Annotated[Any, NotYet("no reasoning effort control; a chat template's switch (Qwen3's "

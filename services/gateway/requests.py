@@ -395,9 +395,16 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
                             arrival_time=arrival, messages=chat_messages(req.messages) if chat else None,
                             prompt=prompt, priority=req.priority or 0,
                             tools=tool_definitions(req.tools) if chat else None,
-                            chat_template_kwargs=(req.chat_template_kwargs or {}) if chat else {},
+                            chat_template_kwargs=template_variables(req) if chat else {},
                             add_generation_prompt=opens, continue_final_message=continues)
             for rid, prompt in zip(ids, prompts, strict=True)]
+
+
+def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat request sets in its template: its documents, then its chat_template_kwargs,
+    which win (as in vLLM)."""
+    documents = {"documents": req.documents} if req.documents is not None else {}
+    return {**documents, **(req.chat_template_kwargs or {})}
 
 
 def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:

@@ -83,6 +83,8 @@ class Tokenizer:
             extra = template_kwargs(template, kwargs or {})
         except TemplateError as exc:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
+        if (kwargs or {}).get("documents") is not None and "documents" not in extra:
+            raise RequestError("this model's chat template reads no documents (it has no place for them)", "documents")
         msgs, special = template_messages(messages), self.tok.special_tokens
 
         def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
