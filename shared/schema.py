@@ -34,6 +34,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     chat_template_kwargs: dict[str, Any] = {}  # the body's, and its documents
     add_generation_prompt: bool = True  # the template's opening of the assistant's turn
     continue_final_message: bool = False  # the prompt ends inside the final message: the output goes on with it
+    add_special_tokens: bool | None = None  # None: a text prompt's yes, a chat template's no (as vLLM)
     avoid_engine: int = -1  # sent again after this engine lost it: elsewhere while another runs
 
 
@@ -65,7 +66,7 @@ class TokenizeRequest(Struct, tag_field="_t", tag="tokenize", omit_defaults=True
     reply_to: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # as GenerateRequest's
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
@@ -232,8 +233,7 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     dtype: str
     device: str
     quantization: str = "none"  # of the linear layers ("int8": W8A8); the KV cache stays in `dtype`
-    # Every layer's window when all of them slide (0: some layer sees the whole context): the
-    # scheduler releases the KV blocks behind it (kv_cache_manager.py).
+    # Every layer's window when all slide (0: one sees the whole context): blocks behind it are released.
     sliding_window: int = 0
     max_num_batched_tokens: int = 0  # its step budget, measured (worker/step_budget.py) or given; 0: default
     # Its prompt steps' cost (StepCost: worker/step_budget.py); empty where it measured none.

@@ -25,7 +25,7 @@ from rill.services.tokenizer.chat_template import ChatTemplates, TemplateError
 from rill.services.tokenizer.service import RequestError, Tokenizer
 from rill.services.tokenizer.tool_prompt import calls_in_content, history_as_text, tools_in_system, with_tools
 from rill.shared.request_params import ChatMessage, ChatToolCall
-from rill.shared.schema import GenerateRequest
+from rill.shared.schema import GenerateRequest, TokenizeRequest
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))
@@ -282,6 +282,29 @@ def test_gemma3_sentencepiece_tokenizer_equals_transformers(gemma3_dir: str) -> 
         assert tok.decode(ids) == hf.decode(ids)
         rows = [detok.detokenize_row(ids[:i], ids[i:i + 1], i, final=i == len(ids) - 1) for i in range(len(ids))]
         assert "".join(r.text for r in rows) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_add_special_tokens_follows_the_request(gemma3_dir: str) -> None:
+    """Gemma 3's tokenizer adds BOS: a text prompt gets it unless add_special_tokens is false; a
+    chat template writes its own, and gets a second only when asked (as vLLM)."""
+    from rill.shared.request_params import SamplingParams
+
+    tok = Tokenizer(gemma3_dir, 2048, chat_template=str(TEMPLATES / "gemma.jinja"))
+    bos, hi = tok.tok.encode("<bos>", add_special_tokens=False), tok.tok.encode("Hi", add_special_tokens=False)
+
+    def ids(kind: str, add: bool | None) -> list[int]:
+        chat = {"messages": [ChatMessage(role="user", content="Hi")]} if kind == "chat" else {"prompt": "Hi"}
+        return tok.prompt_ids(GenerateRequest(request_id="r", reply_to="x", kind=kind, params=SamplingParams(),
+                                              arrival_time=0.0, add_special_tokens=add, **chat))
+
+    assert ids("completion", None) == ids("completion", True) == bos + hi and ids("completion", False) == hi
+    templated = ids("chat", None)
+    assert templated[:1] == bos and templated[1:2] != bos and ids("chat", False) == templated
+    assert ids("chat", True) == bos + templated
+    msgs = [ChatMessage(role="user", content="Hi")]  # /tokenize follows the same defaults
+    assert tok.tokenize(TokenizeRequest("r", "x", messages=msgs)).token_ids == templated
+    assert tok.tokenize(TokenizeRequest("r", "x", messages=msgs, add_special_tokens=True)).token_ids == bos + templated
+    assert tok.tokenize(TokenizeRequest("r", "x", prompt="Hi")).token_ids == bos + hi
 
 
 def test_lean_detokenizer_decodes_as_with_transformers(hf, smollm2_dir: str) -> None:

@@ -308,6 +308,9 @@ def test_chat_template_settings_reach_the_tokenizer() -> None:
     assert chat(documents=docs, chat_template_kwargs={"documents": [], "k": 1}).chat_template_kwargs == {
         "documents": [], "k": 1}
     assert (chat().add_generation_prompt, chat().continue_final_message, chat().chat_template_kwargs) == (True, False, {})
+    assert (chat().add_special_tokens, chat(add_special_tokens=True).add_special_tokens) == (None, True)
+    (text,) = generate_requests(parse(b'{"prompt": "p", "add_special_tokens": false}', CompletionRequest, gate), "r", "x")
+    assert text.add_special_tokens is False
     cont = chat(continue_final_message=True)
     assert (cont.add_generation_prompt, cont.continue_final_message) == (False, True)
     for bad, param in (({"documents": [{"title": 1}]}, "documents"),
@@ -335,7 +338,6 @@ async def test_v1_tokenize_and_detokenize_answer_beside_the_old_paths(gw: LiveSe
             assert await _answer_tokenizer(downstream, TokenizeReply("", text="hi")) == "DetokenizeRequest"
             assert (await post).json() == {"prompt": "hi"}
         for body, param in (({"prompt": "x", "messages": CHAT_OK["messages"]}, "prompt"), ({}, "prompt"),
-                            ({**CHAT_OK, "add_special_tokens": True}, "add_special_tokens"),
                             ({"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
                             ({"prompt": "x", "tools": []}, "tools"), ({"prompt": "x", "model": "no"}, "model")):
             r = await c.post("/v1/tokenize", json=body)

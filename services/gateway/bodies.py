@@ -237,7 +237,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     documents: Annotated[list[dict[str, str]], Meta(description=(
         "For a chat template that reads them (retrieval-augmented generation): typically each with a title and "
         "a text. A template that reads none: 400."))] | None = None
-    add_special_tokens: Annotated[Any, NotYet(TEMPLATES, False)] = None  # the template brings its own
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "Also add the tokenizer's special tokens (e.g. BOS) to what the chat template writes (default: "
+        "false, the template brings its own)."))] | None = None
     echo: Annotated[Any, NotYet("no echo on chat", False)] = None
     reasoning_effort: Annotated[Any, NotYet("no reasoning effort control; a chat template's switch (Qwen3's "
                                             "enable_thinking) goes in chat_template_kwargs")] = None
@@ -265,7 +267,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: Annotated[Any, NotYet("no fill-in-the-middle", "")] = None
     best_of: Annotated[Any, NotYet("vLLM V1 dropped it too; use n", 1)] = None
     prompt_embeds: Annotated[Any, NotYet("no prompt embeddings")] = None
-    add_special_tokens: Annotated[Any, NotYet("text prompts always get the special tokens", True)] = None
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "Add the tokenizer's special tokens (e.g. BOS) to a text prompt (default: true); token ids are "
+        "used as given."))] | None = None
 
 
 class ChatFrame(ChatCompletionRequest, tag_field="type", tag="chat", kw_only=True):
@@ -293,7 +297,9 @@ class TokenizeBody(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
-    add_special_tokens: Annotated[bool, Meta(description="Text prompts only.")] | None = None
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "Add the tokenizer's special tokens (e.g. BOS): a text prompt's default true, messages' false (the "
+        "chat template brings its own)."))] | None = None
     add_generation_prompt: Annotated[bool, Meta(description=f"Messages only. {GENERATION_PROMPT}")] | None = None
     return_token_strs: Annotated[Any, NotYet("no token strings", False)] = None
     continue_final_message: Annotated[bool, Meta(description=f"Messages only. {CONTINUE}")] | None = None

@@ -266,9 +266,6 @@ def _check_tokenize(req: TokenizeBody) -> None:
         raise _bad("prompt (a string) or messages is required.", "prompt")
     if req.prompt is not None and req.messages is not None:
         raise _bad("Give prompt or messages, not both.", "prompt")
-    if req.messages is not None and req.add_special_tokens:
-        raise _bad("add_special_tokens is not supported yet with messages (the chat template brings its own).",
-                   "add_special_tokens")
     # They reach the chat template, which text skips.
     for name in ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"):
         if req.prompt is not None and getattr(req, name) is not None:
@@ -396,7 +393,8 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
                             prompt=prompt, priority=req.priority or 0,
                             tools=tool_definitions(req.tools) if chat else None,
                             chat_template_kwargs=template_variables(req) if chat else {},
-                            add_generation_prompt=opens, continue_final_message=continues)
+                            add_generation_prompt=opens, continue_final_message=continues,
+                            add_special_tokens=req.add_special_tokens)
             for rid, prompt in zip(ids, prompts, strict=True)]
 
 
@@ -411,8 +409,9 @@ def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:
     """The checked /tokenize body as the message the tokenizer consumes."""
     if body.messages is None:
         return TokenizeRequest(request_id="", reply_to=reply_to, prompt=body.prompt,
-                               add_special_tokens=body.add_special_tokens is not False)
+                               add_special_tokens=body.add_special_tokens)
     opens, continues = turn_ending(body)
     return TokenizeRequest(request_id="", reply_to=reply_to, messages=chat_messages(body.messages),
                            add_generation_prompt=opens, continue_final_message=continues,
-                           tools=tool_definitions(body.tools), chat_template_kwargs=body.chat_template_kwargs or {})
+                           add_special_tokens=body.add_special_tokens, tools=tool_definitions(body.tools),
+                           chat_template_kwargs=body.chat_template_kwargs or {})

@@ -122,10 +122,14 @@ class Tokenizer:
 
     def chat_ids(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
                  tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
-                 continue_final_message: bool = False) -> list[int]:
-        # The template writes its own special tokens, so none are added (as apply_chat_template does).
+                 continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        # The template writes its own special tokens, so none are added unless asked (as vLLM).
         text = self.render(messages, add_generation_prompt, tools, kwargs, continue_final_message)
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _chat_ids(self, req: GenerateRequest | TokenizeRequest) -> list[int]:
+        return self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
+                             req.continue_final_message, bool(req.add_special_tokens))
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -135,11 +139,10 @@ class Tokenizer:
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
-            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
-                                req.continue_final_message)
-            return self.check_ids(ids, "messages")
+            return self.check_ids(self._chat_ids(req), "messages")
         if isinstance(req.prompt, str):
-            return self.check_ids(self.tok.encode(req.prompt, add_special_tokens=True), "prompt")
+            return self.check_ids(self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False),
+                                  "prompt")
         if isinstance(req.prompt, list):
             return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")
@@ -147,10 +150,9 @@ class Tokenizer:
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         """/tokenize: the ids a generate request with this prompt or these messages would run."""
         if req.messages is not None:
-            ids = self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
-                                req.continue_final_message)
+            ids = self._chat_ids(req)
         elif req.prompt is not None:
-            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         else:
             raise RequestError("either prompt or messages is required", "prompt")
         return TokenizeReply(request_id=req.request_id, token_ids=ids)
