@@ -131,6 +131,10 @@ class Tokenizer:
         return self.chat_ids(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
                              req.continue_final_message, bool(req.add_special_tokens))
 
+    def _text_ids(self, prompt: str, add_special_tokens: bool | None) -> list[int]:
+        # A text prompt gets the tokenizer's special tokens (e.g. BOS) unless told not to (as vLLM).
+        return self.tok.encode(prompt, add_special_tokens=add_special_tokens is not False)
+
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -141,8 +145,7 @@ class Tokenizer:
         if req.kind == "chat":
             return self.check_ids(self._chat_ids(req), "messages")
         if isinstance(req.prompt, str):
-            return self.check_ids(self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False),
-                                  "prompt")
+            return self.check_ids(self._text_ids(req.prompt, req.add_special_tokens), "prompt")
         if isinstance(req.prompt, list):
             return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")
@@ -152,7 +155,7 @@ class Tokenizer:
         if req.messages is not None:
             ids = self._chat_ids(req)
         elif req.prompt is not None:
-            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = self._text_ids(req.prompt, req.add_special_tokens)
         else:
             raise RequestError("either prompt or messages is required", "prompt")
         return TokenizeReply(request_id=req.request_id, token_ids=ids)
