@@ -78,7 +78,8 @@ TEMPLATES = "a per-request chat template is not supported; the server's --chat-t
 BEAM = "Rill has no beam search"
 GENERATION_PROMPT = "Open the assistant's turn after the messages (default: true, unless continue_final_message)."
 CONTINUE = ("End the prompt inside the final message, with no end of turn, so the output goes on with it (an "
-            "assistant reply the client began); not with add_generation_prompt: true.")
+            "assistant reply the client began); not with add_generation_prompt: true. A grammar "
+            "(response_format, structured_outputs, a forced tool) shapes the continuation only.")
 
 
 # ---------------------------------------------------------------------------------------------
