@@ -61,8 +61,9 @@ class TemplateError(ValueError):
     """The template (or the request's arguments to it) could not produce a prompt."""
 
 
-class ContinueError(TemplateError):
-    """continue_final_message asked of a template that does not write the final message as given."""
+class ContinueError(ValueError):
+    """continue_final_message asked of a template that does not write the final message as given
+    (the request's field is at fault, not the messages: no other rendering is tried)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,8 +99,6 @@ class Tokenizer:
                 return render(history_as_text(msgs))
             try:  # the template would drop the tools: they go in as text (tool_prompt.py)
                 return render(with_tools(msgs, tools))
-            except ContinueError:
-                raise
             except TemplateError:  # e.g. "System role not supported"
                 return render(with_tools(msgs, tools, in_system=False))
         except ContinueError as exc:
