@@ -22,10 +22,18 @@ def hash_block(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=HASH_BYTES).digest()
 
 
-def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them)."""
+def salt_root(salt: str) -> bytes:
+    # Its own blake2b personalisation: no salt can name a chain an unsalted prompt makes.
+    return hashlib.blake2b(salt.encode(), digest_size=HASH_BYTES, person=b"cache_salt").digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | None = None,
+                 salt: str | None = None) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them).
+    A `salt` (a request's cache_salt) roots the chain elsewhere: only requests with the same salt
+    share blocks, so one tenant cannot learn from cache timing what another's prompts hold."""
     out = list(known or [])
-    parent = out[-1] if out else NONE_HASH
+    parent = out[-1] if out else salt_root(salt) if salt else NONE_HASH
     for i in range(len(out), len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         out.append(parent)

@@ -33,6 +33,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks
     # it); the worker masks every sampled token with it, EOS included.
     grammar: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only under the same salt
 
     @property
     def uses_penalties(self) -> bool:

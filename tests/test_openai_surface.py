@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -395,6 +396,33 @@ def test_prompt_too_long_names_the_numbers(client: openai.OpenAI) -> None:
         client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=2047)
     msg = str(err.value)
     assert "2048" in msg and "2047" in msg and err.value.param == "max_tokens"
+
+
+def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
+    """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
+    own): completions, chat and responses, the salted text equal to the unsalted one."""
+    prompt = f"{uuid.uuid4().hex} " + "Rivers run to the sea. " * 12
+    mid = model_name(client)
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        r = client.completions.create(model=mid, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"cache_salt": salt} if salt else None)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+
+    first = cached("tenant-1")
+    assert first[0] == 0 and [cached(s) for s in (None, "tenant-2")] == [(0, first[1])] * 2
+    hit = cached("tenant-1")
+    assert hit[0] > 0 and hit[1] == first[1] and cached(None)[0] == hit[0]
+    chat = [{"role": "user", "content": prompt}]
+    first_chat, again = (client.chat.completions.create(model=mid, messages=chat, max_tokens=2, temperature=0,
+                                                        extra_body={"cache_salt": "tenant-3"}) for _ in range(2))
+    assert first_chat.usage.prompt_tokens_details.cached_tokens == 0 < again.usage.prompt_tokens_details.cached_tokens
+    r = client.responses.create(model=mid, input=prompt, max_output_tokens=2, temperature=0,
+                                extra_body={"cache_salt": "tenant-3"})
+    assert r.usage.input_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=mid, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert err.value.param == "cache_salt"
 
 
 # --------------------------------------------------------------------------- rill bench serve

@@ -48,13 +48,13 @@ def bus(redis_url: str, prefix: str) -> Iterator[Bus]:
 
 
 def engine(bus: Bus, e: int, load: int = 0, cached: list[int] | None = None, alive: bool = True,
-           role: str = "both") -> None:
+           role: str = "both", salt: str | None = None) -> None:
     """A fake engine: listed, stats with `load` waiting requests, a summary of the first blocks of
-    `cached` (token ids), and both heartbeats unless dead."""
+    `cached` (token ids, under a cache salt), and both heartbeats unless dead."""
     s = bus.streams
     bus.r.sadd(s.engines_key(), e)
     bus.r.set(s.stats_key(e), encode(EngineStats(e, role=role, num_waiting=load, block_size=BS)))
-    bus.r.execute_command(*snapshot_command(s.prefix_stream(e), b"test", 1, pack_summary(block_hashes(cached or [], BS))))
+    bus.r.execute_command(*snapshot_command(s.prefix_stream(e), b"test", 1, pack_summary(block_hashes(cached or [], BS, salt=salt))))
     for key in engine_beat_keys(s, [e]):
         if alive:
             bus.r.set(key, b"1", ex=60)
@@ -180,6 +180,15 @@ def test_cache_aware_picks_the_longest_cached_prefix(bus: Bus) -> None:
     assert router.pick(PROMPT) == 1
     assert router.pick(SYSTEM + [7] * 40) == 0  # 0 and 1 tie on 4 blocks: the less loaded one
     assert router.pick(list(range(900, 1000))) == 2  # no match anywhere: least-loaded
+
+
+def test_a_salted_prompt_goes_where_its_salt_cached_it(bus: Bus) -> None:
+    engine(bus, 0, load=1, cached=PROMPT)
+    engine(bus, 1, load=2, cached=PROMPT, salt="tenant-1")
+    engine(bus, 2, load=0)
+    router = Router(bus, "cache-aware")
+    assert router.pick(PROMPT) == 0 and router.pick(PROMPT, salt="tenant-1") == 1
+    assert router.pick(PROMPT, salt="tenant-2") == 2  # cached nowhere under that salt: least-loaded
 
 
 def test_a_router_sees_changes_at_its_next_refresh_and_survives_an_unreadable_stream(bus: Bus) -> None:

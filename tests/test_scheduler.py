@@ -259,3 +259,17 @@ def test_prefix_cache_survives_a_request_that_ends_in_its_prefill_step() -> None
     p = s.schedule()
     assert p.new_requests[0].num_computed_tokens == 8 and p.num_scheduled_tokens == [2]
     assert s.kv.hits == 8 and s.kv.queries == 20
+
+
+def test_cache_salt_shares_blocks_only_under_the_same_salt() -> None:
+    """vLLM's cache_salt: the same prompt under another salt (or none) computes every token again;
+    under the same salt it hits as an unsalted prompt hits an unsalted one."""
+    s = sched(num_blocks=32, block_size=4, budget=64)
+    computed: dict[str, int] = {}
+    for rid, salt in (("a", "tenant-1"), ("b", None), ("c", "tenant-2"), ("d", "tenant-1"), ("e", None)):
+        s.add(make(rid, 10, max_tokens=1, cache_salt=salt))
+        p = s.schedule()
+        computed[rid] = p.new_requests[0].num_computed_tokens
+        s.update(fake_result(p, s))
+        run_to_idle(s)
+    assert computed == {"a": 0, "b": 0, "c": 0, "d": 8, "e": 8}

@@ -209,7 +209,9 @@ class _Sampling(_Body):
     return_token_ids: Annotated[Any, NotYet("return_tokens_as_token_ids with logprobs "
                                             "gives the ids", False)] = None
     request_id: Annotated[Any, NotYet("the gateway names requests")] = None
-    cache_salt: Annotated[Any, NotYet("no prefix-cache salts")] = None
+    cache_salt: Annotated[str, Meta(min_length=1, description=(
+        "Prefix-cache isolation: the prompt's cached blocks are shared only with requests that send the "
+        "same salt (e.g. one per tenant), so cache timing tells nothing across salts."))] | None = None
     kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None
     vllm_xargs: Annotated[Any, NotYet("no extension arguments")] = None
     mm_processor_kwargs: Annotated[Any, NotYet("text-only models")] = None

@@ -354,7 +354,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     """The body's sampling settings; `reasoning`: the server's reasoning parser (chat requests)."""
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-        "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+        "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt")
         if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]

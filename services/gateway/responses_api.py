@@ -129,6 +129,7 @@ class ResponsesRequest(Body, kw_only=True):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None  # as chat's
     store: bool | None = None  # absent: stored, as OpenAI's default
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     conversation: Annotated[Any, NotYet("no conversation objects; continue with previous_response_id")] = None
@@ -197,7 +198,8 @@ def _untagged(obj: Body) -> dict[str, Any]:
 
 _FIELDS = {"model": "model", "max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
            "parallel_tool_calls": "parallel_tool_calls", "metadata": "metadata", "user": "user",
-           "safety_identifier": "safety_identifier", "prompt_cache_key": "prompt_cache_key"}
+           "safety_identifier": "safety_identifier", "prompt_cache_key": "prompt_cache_key",
+           "cache_salt": "cache_salt"}
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 

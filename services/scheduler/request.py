@@ -76,7 +76,8 @@ class Request:
     def hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
         if len(self.block_hashes) < num_tokens // block_size:
-            self.block_hashes = block_hashes(self.all_token_ids[:num_tokens], block_size, self.block_hashes)
+            self.block_hashes = block_hashes(self.all_token_ids[:num_tokens], block_size, self.block_hashes,
+                                             self.params.cache_salt)
         return self.block_hashes
 
     @classmethod

@@ -139,8 +139,8 @@ class Router:
         unknown = [e for e, v in self.engines.items() if v.role is None]
         return sorted(runs_prompts or unknown or self.engines) or [0]
 
-    def pick(self, prompt_token_ids: Sequence[int] = (), avoid: int = -1) -> int:
-        """The engine for a new request with this prompt (the prompt matters to cache-aware only),
+    def pick(self, prompt_token_ids: Sequence[int] = (), avoid: int = -1, salt: str | None = None) -> int:
+        """The engine for a new request with this prompt and cache salt (they matter to cache-aware only),
         other than `avoid` (the engine that lost it: a re-send) while another one is a candidate."""
         if time.monotonic() - self._read_at >= SUMMARY_REFRESH_S:
             self._refresh()
@@ -151,7 +151,7 @@ class Router:
             choice = (later or candidates)[0]
             self._last_rr = choice
         elif self.policy == "cache-aware":
-            choice = self._cache_aware(candidates, prompt_token_ids)
+            choice = self._cache_aware(candidates, prompt_token_ids, salt)
         else:
             choice = self._least_loaded(candidates)
         self.sent[choice] = self.sent.get(choice, 0) + 1
@@ -160,7 +160,7 @@ class Router:
     def _least_loaded(self, candidates: list[int]) -> int:
         return min(candidates, key=lambda e: (self.load(e), e))
 
-    def _cache_aware(self, candidates: list[int], prompt: Sequence[int]) -> int:
+    def _cache_aware(self, candidates: list[int], prompt: Sequence[int], salt: str | None) -> int:
         least = self._least_loaded(candidates)
         hashes: dict[int, list[int]] = {}  # by block size: engines may differ
         matched: dict[int, int] = {}
@@ -169,7 +169,7 @@ class Router:
             if view is None or view.block_size <= 0:
                 continue
             if view.block_size not in hashes:
-                hashes[view.block_size] = short_words(block_hashes(list(prompt), view.block_size))
+                hashes[view.block_size] = short_words(block_hashes(list(prompt), view.block_size, salt=salt))
             matched[e] = self.matched_blocks(view, hashes[view.block_size])
         best = max(candidates, key=lambda e: (matched.get(e, 0), -self.load(e), -e))
         min_load, load = self.load(least), self.load(best)

@@ -248,7 +248,7 @@ def handle(bus: Bus, tokenizer: Tokenizer, router: Router, data: bytes) -> list[
         log.exception("tokenizing %s failed", req.request_id)
         return [(req.reply_to, ErrorReply.of(req.request_id, f"tokenization failed: {exc}", 500))]
     try:
-        engine = router.pick(out.prompt_token_ids, avoid=req.avoid_engine)
+        engine = router.pick(out.prompt_token_ids, avoid=req.avoid_engine, salt=out.params.cache_salt)
     except redis.RedisError:
         raise  # the loop rides out the outage and redoes this entry
     except Exception as exc:  # a routing bug must not end the replica's read loop
