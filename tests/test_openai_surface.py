@@ -398,6 +398,29 @@ def test_prompt_too_long_names_the_numbers(client: openai.OpenAI) -> None:
     assert "2048" in msg and "2047" in msg and err.value.param == "max_tokens"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI) -> None:
+    """A prompt past the context runs on its last k tokens: the same text and usage as sending
+    those ids; chat cuts the template's output; 0, more than the context, or echo: a 400."""
+    mid, text = model_name(client), "The sea, the wind and the stars. " * 300
+    ids = client.post("/tokenize", cast_to=httpx.Response, body={"prompt": text}).json()["tokens"]
+    assert len(ids) > 2048
+    truncated = client.completions.create(model=mid, prompt=text, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 100})
+    as_ids = client.completions.create(model=mid, prompt=ids, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 100})
+    direct = client.completions.create(model=mid, prompt=ids[-100:], max_tokens=6, temperature=0)
+    assert truncated.usage.prompt_tokens == as_ids.usage.prompt_tokens == 100
+    assert truncated.choices[0].text == as_ids.choices[0].text == direct.choices[0].text
+    chat = client.chat.completions.create(model=mid, messages=CHAT, max_tokens=3, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for extra in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 2049},
+                  {"truncate_prompt_tokens": 10, "echo": True}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=mid, prompt=ids, max_tokens=2, extra_body=extra)
+        assert err.value.param == "truncate_prompt_tokens"
+
+
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
     own): completions, chat and responses, the salted text equal to the unsalted one."""

@@ -204,7 +204,9 @@ class _Sampling(_Body):
     length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None
     prompt_logprobs: Annotated[Any, NotYet("on /v1/completions, echo with logprobs "
                                            "scores the prompt")] = None
-    truncate_prompt_tokens: Annotated[Any, NotYet("no prompt truncation")] = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
+        "Keep only the prompt's last k tokens (the chat template's output for chat); -1: as many as the "
+        "context holds. Not with echo."))] | None = None
     spaces_between_special_tokens: Annotated[Any, NotYet("the detokenizer's spacing is fixed")] = None
     return_token_ids: Annotated[Any, NotYet("return_tokens_as_token_ids with logprobs "
                                             "gives the ids", False)] = None

@@ -234,10 +234,20 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         raise _bad(f"tool_choice names {choice!r}, which is not among the tools.", "tool_choice")
 
 
+def _check_truncation(req: GenerateBody, max_model_len: int) -> None:
+    k = req.truncate_prompt_tokens  # -1, or at most the context when known
+    if k == 0 or (k is not None and max_model_len > 0 and k > max_model_len):
+        raise _bad(f"truncate_prompt_tokens must be -1 or between 1 and the context ({max_model_len} tokens), "
+                   f"got {k}.", "truncate_prompt_tokens")
+    if k is not None and getattr(req, "echo", False):  # the echo would show text the model never read
+        raise _bad("truncate_prompt_tokens cannot be used with echo.", "truncate_prompt_tokens")
+
+
 def _check_size(req: GenerateBody, max_model_len: int) -> None:
     """Prompts that cannot fit the context whatever their tokens, refused before a tokenizer
-    spends time on them: more ids than the context, or more characters than MAX_TOKEN_CHARS
-    per token of it (no tokenizer's token is that long; the tokenizer checks the rest exactly)."""
+    spends time on them: more ids than the context (unless truncated to it), or more characters
+    than MAX_TOKEN_CHARS per token of it (no tokenizer's token is that long; the tokenizer checks
+    the rest exactly)."""
     if max_model_len <= 0:
         return
     if isinstance(req, ChatCompletionRequest):
@@ -247,7 +257,8 @@ def _check_size(req: GenerateBody, max_model_len: int) -> None:
         sizes = [("prompt" if len(prompts) == 1 else f"prompt[{i}]", len(p),
                   "token ids" if isinstance(p, list) else "characters") for i, p in enumerate(prompts)]
     for param, size, unit in sizes:
-        if size > (max_model_len if unit == "token ids" else max_model_len * MAX_TOKEN_CHARS):
+        if size > (max_model_len if unit == "token ids" and req.truncate_prompt_tokens is None
+                   else max_model_len * MAX_TOKEN_CHARS):
             raise _bad(f"This model's maximum context length is {max_model_len} tokens; the {param} "
                        f"({size} {unit}) cannot fit in it.", param)
 
@@ -303,6 +314,7 @@ def check(req: Struct, gate: Admission) -> None:
             _check_messages(req.messages)
     if isinstance(req, (ChatCompletionRequest, CompletionRequest)):
         _check_sampling(req, gate.max_logprobs)
+        _check_truncation(req, gate.max_model_len)
         _check_size(req, gate.max_model_len)
         check_structured(req)
     if isinstance(req, (ChatFrame, CompletionFrame)):
@@ -354,7 +366,8 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     """The body's sampling settings; `reasoning`: the server's reasoning parser (chat requests)."""
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-        "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt")
+        "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
+        "truncate_prompt_tokens")
         if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]

@@ -164,6 +164,9 @@ class Tokenizer:
 
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
         ids = self.prompt_ids(req)
+        keep = req.params.truncate_prompt_tokens
+        if keep is not None:  # the last `keep` (all of them if fewer)
+            ids = ids[-(self.max_model_len if keep == -1 else keep):]
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         n = len(ids)
@@ -181,7 +184,7 @@ class Tokenizer:
         if bad_bias:
             raise RequestError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})",
                                "logit_bias")
-        params = msgspec.structs.replace(req.params, max_tokens=max_tokens)
+        params = msgspec.structs.replace(req.params, max_tokens=max_tokens, truncate_prompt_tokens=None)
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
                                 arrival_time=req.arrival_time, priority=req.priority)
