@@ -42,6 +42,11 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+# Chat request fields that reach the chat template as variables of these names: a template that
+# reads none of one refuses it (services/tokenizer/service.py) rather than drop it.
+TEMPLATE_FIELDS = ("documents", "reasoning_effort")
+
+
 def past_the_context(max_model_len: int, prompt_len: int, max_tokens: int | None = None) -> str:
     """OpenAI's words for a request longer than the context: the prompt alone (no max_tokens), or
     with its completion. The tokenizer says them of the model's context, an engine of its own."""

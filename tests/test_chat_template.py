@@ -198,6 +198,25 @@ def test_documents_reach_a_template_that_reads_them(hf, smollm2_dir: str, tmp_pa
     assert err.value.param == "documents"
 
 
+EFFORT = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+          "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(hf, smollm2_dir: str, tmp_path: Path) -> None:
+    """reasoning_effort renders as transformers renders it (gpt-oss's templates read it); a
+    template that never reads it refuses it by name."""
+    (tmp_path / "effort.jinja").write_text(EFFORT)
+    msgs = [ChatMessage(role="user", content="Why is the sky blue?")]
+    got = Tokenizer(smollm2_dir, 2048, chat_template=str(tmp_path / "effort.jinja")).render(
+        msgs, kwargs={"reasoning_effort": "low"})
+    assert got == hf.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], reasoning_effort="low",
+                                         chat_template=EFFORT, tokenize=False)
+    assert got.startswith("Reasoning: low\n")
+    with pytest.raises(RequestError) as err:
+        Tokenizer(smollm2_dir, 2048).render(msgs, kwargs={"reasoning_effort": "low"})
+    assert err.value.param == "reasoning_effort"
+
+
 def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:
     """A template that never reads `tools`: the signatures in the system turn (or the first user
     turn when it refuses a system one), calls and results as hermes blocks; one that reads

@@ -421,6 +421,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI) -> 
         assert err.value.param == "truncate_prompt_tokens"
 
 
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "low"}, {"documents": [{"title": "a", "text": "b"}]}])
+def test_a_field_for_templates_that_read_it_is_refused_by_one_that_does_not(client: openai.OpenAI,
+                                                                           extra: dict) -> None:
+    """SmolLM2's template reads neither: a 400 naming the field rather than a prompt without it."""
+    name = next(iter(extra))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name(client), messages=CHAT, max_tokens=2, extra_body=extra)
+    assert err.value.param == name and name in err.value.message
+
+
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
     own): completions, chat and responses, the salted text equal to the unsalted one."""

@@ -99,7 +99,7 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
 
 async def test_refused_fields_are_named_over_http_and_websocket(gw: LiveServer, downstream: Downstream) -> None:
     cases = refused_cases()
-    assert len({param for _, _, param in cases}) > 30
+    assert len({param for _, _, param in cases}) > 25  # the enumeration finds them (fewer as more are honoured)
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         for path, body, param in cases:
             r = await c.post(path, json=body)
@@ -295,7 +295,7 @@ def test_bodies_translate_to_the_same_sampling_params() -> None:
 
 
 def test_chat_template_settings_reach_the_tokenizer() -> None:
-    """documents ride in the template's variables (chat_template_kwargs win, as in vLLM); the
+    """documents and reasoning_effort ride in the template's variables (chat_template_kwargs win, as in vLLM); the
     turn's ending is stated for the tokenizer, whose defaults are a plain new turn."""
     gate, docs = Admission(MODEL), [{"title": "Rivers", "text": "The Rhine is long."}]
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
@@ -307,13 +307,15 @@ def test_chat_template_settings_reach_the_tokenizer() -> None:
     assert chat(documents=docs).chat_template_kwargs == {"documents": docs}
     assert chat(documents=docs, chat_template_kwargs={"documents": [], "k": 1}).chat_template_kwargs == {
         "documents": [], "k": 1}
+    assert chat(reasoning_effort="low", documents=docs).chat_template_kwargs == {"reasoning_effort": "low",
+                                                                                "documents": docs}
     assert (chat().add_generation_prompt, chat().continue_final_message, chat().chat_template_kwargs) == (True, False, {})
     assert (chat().add_special_tokens, chat(add_special_tokens=True).add_special_tokens) == (None, True)
     (text,) = generate_requests(parse(b'{"prompt": "p", "add_special_tokens": false}', CompletionRequest, gate), "r", "x")
     assert text.add_special_tokens is False
     cont = chat(continue_final_message=True)
     assert (cont.add_generation_prompt, cont.continue_final_message) == (False, True)
-    for bad, param in (({"documents": [{"title": 1}]}, "documents"),
+    for bad, param in (({"documents": [{"title": 1}]}, "documents"), ({"reasoning_effort": "lots"}, "reasoning_effort"),
                        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message")):
         with pytest.raises(APIError) as err:
             chat(**bad)

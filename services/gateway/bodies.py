@@ -23,7 +23,7 @@ Accepted and ignored, because they are pure metadata that cannot change the outp
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
@@ -146,6 +146,7 @@ class ToolMessage(_Message, tag="tool", kw_only=True):
 
 Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
 Messages = Annotated[list[Message], Meta(min_length=1)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's
 
 
 class StreamOptions(_Body):
@@ -246,8 +247,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         "Also add the tokenizer's special tokens (e.g. BOS) to what the chat template writes (default: "
         "false, the template brings its own)."))] | None = None
     echo: Annotated[Any, NotYet("no echo on chat", False)] = None
-    reasoning_effort: Annotated[Any, NotYet("no reasoning effort control; a chat template's switch (Qwen3's "
-                                            "enable_thinking) goes in chat_template_kwargs")] = None
+    reasoning_effort: Annotated[ReasoningEffort, Meta(description=(
+        "For a chat template that reads it (gpt-oss's). A template that reads none: 400; a template's own "
+        "switch (Qwen3's enable_thinking) goes in chat_template_kwargs."))] | None = None
     include_reasoning: bool | None = None  # reasoning.py: false leaves reasoning_content out
     verbosity: Annotated[Any, NotYet("no verbosity control")] = None
     modalities: Annotated[Any, NotYet("text-only models", ["text"])] = None

@@ -36,7 +36,7 @@ from rill.services.gateway.fields import NotYet
 from rill.services.gateway.structured import check as check_structured
 from rill.services.gateway.structured import grammar_of
 from rill.shared.kinds import RequestKind
-from rill.shared.request_params import ChatMessage, SamplingParams
+from rill.shared.request_params import TEMPLATE_FIELDS, ChatMessage, SamplingParams
 from rill.shared.schema import GenerateRequest, TokenizeRequest
 
 log = logging.getLogger("rill.gateway.requests")
@@ -412,10 +412,10 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
 
 
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
-    """What the chat request sets in its template: its documents, then its chat_template_kwargs,
-    which win (as in vLLM)."""
-    documents = {"documents": req.documents} if req.documents is not None else {}
-    return {**documents, **(req.chat_template_kwargs or {})}
+    """What the chat request sets in its template: its fields that only a template reads, then its
+    chat_template_kwargs, which win (as in vLLM)."""
+    fields = {name: getattr(req, name) for name in TEMPLATE_FIELDS if getattr(req, name) is not None}
+    return {**fields, **(req.chat_template_kwargs or {})}
 
 
 def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:

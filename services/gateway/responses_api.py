@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rill.services.gateway import requests
-from rill.services.gateway.bodies import ChatCompletionRequest
+from rill.services.gateway.bodies import ChatCompletionRequest, ReasoningEffort
 from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.fields import Body, NotYet
 from rill.services.gateway.openai_api import SSEResponse, generate
@@ -111,6 +111,12 @@ class TextConfig(Body):
     verbosity: Annotated[Any, NotYet("no verbosity control", "medium")] = None
 
 
+class ReasoningConfig(Body):
+    effort: ReasoningEffort | None = None  # chat's reasoning_effort
+    summary: Annotated[Any, NotYet("no reasoning summaries")] = None
+    generate_summary: Annotated[Any, NotYet("no reasoning summaries")] = None
+
+
 class ResponsesRequest(Body, kw_only=True):
     """POST /v1/responses."""
 
@@ -134,7 +140,7 @@ class ResponsesRequest(Body, kw_only=True):
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     conversation: Annotated[Any, NotYet("no conversation objects; continue with previous_response_id")] = None
     include: Annotated[Any, NotYet("no extra output data", [])] = None
-    reasoning: Annotated[Any, NotYet("no reasoning effort or summary control")] = None
+    reasoning: ReasoningConfig | None = None
     truncation: Annotated[Any, NotYet("no truncation", "disabled")] = None
     background: Annotated[Any, NotYet("no background responses", False)] = None
     service_tier: Annotated[Any, NotYet("one service tier", "auto", "default")] = None
@@ -200,7 +206,8 @@ _FIELDS = {"model": "model", "max_output_tokens": "max_tokens", "temperature": "
            "parallel_tool_calls": "parallel_tool_calls", "metadata": "metadata", "user": "user",
            "safety_identifier": "safety_identifier", "prompt_cache_key": "prompt_cache_key",
            "cache_salt": "cache_salt"}
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+           "reasoning_effort": "reasoning.effort"}
 
 
 def chat_request(body: ResponsesRequest, gate: Admission) -> tuple[ChatCompletionRequest, list[str]]:
@@ -218,6 +225,8 @@ def chat_request(body: ResponsesRequest, gate: Admission) -> tuple[ChatCompletio
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     fmt = body.text.format if body.text else None
     if isinstance(fmt, JsonObjectFormat):
         chat["response_format"] = {"type": "json_object"}

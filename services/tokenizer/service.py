@@ -31,7 +31,7 @@ from rill.shared.config import ModelConfig
 from rill.shared.group_consumer import serve_streams
 from rill.shared.heartbeat import gateway_request_streams, replica_heartbeat
 from rill.shared.lifecycle import StopFlag
-from rill.shared.request_params import ChatMessage, past_the_context
+from rill.shared.request_params import TEMPLATE_FIELDS, ChatMessage, past_the_context
 from rill.shared.schema import (
     DetokenizeRequest,
     ErrorReply,
@@ -83,8 +83,9 @@ class Tokenizer:
             extra = template_kwargs(template, kwargs or {})
         except TemplateError as exc:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
-        if (kwargs or {}).get("documents") is not None and "documents" not in extra:
-            raise RequestError("this model's chat template reads no documents (it has no place for them)", "documents")
+        for name in TEMPLATE_FIELDS:
+            if (kwargs or {}).get(name) is not None and name not in extra:
+                raise RequestError(f"this model's chat template never reads {name}: it has no place for that field", name)
         msgs, special = template_messages(messages), self.tok.special_tokens
 
         def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
