@@ -34,6 +34,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     # it); the worker masks every sampled token with it, EOS included.
     grammar: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only under the same salt
+    return_token_ids: bool = False  # the prompt's and the output's token ids in the response
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's); the tokenizer's
 
     @property

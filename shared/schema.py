@@ -256,8 +256,7 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     token_ids: list[int]
     forward_ms: float = 0.0
     error: str | None = None  # a failed step; the scheduler fails the step's requests
-    # Aligned with token_ids when any sampled row asked for logprobs (None for the others); empty
-    # when none did.
+    # Aligned with token_ids when any sampled row asked for logprobs (None for others); else empty.
     logprobs: list[TokenLogprobs | None] = []
     kv_exports: list[KVManifest] = []  # one per KVExport / KVImport of the plan, in any order
     kv_imports: list[KVImportResult] = []
@@ -301,6 +300,8 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     # and the prompt tokens the prefix cache held.
     prompt_logprobs: list[list[TokenLogprobs]] = []
     cached_tokens: list[int] = []
+    # Per row: None unless it asked for token ids, then its prompt's with its first token, else [].
+    prompt_ids: list[list[int] | None] = []
 
 
 class TopLogprob(Struct, array_like=True):
@@ -329,6 +330,8 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     logprobs: list[TextLogprob] = []  # one per token of this delta, when the request asked
     prompt_logprobs: list[TextLogprob] = []  # with the first delta, when the request asked
     cached_tokens: int = 0  # with the first delta: prompt tokens the prefix cache held
+    token_ids: list[int] = []  # this delta's tokens, when the request asked (return_token_ids)
+    prompt_token_ids: list[int] = []  # with the first delta, when it asked
 
 
 class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
@@ -364,9 +367,8 @@ class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=Tru
 
 
 class Routed(Struct, tag_field="_t", tag="routed", array_like=True):
-    """Tokenizer -> gateway: the engine a request was sent to, so that the gateway can fail the
-    request at once if that engine dies while others live. Not sent for a prefill engine, which
-    hands the request to a decode engine (disagg.py watches that hand-off)."""
+    """Tokenizer -> gateway: the engine a request was sent to, so that the gateway fails it at once if
+    that engine dies while others live. None for a prefill engine (disagg.py watches its hand-off)."""
 
     request_id: str
     engine: int
@@ -405,9 +407,8 @@ class EngineStats(Struct, omit_defaults=True):
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
     updated_at: float = 0.0
-    # Queue time (first schedule - arrival at the gateway) since the scheduler started, cumulative:
-    # counts[i] requests waited <= bounds[i], the last count (past the bounds) the total; exported
-    # by the gateway as rill:request_queue_time_seconds.
+    # Queue time (first schedule - gateway arrival), cumulative: counts[i] requests waited <= bounds[i],
+    # the last count (past the bounds) the total; the gateway's rill:request_queue_time_seconds.
     queue_time_bounds: list[float] = []
     queue_time_counts: list[int] = []
     queue_time_sum: float = 0.0
@@ -425,8 +426,7 @@ class EngineStats(Struct, omit_defaults=True):
     kv_export_seconds_sum: float = 0.0
     kv_import_seconds_sum: float = 0.0
     kv_handoff_seconds_sum: float = 0.0
-    # Speculative decoding: steps that verified drafts for a request, draft tokens proposed, of
-    # those accepted (acceptance rate = accepted / draft tokens; mean accepted length 1 + acc/drafts).
+    # Speculative decoding: steps that verified drafts, draft tokens proposed, of those accepted.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -421,6 +421,43 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI) -> 
         assert err.value.param == "truncate_prompt_tokens"
 
 
+def test_return_token_ids_give_the_ids_the_text_came_from(client: openai.OpenAI, hf) -> None:
+    """vLLM's return_token_ids: the prompt's ids (as /tokenize gives them) and each choice's
+    output ids (as many as usage counts, decoding to its text), equal streamed and not."""
+    tok, _ = hf
+    mid, ids = model_name(client), {"return_token_ids": True}
+    prompt_ids = client.post("/tokenize", cast_to=httpx.Response, body={"prompt": PROMPT}).json()["tokens"]
+    chat_ids = client.post("/tokenize", cast_to=httpx.Response, body={"messages": CHAT}).json()["tokens"]
+    r = client.completions.create(model=mid, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, n=2,
+                                  extra_body=ids).model_dump()
+    chunks = [c.model_dump() for c in client.completions.create(
+        model=mid, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, n=2, stream=True, extra_body=ids)]
+    for i, choice in enumerate(r["choices"]):
+        assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 8
+        assert tok.decode(choice["token_ids"]) == choice["text"]
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert [c.get("prompt_token_ids") for c in mine if c.get("prompt_token_ids")] == [prompt_ids]
+        assert [t for c in mine for t in c.get("token_ids") or []] == choice["token_ids"]
+    chat = client.chat.completions.create(model=mid, messages=CHAT, max_tokens=40, temperature=0, extra_body=ids)
+    got = chat.model_dump()
+    assert got["prompt_token_ids"] == chat_ids and len(got["choices"][0]["token_ids"]) == chat.usage.completion_tokens
+    assert tok.decode(got["choices"][0]["token_ids"], skip_special_tokens=True) == chat.choices[0].message.content
+    stream = [c.model_dump() for c in client.chat.completions.create(
+        model=mid, messages=CHAT, max_tokens=40, temperature=0, stream=True, extra_body=ids)]
+    assert stream[0]["prompt_token_ids"] == chat_ids and not any("prompt_token_ids" in c for c in stream[1:])
+    assert [t for c in stream for ch in c["choices"] for t in ch.get("token_ids") or []] == got["choices"][0]["token_ids"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # the text passes a ChatStream
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    full, parts = (client.chat.completions.create(model=mid, messages=weather, tools=tools, max_tokens=30,
+                                                  temperature=0, stream=stream, extra_body=ids) for stream in (False, True))
+    full_ids = full.model_dump()["choices"][0]["token_ids"]
+    assert len(full_ids) == full.usage.completion_tokens
+    assert [t for c in parts for ch in c.model_dump()["choices"] for t in ch.get("token_ids") or []] == full_ids
+    plain = client.completions.create(model=mid, prompt=PROMPT, max_tokens=2).model_dump()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 @pytest.mark.parametrize("extra", [{"reasoning_effort": "low"}, {"documents": [{"title": "a", "text": "b"}]}])
 def test_a_field_for_templates_that_read_it_is_refused_by_one_that_does_not(client: openai.OpenAI,
                                                                            extra: dict) -> None:

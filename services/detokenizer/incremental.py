@@ -321,12 +321,14 @@ class Detokenizer:
                                           finish_reason=reason)
                 lps = batch.logprobs[i] if batch.logprobs else []
                 prompt_lps = batch.prompt_logprobs[i] if batch.prompt_logprobs else []
+                prompt_ids = _get(batch.prompt_ids, i)  # None: no token ids asked
                 delta = TextDelta(request_id=request_id, offset=offset, num_tokens=len(new), text=out.text,
                                   finish_reason=out.finish_reason, prompt_tokens=batch.prompt_tokens[i],
                                   completion_tokens=offset + len(new),
                                   logprobs=[self.text_logprob(lp) for lp in lps],
                                   prompt_logprobs=[self.text_logprob(lp) for lp in prompt_lps],
-                                  cached_tokens=_get(batch.cached_tokens, i, 0))
+                                  cached_tokens=_get(batch.cached_tokens, i, 0),
+                                  token_ids=[] if prompt_ids is None else list(new), prompt_token_ids=prompt_ids or [])
                 if out.stopped and reason is None:
                     stopped.append(request_id)
             except Exception as exc:  # bad ids or columns: fail this request only

@@ -209,8 +209,9 @@ class _Sampling(_Body):
         "Keep only the prompt's last k tokens (the chat template's output for chat); -1: as many as the "
         "context holds. Not with echo."))] | None = None
     spaces_between_special_tokens: Annotated[Any, NotYet("the detokenizer's spacing is fixed")] = None
-    return_token_ids: Annotated[Any, NotYet("return_tokens_as_token_ids with logprobs "
-                                            "gives the ids", False)] = None
+    return_token_ids: Annotated[bool, Meta(description=(
+        "The prompt's and the output's token ids in the response (vLLM's prompt_token_ids and token_ids); "
+        "streamed: each chunk's ids, the prompt's in the first."))] | None = None
     request_id: Annotated[Any, NotYet("the gateway names requests")] = None
     cache_salt: Annotated[str, Meta(min_length=1, description=(
         "Prefix-cache isolation: the prompt's cached blocks are shared only with requests that send the "

@@ -267,7 +267,7 @@ def _check_frame(req: GenerateBody) -> None:
     if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
         raise _bad("A WebSocket frame carries one prompt; send a frame for each.", "prompt")
     # Frames always stream, with usage in the done frame; these would change the text sent.
-    for name in ("echo", "return_tokens_as_token_ids"):
+    for name in ("echo", "return_tokens_as_token_ids", "return_token_ids"):
         if getattr(req, name, None):
             raise _bad(f"{name} is not supported over the WebSocket yet.", name)
 
@@ -367,7 +367,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
-        "truncate_prompt_tokens")
+        "truncate_prompt_tokens", "return_token_ids")
         if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]

@@ -41,7 +41,7 @@ def error_from_reply(err: ErrorReply) -> APIError:
 class Choice:
     """One sample's text, finish reason, token count and logprobs, from its in-order deltas."""
 
-    __slots__ = ("parts", "ends", "finish_reason", "completion_tokens", "logprobs")
+    __slots__ = ("parts", "ends", "finish_reason", "completion_tokens", "logprobs", "token_ids")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
@@ -49,8 +49,10 @@ class Choice:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.logprobs: list[TextLogprob] = []
+        self.token_ids: list[int] = []  # when the request asked (return_token_ids)
 
     def add(self, d: TextDelta) -> None:
+        self.token_ids += d.token_ids
         if d.text:
             self.parts.append(d.text)
             self.ends.append(d.offset + d.num_tokens)
@@ -88,6 +90,8 @@ class Output:
         self.scores_only = scores_only  # echo with max_tokens 0: the output token is dropped (requests.py)
         # Echo with logprobs: the prompt's, shared by every choice (sample 0 computes the prompt).
         self.prompt_logprobs: list[TextLogprob] = []
+        # return_token_ids: the first delta brings them (a prompt is never empty); none when not asked.
+        self.prompt_token_ids: list[int] = []
         self.reasoning: Reasoning | None = None  # a chat request's, under --reasoning-parser: counted in usage
 
     def add(self, d: TextDelta, index: int = 0) -> TextDelta:
@@ -99,9 +103,11 @@ class Output:
         if self.scores_only:  # max_tokens 0 is reached before any token, whatever the engine's reason
             finish = d.finish_reason if d.finish_reason in (None, "error") else "length"
             d = msgspec.structs.replace(d, text="", logprobs=[], offset=0, num_tokens=0, completion_tokens=0,
-                                        finish_reason=finish)
+                                        finish_reason=finish, token_ids=[])
         if d.prompt_logprobs:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.prompt_token_ids:
+            self.prompt_token_ids = d.prompt_token_ids
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
         if index == 0 and d.cached_tokens:
             self.cached_tokens = d.cached_tokens
@@ -183,20 +189,23 @@ def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset
 def full_response(kind: RequestKind, request_id: str, model: str, out: Output, logprobs: bool,
                   echo: str = "", chat: ChatOutput = PLAIN) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
+    ids = bool(out.prompt_token_ids)  # asked for (return_token_ids): where vLLM puts them
     for i, c in enumerate(out.choices):
         if kind == "chat":
             message, finish = chat.message(c.text, c.finish_reason)
             choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
-                            "finish_reason": finish})
+                            "finish_reason": finish, **({"token_ids": c.token_ids} if ids else {})})
         else:
             lp = None
             if logprobs:
                 lp = echo_logprobs(out.prompt_logprobs, c.logprobs, len(echo)) if echo else \
                     completion_logprobs(c.logprobs, 0)
-            choices.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            choices.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                            **({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids} if ids else {})})
+    top = {"prompt_token_ids": out.prompt_token_ids} if ids and kind == "chat" else {}
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage()}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage(), **top}
 
 
 def summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -280,9 +289,9 @@ class ChunkFormatter:
     def object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
-                               "model": self.model, "choices": choices}
+                               "model": self.model, "choices": choices, **extra}
         if self.include_usage:
             obj["usage"] = self.output.usage() if self.continuous_usage else None
         return sse(obj)
@@ -307,17 +316,19 @@ class ChunkFormatter:
         return {"index": at, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def head(self, first: list[Event]) -> bytes:
-        """The opening chunk, then the first events' (which tell the prompt's size)."""
-        self.output.prompt_tokens = max([ev.prompt_tokens for ev in first if isinstance(ev, TextDelta)], default=0)
-        return self.start() + self.render(first)
+        """The opening chunk, then the first events' (which tell the prompt's size and ids)."""
+        deltas = [ev for ev in first if isinstance(ev, TextDelta)]
+        self.output.prompt_tokens = max([ev.prompt_tokens for ev in deltas], default=0)
+        return self.start(next((ev.prompt_token_ids for ev in deltas if ev.prompt_token_ids), [])) + self.render(first)
 
-    def start(self) -> bytes:
+    def start(self, prompt_token_ids: list[int]) -> bytes:
         at = range(self.first_index, self.first_index + len(self.output.choices))
         if self.kind == "chat":
             # A forced call has no content: null, as OpenAI sends it (clients open no text part).
             content = None if self.chat and self.chat[0].forced else ""
+            ids = {"prompt_token_ids": prompt_token_ids} if prompt_token_ids else {}
             return self._chunk([{"index": i, "delta": {"role": "assistant", "content": content},
-                                 "logprobs": None, "finish_reason": None} for i in at])
+                                 "logprobs": None, "finish_reason": None} for i in at], **ids)
         if self.echo:
             return self._chunk([{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
                                 for i in at])
@@ -345,9 +356,15 @@ class ChunkFormatter:
                 self.failed = True
             elif self.chat is not None:
                 out.append(self._chat_chunks(i, ev))
-            elif ev.text or ev.finish_reason is not None or (self.logprobs and ev.logprobs):
-                out.append(self._chunk([self._choice(i, ev.text, ev.logprobs, ev.finish_reason)]))
+            elif ev.text or ev.finish_reason is not None or (self.logprobs and ev.logprobs) or ev.token_ids:
+                out.append(self._chunk([{**self._choice(i, ev.text, ev.logprobs, ev.finish_reason), **self._ids(ev)}]))
         return b"".join(out)
+
+    def _ids(self, ev: TextDelta) -> dict[str, list[int]]:
+        """return_token_ids: a chunk's tokens, and a completion choice's prompt with its first (chat's
+        prompt is in the opening chunk); nothing when not asked."""
+        ids = {"prompt_token_ids": ev.prompt_token_ids} if ev.prompt_token_ids and self.kind != "chat" else {}
+        return {**ids, "token_ids": ev.token_ids} if ev.token_ids or ids else {}
 
     def _chat_chunks(self, i: int, ev: TextDelta) -> bytes:
         """A chat delta of a request with tools or reasoning: reasoning and content as the
@@ -357,8 +374,9 @@ class ChunkFormatter:
         at, finish = self.first_index + i, ev.finish_reason
         d = self.chat[i].feed(ev.text, finish is not None)
         chunks: list[bytes] = []
-        if d.content or d.reasoning or (self.logprobs and ev.logprobs):
-            chunks.append(self._chunk([self._choice(i, d.content, ev.logprobs, None, d.reasoning)]))
+        ids = self._ids(ev)  # sent with this event even while the ChatStream holds its text
+        if d.content or d.reasoning or (self.logprobs and ev.logprobs) or ids:
+            chunks.append(self._chunk([{**self._choice(i, d.content, ev.logprobs, None, d.reasoning), **ids}]))
         if d.tool_calls:
             chunks.append(self._chunk([{"index": at, "delta": {"tool_calls": d.tool_calls}, "logprobs": None,
                                         "finish_reason": None}]))

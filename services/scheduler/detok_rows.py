@@ -24,6 +24,7 @@ class DetokRows:
         self.include_stop: list[bool] = []
         self.logprobs: list[list[TokenLogprobs]] = []
         self.prompt_logprobs: list[list[TokenLogprobs]] = []
+        self.prompt_ids: list[list[int] | None] = []
 
     def __bool__(self) -> bool:
         return bool(self.ids)
@@ -45,6 +46,7 @@ class DetokRows:
         self.include_stop.append(p.include_stop_str_in_output)
         self.logprobs.append(logprobs)
         self.prompt_logprobs.append(prompt_logprobs)
+        self.prompt_ids.append((req.prompt_token_ids if offset == 0 else []) if p.return_token_ids else None)
 
     def batch(self, engine_id: int, step_id: int) -> DetokBatch:
         return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
@@ -55,4 +57,5 @@ class DetokRows:
                           # Columns nobody asked for stay empty, so they cost nothing on the wire.
                           logprobs=self.logprobs if any(self.logprobs) else [],
                           prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [],
-                          cached_tokens=self.cached_tokens if any(self.cached_tokens) else [])
+                          cached_tokens=self.cached_tokens if any(self.cached_tokens) else [],
+                          prompt_ids=self.prompt_ids if any(i is not None for i in self.prompt_ids) else [])
