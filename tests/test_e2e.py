@@ -127,6 +127,18 @@ def test_a_begun_assistant_reply_is_continued(stack: ServiceStack, smollm2_hf) -
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, extra_body={
             "continue_final_message": True, "add_generation_prompt": True})
+    # echo (as vLLM): the reply opens with the begun text, streamed or not; not after a user turn.
+    echoed = {"continue_final_message": True, "echo": True}
+    full = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=16,
+                                          extra_body=echoed)
+    chunks = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=16,
+                                            stream=True, extra_body=echoed)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == streamed == "1. The" + resp.choices[0].message.content
+    question = messages[:1]
+    plain, echo = (client.chat.completions.create(model=model_id, messages=question, temperature=0, max_tokens=8,
+                                                  extra_body=extra) for extra in ({}, {"echo": True}))
+    assert echo.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_openai_client_streams_chat(stack: ServiceStack) -> None:

@@ -247,7 +247,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_special_tokens: Annotated[bool, Meta(description=(
         "Also add the tokenizer's special tokens (e.g. BOS) to what the chat template writes (default: "
         "false, the template brings its own)."))] | None = None
-    echo: Annotated[Any, NotYet("no echo on chat", False)] = None
+    echo: Annotated[bool, Meta(description=(
+        "The reply opens with the final message's text when the reply is in its role: an assistant message "
+        "continued (continue_final_message), or any final message with add_generation_prompt false (as vLLM)."))
+    ] | None = None
     reasoning_effort: Annotated[ReasoningEffort, Meta(description=(
         "For a chat template that reads it (gpt-oss's). A template that reads none: 400; a template's own "
         "switch (Qwen3's enable_thinking) goes in chat_template_kwargs."))] | None = None

@@ -212,8 +212,10 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
     gw = _gateway(request)
     request_id = shape.request_id if shape else new_request_id(requests.kind_of(body))
     reqs = requests.generate_requests(body, request_id, gw.reply_stream, gw.chat_parsers.reasoning)
-    echo = isinstance(body, CompletionRequest) and bool(body.echo)
-    echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs))) if echo else [""] * len(reqs)
+    if isinstance(body, CompletionRequest) and body.echo:
+        echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs)))
+    else:
+        echoes = [requests.echo_of(body) if isinstance(body, ChatCompletionRequest) else ""] * len(reqs)
     streams = await _submit(gw, reqs, buffered=not body.stream)
     handed_off = False  # once SSEResponse owns the streams, it aborts on disconnect itself
     try:

@@ -387,6 +387,14 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     return SamplingParams(**kw)
 
 
+def echo_of(req: ChatCompletionRequest) -> str:
+    """Chat's echo: the final message's text, when the reply goes on in that message's role (the
+    assistant's when a new turn is opened)."""
+    last = req.messages[-1]
+    role = last.__struct_config__.tag
+    return _text(last.content) if req.echo and role == ("assistant" if turn_ending(req)[0] else role) else ""
+
+
 def kind_of(req: GenerateBody) -> RequestKind:
     return "chat" if isinstance(req, ChatCompletionRequest) else "completion"
 

@@ -193,6 +193,8 @@ def full_response(kind: RequestKind, request_id: str, model: str, out: Output, l
     for i, c in enumerate(out.choices):
         if kind == "chat":
             message, finish = chat.message(c.text, c.finish_reason)
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                             "finish_reason": finish, **({"token_ids": c.token_ids} if ids else {})})
@@ -327,8 +329,10 @@ class ChunkFormatter:
             # A forced call has no content: null, as OpenAI sends it (clients open no text part).
             content = None if self.chat and self.chat[0].forced else ""
             ids = {"prompt_token_ids": prompt_token_ids} if prompt_token_ids else {}
-            return self._chunk([{"index": i, "delta": {"role": "assistant", "content": content},
-                                 "logprobs": None, "finish_reason": None} for i in at], **ids)
+            opening = self._chunk([{"index": i, "delta": {"role": "assistant", "content": content},
+                                    "logprobs": None, "finish_reason": None} for i in at], **ids)
+            return opening + (self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                            "finish_reason": None} for i in at]) if self.echo else b"")
         if self.echo:
             return self._chunk([{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
                                 for i in at])
