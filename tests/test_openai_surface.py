@@ -493,6 +493,9 @@ def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=mid, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
     assert err.value.param == "cache_salt"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=mid, prompt="x", max_tokens=1, extra_body={"cache_salt": "s" * 1025})
+    assert err.value.param == "cache_salt"
 
 
 # --------------------------------------------------------------------------- rill bench serve

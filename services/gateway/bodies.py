@@ -45,6 +45,7 @@ MAX_STOP = 16
 # may decode any row); these bounds keep that, and the worker's min_tokens bans, small.
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 128
+MAX_SALT_LEN = 1024  # a cache_salt rides in the request's parameters to the engine
 MAX_TOKEN_CHARS = 256  # longer than any vocabulary's longest token (SmolLM2's: 81 characters)
 MAX_N = 128  # OpenAI's bound on parallel samples
 MAX_LOGIT_BIAS = 1024
@@ -213,7 +214,7 @@ class _Sampling(_Body):
         "The prompt's and the output's token ids in the response (vLLM's prompt_token_ids and token_ids); "
         "streamed: each chunk's ids, the prompt's in the first."))] | None = None
     request_id: Annotated[Any, NotYet("the gateway names requests")] = None
-    cache_salt: Annotated[str, Meta(min_length=1, description=(
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_SALT_LEN, description=(
         "Prefix-cache isolation: the prompt's cached blocks are shared only with requests that send the "
         "same salt (e.g. one per tenant), so cache timing tells nothing across salts."))] | None = None
     kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None

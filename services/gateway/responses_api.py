@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rill.services.gateway import requests
-from rill.services.gateway.bodies import ChatCompletionRequest, ReasoningEffort
+from rill.services.gateway.bodies import MAX_SALT_LEN, ChatCompletionRequest, ReasoningEffort
 from rill.services.gateway.errors import APIError, json_response
 from rill.services.gateway.fields import Body, NotYet
 from rill.services.gateway.openai_api import SSEResponse, generate
@@ -135,7 +135,7 @@ class ResponsesRequest(Body, kw_only=True):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    cache_salt: Annotated[str, Meta(min_length=1)] | None = None  # as chat's
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_SALT_LEN)] | None = None  # as chat's
     store: bool | None = None  # absent: stored, as OpenAI's default
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     conversation: Annotated[Any, NotYet("no conversation objects; continue with previous_response_id")] = None
