@@ -331,6 +331,34 @@ def test_echo_with_logprobs_scores_the_prompt(stack: ServiceStack, client: opena
     assert err.value.body["param"] == "max_tokens" and "echo" in err.value.body["message"]
 
 
+def test_prompt_logprobs_score_every_prompt_token(client: openai.OpenAI, hf) -> None:
+    """vLLM's prompt_logprobs: per prompt token (the first: null) its logprob from the model's raw
+    distribution, its rank, and the k likeliest tokens ranked; chat's at the top of the response;
+    streamed or past --max-logprobs: a 400."""
+    tok, model = hf
+    ids, mid = tok(PROMPT)["input_ids"], model_name(client)
+    r = client.completions.create(model=mid, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 3}).model_dump()
+    scored = r["choices"][0]["prompt_logprobs"]
+    want = torch.log_softmax(hf_logits(model, ids), dim=-1)
+    assert len(scored) == len(ids) and scored[0] is None
+    for p in range(1, len(ids)):
+        entry, best = scored[p], torch.topk(want[p - 1], 3)
+        assert abs(entry[str(ids[p])]["logprob"] - float(want[p - 1, ids[p]])) < LOGPROB_TOL, p
+        ranked = sorted((e["rank"], int(t)) for t, e in entry.items() if e["rank"] is not None and e["rank"] <= 3)
+        assert [r for r, _ in ranked] == [1, 2, 3] and abs(entry[str(ranked[0][1])]["logprob"] - float(best.values[0])) < LOGPROB_TOL
+        own = int((want[p - 1] > want[p - 1, ids[p]]).sum()) + 1  # the prompt token's rank, if among the top 3
+        assert entry[str(ids[p])]["rank"] == (own if own <= 3 else None) or abs(float(best.values[own - 2])
+                                                                                 - float(want[p - 1, ids[p]])) < NEAR_TIE
+        assert entry[str(ids[p])]["decoded_token"] == tok.decode([ids[p]])
+    chat = client.chat.completions.create(model=mid, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    got = chat.model_dump()["prompt_logprobs"]
+    assert len(got) == chat.usage.prompt_tokens and got[0] is None and all(len(e) == 1 for e in got[1:])
+    for extra in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=mid, prompt=ids, max_tokens=1, extra_body=extra)
+        assert err.value.param == "prompt_logprobs"
+
+
 def test_batched_prompts_equal_single_requests(client: openai.OpenAI, hf) -> None:
     """A list of prompts (lm-eval's batched loglikelihood and generation requests) answers as the
     prompts would one at a time, prompt i's n choices from index i * n, streamed or not."""

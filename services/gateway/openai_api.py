@@ -235,7 +235,8 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
             await shape.settle()
             return json_response(full)
         resp = json_response(batch_response([
-            full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, chat)
+            full_response(requests.kind_of(body), request_id, gw.model_name, out, logprobs, echo_text, chat,
+                          body.prompt_logprobs)
             for out, echo_text in zip(outs, echoes, strict=True)]))
         resp.headers.update(_engine_header(streams))
         return resp

@@ -216,6 +216,11 @@ def _check_sampling(req: GenerateBody, max_logprobs: int) -> None:
     name, n = logprobs_of(req)
     if n is not None and n > max_logprobs:
         raise _bad(f"Requested sample logprobs of {n}, which is greater than max allowed: {max_logprobs}.", name)
+    if req.prompt_logprobs is not None and req.prompt_logprobs > max_logprobs:
+        raise _bad(f"Requested prompt logprobs of {req.prompt_logprobs}, which is greater than max allowed: "
+                   f"{max_logprobs}.", "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise _bad("prompt_logprobs are not available when stream is true.", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true.", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats \
@@ -267,7 +272,7 @@ def _check_frame(req: GenerateBody) -> None:
     if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
         raise _bad("A WebSocket frame carries one prompt; send a frame for each.", "prompt")
     # Frames always stream, with usage in the done frame; these would change the text sent.
-    for name in ("echo", "return_tokens_as_token_ids", "return_token_ids"):
+    for name in ("echo", "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs"):
         if getattr(req, name, None):
             raise _bad(f"{name} is not supported over the WebSocket yet.", name)
 
@@ -367,7 +372,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
-        "truncate_prompt_tokens", "return_token_ids")
+        "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs")
         if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]
@@ -383,7 +388,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
         # vocabularies (Granite's and Phi-4-mini's <|tool_call|>): kept, or no call would parse.
         kw.setdefault("skip_special_tokens", False)
     if isinstance(req, CompletionRequest) and req.echo and kw["logprobs"] is not None:
-        kw["prompt_logprobs"] = kw["logprobs"]  # echo scores the prompt's tokens too
+        kw["prompt_logprobs"] = max(kw["logprobs"], req.prompt_logprobs or 0)  # echo scores the prompt too
     return SamplingParams(**kw)
 
 

@@ -176,6 +176,22 @@ def completion_logprobs(lps: list[TextLogprob], text_offset: int) -> dict[str, A
             "text_offset": offsets}
 
 
+def prompt_logprobs_of(lps: list[TextLogprob], k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token (the first: None), by token id, the token's own and
+    the k likeliest (the worker may have kept more, for echo), each with logprob, rank and text."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in lps:
+        if lp.logprob is None:
+            out.append(None)
+            continue
+        rank = next((r for r, t in enumerate(lp.top, 1) if t.token_id == lp.token_id), None)
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": rank, "decoded_token": lp.token}}
+        for r, t in enumerate(lp.top[:k], 1):
+            entry[str(t.token_id)] = {"logprob": _lp(t.logprob), "rank": r, "decoded_token": t.token}
+        out.append(entry)
+    return out
+
+
 def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset: int) -> dict[str, Any]:
     """Completions with echo: the prompt's tokens (offsets from 0) before the output's."""
     head, tail = completion_logprobs(prompt, 0), completion_logprobs(lps, text_offset)
@@ -187,9 +203,11 @@ def echo_logprobs(prompt: list[TextLogprob], lps: list[TextLogprob], text_offset
 
 
 def full_response(kind: RequestKind, request_id: str, model: str, out: Output, logprobs: bool,
-                  echo: str = "", chat: ChatOutput = PLAIN) -> dict[str, Any]:
+                  echo: str = "", chat: ChatOutput = PLAIN, prompt_logprobs: int | None = None) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     ids = bool(out.prompt_token_ids)  # asked for (return_token_ids): where vLLM puts them
+    scored = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_of(out.prompt_logprobs,
+                                                                                        prompt_logprobs)}
     for i, c in enumerate(out.choices):
         if kind == "chat":
             message, finish = chat.message(c.text, c.finish_reason)
@@ -204,8 +222,9 @@ def full_response(kind: RequestKind, request_id: str, model: str, out: Output, l
                 lp = echo_logprobs(out.prompt_logprobs, c.logprobs, len(echo)) if echo else \
                     completion_logprobs(c.logprobs, 0)
             choices.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                            **({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids} if ids else {})})
-    top = {"prompt_token_ids": out.prompt_token_ids} if ids and kind == "chat" else {}
+                            **({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids} if ids else {}),
+                            **scored})
+    top = {**({"prompt_token_ids": out.prompt_token_ids} if ids else {}), **scored} if kind == "chat" else {}
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": out.usage(), **top}
 
