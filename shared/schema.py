@@ -196,9 +196,8 @@ class StepPlan(Struct, tag_field="_t", tag="plan", array_like=True, omit_default
     # Disaggregation: KV to export (prefill engine) or import (decode engine) after the step.
     kv_exports: list[KVExport] = []
     kv_imports: list[KVImport] = []
-    # Speculative decoding: draft tokens each scheduled request verifies after its last token
-    # (aligned with scheduled_request_ids; empty when none has any); DRAFT_PLACEHOLDER drafts are
-    # the worker's draft model's to propose.
+    # Speculative decoding: drafts each scheduled request verifies after its last token (empty when
+    # none has any); DRAFT_PLACEHOLDER drafts are the worker's draft model's to propose.
     spec_token_ids: list[list[int]] = []
 
     def num_drafts(self) -> list[int]:
@@ -246,6 +245,7 @@ class TokenLogprobs(Struct, array_like=True):
 
     token_ids: list[int]
     logprobs: list[float]
+    rank: int = 0  # token_ids[0]'s in the vocabulary (1: likeliest): prompt tokens', else 0
 
 
 class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_defaults=True):
@@ -264,8 +264,7 @@ class StepResult(Struct, tag_field="_t", tag="result", array_like=True, omit_def
     # prompt token (the first has no logprobs), aligned with request_ids; empty when none did.
     prompt_logprobs: list[list[TokenLogprobs]] = []
     errors: dict[str, str] = {}  # requests that failed on their own (not in request_ids): id -> why
-    # Speculative decoding: how many of token_ids (and of logprobs) each request got, aligned
-    # with request_ids: its accepted drafts plus one. Empty when every request got one token.
+    # Speculative decoding: tokens (and logprobs) each request got, its accepted drafts + 1; empty: one each.
     num_tokens: list[int] = []
 
 
@@ -317,6 +316,7 @@ class TextLogprob(Struct, array_like=True):
     logprob: float | None
     token_id: int
     top: list[TopLogprob]
+    rank: int = 0  # as TokenLogprobs'
 
 
 class TextDelta(Struct, array_like=True, omit_defaults=True):

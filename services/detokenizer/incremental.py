@@ -297,7 +297,7 @@ class Detokenizer:
         if not vals:  # a prompt's first token: nothing scored it
             return TextLogprob(self.token_str(ids[0]), None, ids[0], [])
         top = [TopLogprob(self.token_str(t), v, t) for t, v in zip(ids[1:], vals[1:], strict=True)]
-        return TextLogprob(self.token_str(ids[0]), vals[0], ids[0], top)
+        return TextLogprob(self.token_str(ids[0]), vals[0], ids[0], top, lp.rank)
 
     def detokenize_batch(self, batch: DetokBatch) -> BatchOutput:
         """One TextDelta for every row (the gateway waits for every offset), grouped by reply

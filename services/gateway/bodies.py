@@ -205,8 +205,8 @@ class _Sampling(_Body):
     use_beam_search: Annotated[Any, NotYet(BEAM, False)] = None
     length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None
     prompt_logprobs: Annotated[int, Meta(ge=0, description=(
-        "vLLM's: per prompt token (the first: null), by token id, its logprob, rank (1: likeliest; null "
-        "outside the top k) and text, and the k likeliest tokens' likewise. Not with stream."))] | None = None
+        "vLLM's: per prompt token (the first: null), by token id, its logprob, rank (1: likeliest) and "
+        "text, and the k likeliest tokens' likewise. Not with stream."))] | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
         "Keep only the prompt's last k tokens (the chat template's output for chat); -1: as many as the "
         "context holds. Not with echo."))] | None = None

@@ -145,7 +145,7 @@ def as_token_ids(lps: list[TextLogprob]) -> list[TextLogprob]:
     """vLLM's `return_tokens_as_token_ids`: tokens shown as "token_id:<id>", which stays exact
     where a token's text alone is ambiguous (bytes of a split character, spaces)."""
     return [TextLogprob(f"token_id:{lp.token_id}", lp.logprob, lp.token_id,
-                        [TopLogprob(f"token_id:{t.token_id}", t.logprob, t.token_id) for t in lp.top])
+                        [TopLogprob(f"token_id:{t.token_id}", t.logprob, t.token_id) for t in lp.top], lp.rank)
             for lp in lps]
 
 
@@ -184,8 +184,7 @@ def prompt_logprobs_of(lps: list[TextLogprob], k: int) -> list[dict[str, dict[st
         if lp.logprob is None:
             out.append(None)
             continue
-        rank = next((r for r, t in enumerate(lp.top, 1) if t.token_id == lp.token_id), None)
-        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": rank, "decoded_token": lp.token}}
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}}
         for r, t in enumerate(lp.top[:k], 1):
             entry[str(t.token_id)] = {"logprob": _lp(t.logprob), "rank": r, "decoded_token": t.token}
         out.append(entry)

@@ -278,10 +278,12 @@ class ModelRunner:
                 continue  # its part of the gather; rank 0 scores
             lp = torch.log_softmax(logits, dim=-1)
             targets = s.token_ids[start + lo + 1:start + lo + 1 + lp.shape[0]]
-            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's: 1 + the tokens likelier than it
             top_lp, top_ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
-            for t, c, tl, ti in zip(targets, chosen, top_lp.tolist(), top_ids.tolist(), strict=True):
-                s.prompt_lps.append(TokenLogprobs(token_ids=[t, *ti], logprobs=[c, *tl]))
+            for t, c, tl, ti, r in zip(targets, chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist(), ranks,
+                                       strict=True):
+                s.prompt_lps.append(TokenLogprobs(token_ids=[t, *ti], logprobs=[c, *tl], rank=r))
 
     def _run_graph(self, states: list[RequestState]) -> Sampled:
         """A pure-decode step through a captured CUDA graph (same results as `_run`)."""
