@@ -28,6 +28,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     repetition_penalty: float = 1.0  # CTRL/HF: divides positive (multiplies negative) logits of
     #                                  tokens in the prompt or the output
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    allowed_token_ids: list[int] = []  # when set, every other token is masked (vLLM's)
     logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
     prompt_logprobs: int | None = None  # per prompt token likewise (completions echo + logprobs)
     # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks

@@ -496,6 +496,29 @@ def test_a_field_for_templates_that_read_it_is_refused_by_one_that_does_not(clie
     assert err.value.param == name and name in err.value.message
 
 
+def test_allowed_token_ids_keep_the_output_to_them(client: openai.OpenAI, hf) -> None:
+    """vLLM's allowed_token_ids: greedy picks the likeliest allowed token (transformers' logits);
+    with a grammar, or an id outside the vocabulary: a 400."""
+    tok, model = hf
+    mid, ids = model_name(client), tok(PROMPT)["input_ids"]
+    allowed = [tok(w)["input_ids"][0] for w in (" paper", " fire", " wheel", " the")]
+    r = client.completions.create(model=mid, prompt=ids, max_tokens=5, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True}).model_dump()
+    out = r["choices"][0]["token_ids"]
+    assert len(out) == 5 and set(out) <= set(allowed)
+    first = hf_logits(model, ids)[-1]
+    assert out[0] == max(allowed, key=lambda t: float(first[t]))
+    sampled = client.completions.create(model=mid, prompt=ids, max_tokens=8, temperature=1.5, seed=1,
+                                        extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(sampled.model_dump()["choices"][0]["token_ids"]) <= set(allowed)
+    eos = tok.eos_token_id
+    for extra in ({"allowed_token_ids": allowed, "response_format": {"type": "json_object"}},
+                  {"allowed_token_ids": [10 ** 6]}, {"allowed_token_ids": [eos], "min_tokens": 1}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=mid, prompt=ids, max_tokens=2, extra_body=extra)
+        assert err.value.param == "allowed_token_ids"
+
+
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
     own): completions, chat and responses, the salted text equal to the unsalted one."""

@@ -24,6 +24,11 @@ EOS = [2]
 def ref_process(raw: torch.Tensor, p: SamplingParams, prompt_ids: list[int], outputs: list[int]) -> torch.Tensor:
     x = raw.clone()
     vocab = x.shape[0]
+    if p.allowed_token_ids:
+        x = torch.full_like(x, float("-inf"))
+        for tok in p.allowed_token_ids:
+            if 0 <= tok < vocab:
+                x[tok] = raw[tok]
     for tok, bias in p.logit_bias.items():
         if 0 <= tok < vocab:
             x[tok] += bias
@@ -72,6 +77,7 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         frequency_penalty=maybe(rng.uniform(-2, 2), 0.0), presence_penalty=maybe(rng.uniform(-2, 2), 0.0),
         logit_bias=maybe(bias, {}), min_tokens=maybe(rng.randint(1, 4), 0),
         stop_token_ids=maybe([rng.randrange(vocab)], []), logprobs=maybe(rng.choice([0, 1, 5]), None),
+        allowed_token_ids=maybe([*rng.sample(range(vocab), min(vocab, rng.randint(3, 30))), vocab + 5], []),
         seed=maybe(rng.randrange(1 << 30), None))
 
 

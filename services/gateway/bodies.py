@@ -200,7 +200,8 @@ class _Sampling(_Body):
     guided_whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
     structural_tag: Annotated[Any, NotYet("no structural tags")] = None
     bad_words: Annotated[Any, NotYet("no banned-word filter", [])] = None
-    allowed_token_ids: Annotated[Any, NotYet("no allowed-token filter")] = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS, description=(
+        "Only these tokens may be sampled (EOS too only if listed); not with structured outputs."))] | None = None
     logits_processors: Annotated[Any, NotYet("no custom logits processors")] = None
     use_beam_search: Annotated[Any, NotYet(BEAM, False)] = None
     length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None

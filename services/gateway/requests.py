@@ -382,7 +382,11 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw["stop"] = [s for s in stop if s]  # an empty stop string would end every request at once
     kw["stop_token_ids"] = req.stop_token_ids or []
     kw["logit_bias"] = req.logit_bias or {}
+    kw["allowed_token_ids"] = req.allowed_token_ids or []
     kw["grammar"] = grammar_of(req, reasoning if thinks(req) else "none")
+    if kw["grammar"] and kw["allowed_token_ids"]:  # two masks that may leave no token at all
+        raise _bad("allowed_token_ids cannot be combined with structured outputs or forced tool calls.",
+                   "allowed_token_ids")
     if isinstance(req, ChatCompletionRequest) and tool_choice_name(req.tool_choice, req.tools) == "auto":
         # Calls in the model's own format start with a marker that is a special token in some
         # vocabularies (Granite's and Phi-4-mini's <|tool_call|>): kept, or no call would parse.

@@ -181,6 +181,14 @@ class Tokenizer:
         bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of range", "stop_token_ids")
+        bad_allowed = [t for t in req.params.allowed_token_ids if not 0 <= t < self.vocab_size]
+        if bad_allowed:
+            raise RequestError(f"allowed token id {bad_allowed[0]} is out of range [0, {self.vocab_size})",
+                               "allowed_token_ids")
+        ends = {*self.eos_token_ids, *req.params.stop_token_ids}  # banned before min_tokens
+        if req.params.min_tokens and req.params.allowed_token_ids and set(req.params.allowed_token_ids) <= ends:
+            raise RequestError("allowed_token_ids leaves no token to sample before min_tokens (only end tokens)",
+                               "allowed_token_ids")
         bad_bias = [t for t in req.params.logit_bias if not 0 <= t < self.vocab_size]
         if bad_bias:
             raise RequestError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})",

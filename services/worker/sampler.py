@@ -240,15 +240,22 @@ class Sampler:
         return probs / probs.sum(-1, keepdim=True)
 
     def _bias_and_bans(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """logit_bias added; before min_tokens outputs, EOS and stop tokens cannot be sampled."""
+        """Only allowed_token_ids kept where given, logit_bias added; before min_tokens outputs, EOS
+        and stop tokens cannot be sampled."""
         vocab = logits.shape[1]
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items() if 0 <= t < vocab]
         bans = [(i, t) for i, r in enumerate(rows) if r.output_index < r.params.min_tokens
                 for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
-        if not bias and not bans:
+        allowed = [(i, [t for t in r.params.allowed_token_ids if 0 <= t < vocab])
+                   for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        if not bias and not bans and not allowed:
             return logits
         x = logits.clone()  # the caller's logits stay as the model produced them
         dev = x.device
+        for i, ids in allowed:
+            keep = torch.full((vocab,), float("-inf"), dtype=x.dtype, device=dev)
+            keep[ids] = 0.0
+            x[i] += keep
         if bias:
             r, c, b = zip(*bias, strict=True)
             x.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
