@@ -155,6 +155,7 @@ def _rank_main(rank: int, address: str, model_dir: str, out: str) -> None:
     args = EngineArgs(model_dir=model_dir, tensor_parallel_size=2, tp_rank=rank)
     budgets = [dataclasses.astuple(step_budget.resolve(runner, args, tp)) for _ in range(2)]
     Path(out, f"rank{rank}.json").write_text(json.dumps(budgets))
+    tp.close()  # as the worker does: left to the interpreter's exit, gloo's teardown can abort it
 
 
 if __name__ == "__main__":

@@ -176,6 +176,8 @@ def run(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag | None = N
         log.error("tensor-parallel rank %d of %d stopped, and the engine with it: %s: %s", tp.rank, tp.size,
                   type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         raise SystemExit(1) from None
+    if tp is not None:  # a group left to the interpreter's exit can abort it (SIGABRT) in gloo's teardown
+        tp.close()
 
 
 def _serve(redis_url: str, prefix: str, args: EngineArgs, stop: StopFlag, tp: TPGroup | None) -> None:
