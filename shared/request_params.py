@@ -30,7 +30,7 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     allowed_token_ids: list[int] = []  # when set, every other token is masked (vLLM's)
     logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
-    prompt_logprobs: int | None = None  # per prompt token likewise (completions echo + logprobs)
+    prompt_logprobs: int | None = None  # per prompt token likewise (prompt_logprobs; completions' echo + logprobs)
     # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks
     # it); the worker masks every sampled token with it, EOS included.
     grammar: str | None = None

@@ -98,7 +98,7 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
 
 async def test_refused_fields_are_named_over_http_and_websocket(gw: LiveServer, downstream: Downstream) -> None:
     cases = refused_cases()
-    assert len({param for _, _, param in cases}) > 25  # the enumeration finds them (fewer as more are honoured)
+    assert len({param for _, _, param in cases}) > 20  # the enumeration finds them (fewer as more are honoured)
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         for path, body, param in cases:
             r = await c.post(path, json=body)

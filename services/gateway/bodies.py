@@ -211,7 +211,9 @@ class _Sampling(_Body):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
         "Keep only the prompt's last k tokens (the chat template's output for chat); -1: as many as the "
         "context holds. Not with echo."))] | None = None
-    spaces_between_special_tokens: Annotated[Any, NotYet("the detokenizer's spacing is fixed")] = None
+    spaces_between_special_tokens: Annotated[bool, Meta(description=(
+        "As vLLM takes it with a fast tokenizer (Rill's kind): no spaces are added between special tokens, "
+        "whatever the value."))] | None = None
     return_token_ids: Annotated[bool, Meta(description=(
         "The prompt's and the output's token ids in the response (vLLM's prompt_token_ids and token_ids); "
         "streamed: each chunk's ids, the prompt's in the first."))] | None = None
