@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rill.services.tokenizer.service import RequestError, Tokenizer
@@ -29,7 +30,13 @@ def test_ids_the_model_cannot_embed_are_refused_at_admission(tmp_path: Path, smo
                                arrival_time=0.0, **kw)  # type: ignore[arg-type]
 
     assert tok(req(kind="completion", prompt=[5, 999])).prompt_token_ids == [5, 999]
+    def params(**kw: object) -> GenerateRequest:
+        return msgspec.structs.replace(req(kind="completion", prompt=[5]), params=SamplingParams(max_tokens=4, **kw))
+
     for bad, param in ((req(kind="completion", prompt=[5, 1000]), "prompt"),
+                       (params(stop_token_ids=[1000]), "stop_token_ids"),
+                       (params(allowed_token_ids=[3, 1000]), "allowed_token_ids"),
+                       (params(logit_bias={1000: 1.0}), "logit_bias"),
                        (req(kind="completion", prompt="a sentence of common English words"), "prompt"),
                        (req(kind="chat", messages=[ChatMessage(role="user", content="hello there")]), "messages")):
         with pytest.raises(RequestError) as err:

@@ -134,10 +134,10 @@ class Tokenizer:
         # A text prompt gets the tokenizer's special tokens (e.g. BOS) unless told not to (as vLLM).
         return self.tok.encode(prompt, add_special_tokens=add_special_tokens is not False)
 
-    def check_ids(self, ids: list[int], param: str) -> list[int]:
+    def check_ids(self, ids: list[int], param: str, what: str = "token id") -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})", param)
+            raise RequestError(f"{what} {bad[0]} is out of range [0, {self.vocab_size})", param)
         return ids
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
@@ -164,36 +164,28 @@ class Tokenizer:
         return TokenizeReply(request_id=req.request_id, text=self.tok.decode(ids))
 
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
-        ids = self.prompt_ids(req)
-        keep = req.params.truncate_prompt_tokens
+        ids, p = self.prompt_ids(req), req.params
+        keep = p.truncate_prompt_tokens
         if keep is not None:  # the last `keep` (all of them if fewer)
             ids = ids[-(self.max_model_len if keep == -1 else keep):]
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         n = len(ids)
-        max_tokens = req.params.max_tokens
+        max_tokens = p.max_tokens
         if n >= self.max_model_len:
             raise RequestError(past_the_context(self.max_model_len, n), "messages" if req.kind == "chat" else "prompt")
         if max_tokens is None and req.kind != "chat":  # chat's fills the context its engine serves
             max_tokens = min(16, self.max_model_len - n)
         if max_tokens is not None and n + max_tokens > self.max_model_len:
             raise RequestError(past_the_context(self.max_model_len, n, max_tokens), "max_tokens")
-        bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise RequestError(f"stop token id {bad_stop[0]} is out of range", "stop_token_ids")
-        bad_allowed = [t for t in req.params.allowed_token_ids if not 0 <= t < self.vocab_size]
-        if bad_allowed:
-            raise RequestError(f"allowed token id {bad_allowed[0]} is out of range [0, {self.vocab_size})",
-                               "allowed_token_ids")
-        ends = {*self.eos_token_ids, *req.params.stop_token_ids}  # banned before min_tokens
-        if req.params.min_tokens and req.params.allowed_token_ids and set(req.params.allowed_token_ids) <= ends:
+        self.check_ids(p.stop_token_ids, "stop_token_ids", "stop token id")
+        self.check_ids(p.allowed_token_ids, "allowed_token_ids", "allowed token id")
+        self.check_ids(list(p.logit_bias), "logit_bias", "logit_bias token id")
+        ends = {*self.eos_token_ids, *p.stop_token_ids}  # banned before min_tokens
+        if p.min_tokens and p.allowed_token_ids and set(p.allowed_token_ids) <= ends:
             raise RequestError("allowed_token_ids leaves no token to sample before min_tokens (only end tokens)",
                                "allowed_token_ids")
-        bad_bias = [t for t in req.params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias:
-            raise RequestError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})",
-                               "logit_bias")
-        params = msgspec.structs.replace(req.params, max_tokens=max_tokens, truncate_prompt_tokens=None)
+        params = msgspec.structs.replace(p, max_tokens=max_tokens, truncate_prompt_tokens=None)
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
                                 arrival_time=req.arrival_time, priority=req.priority)
