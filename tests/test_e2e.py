@@ -141,6 +141,35 @@ def test_a_begun_assistant_reply_is_continued(stack: ServiceStack, smollm2_hf) -
     assert echo.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_websocket_frames_carry_ids_and_prompt_logprobs(stack: ServiceStack) -> None:
+    """return_token_ids, prompt_logprobs and return_tokens_as_token_ids in a frame give what the
+    same request over HTTP gives: the ids over the delta frames and in the done frame."""
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
+    body = {"model": client.models.list().data[0].id, "prompt": "The three rivers of Europe are", "max_tokens": 6,
+            "temperature": 0, "logprobs": 1}
+    extra = {"return_token_ids": True, "prompt_logprobs": 2, "return_tokens_as_token_ids": True}
+    http = client.completions.create(**body, extra_body=extra).model_dump()["choices"][0]
+
+    async def over_ws() -> list[dict]:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "completion", "id": "w", **body, **extra}))
+            frames = []
+            while not frames or frames[-1]["type"] == "delta":
+                frames.append(json.loads(await ws.recv()))
+            return frames
+
+    frames = asyncio.run(over_ws())
+    done, deltas = frames[-1], frames[:-1]
+    assert done["type"] == "done" and done["prompt_token_ids"] == http["prompt_token_ids"]
+    assert [t for f in deltas for t in f.get("token_ids", [])] == http["token_ids"]
+    assert [lp["token"] for f in deltas for lp in f["logprobs"]] == http["logprobs"]["tokens"]  # "token_id:<id>"
+    assert len(done["prompt_logprobs"]) == len(http["prompt_logprobs"]) and done["prompt_logprobs"][0] is None
+    for ws_entry, http_entry in zip(done["prompt_logprobs"][1:], http["prompt_logprobs"][1:], strict=True):
+        assert ws_entry.keys() == http_entry.keys()
+        for t, e in ws_entry.items():
+            assert e["rank"] == http_entry[t]["rank"] and abs(e["logprob"] - http_entry[t]["logprob"]) < 1e-4
+
+
 def test_openai_client_streams_chat(stack: ServiceStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
     model = client.models.list().data[0].id

@@ -4,16 +4,19 @@ Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
                 {"type": "completion", "id": .., "prompt": .., ...sampling}
                 {"type": "cancel", "id": ..}
 (chat and completion frames are the HTTP bodies plus `type` and `id`, checked by the same
-schema, requests.py; `echo` and `return_tokens_as_token_ids` are refused here)
-Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..], "tool_calls"?: [..]}
+schema, requests.py; `echo` is refused here)
+Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..], "tool_calls"?: [..],
+                 "token_ids"?: [..]}
                 {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..},
-                 "tool_calls"?: [..], "tool_calls_by_index"?: [[..], ..]}
+                 "tool_calls"?: [..], "tool_calls_by_index"?: [[..], ..], "prompt_token_ids"?: [..],
+                 "prompt_logprobs"?: [..]}
 
 Sampling fields are the chat/completions ones; `logprobs` (true, with `top_logprobs`) adds the
 chat-shaped logprobs of a delta's tokens; with `n` > 1 each delta names its sample's `index`
 and the done frame, sent once every sample ended, lists each sample's finish reason. Tool calls
 stream in delta frames as OpenAI's chunks carry them (a call's id and name, then pieces of its
-arguments, by `index` of call); the done frame has them whole.
+arguments, by `index` of call); the done frame has them whole. `return_token_ids` adds each
+delta's token ids and the prompt's in the done frame; `prompt_logprobs`, vLLM's in the done frame.
                 {"id": .., "type": "error", "error": {"message": .., "type": .., "param": .., "code": ..}}
 
 Every request ends with exactly one `done` or `error` frame. A bad frame only earns an error
@@ -37,7 +40,13 @@ from rill.services.gateway import requests
 from rill.services.gateway.bodies import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.chat_output import ChatStream, chat_output
 from rill.services.gateway.errors import APIError
-from rill.services.gateway.responses import GENERATION_FAILED, Output, chat_logprobs, error_from_reply
+from rill.services.gateway.responses import (
+    GENERATION_FAILED,
+    Output,
+    chat_logprobs,
+    error_from_reply,
+    prompt_logprobs_of,
+)
 from rill.services.gateway.tool_calls import calls_finish
 from rill.shared.schema import ErrorReply, TextLogprob
 
@@ -64,6 +73,7 @@ class _Entry:
     # in the done frame, reasoning in delta frames of its own ("reasoning").
     chat: list[ChatStream] | None = None
     calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # asked for: in the done frame, vLLM's shape
 
 
 @dataclass
@@ -74,6 +84,7 @@ class _Pending:
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[TextLogprob] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's tool-call deltas
+    token_ids: list[int] = field(default_factory=list)  # return_token_ids
 
 
 def _id_error() -> APIError:
@@ -135,6 +146,10 @@ class Connection:
                                  "usage": entry.output.usage()}
         if len(choices) > 1:
             frame["finish_reasons"] = reasons
+        if entry.output.prompt_token_ids:
+            frame["prompt_token_ids"] = entry.output.prompt_token_ids
+        if entry.prompt_logprobs is not None:
+            frame["prompt_logprobs"] = prompt_logprobs_of(entry.output.prompt_logprobs, entry.prompt_logprobs)
         if entry.calls and finish_reason is None:  # OpenAI's tool_calls, of choice 0 (all: by index)
             frame["tool_calls"] = entry.calls.get(0, [])
             if len(choices) > 1:
@@ -210,7 +225,8 @@ class Connection:
                                              self.gw.chat_parsers.reasoning)[0]  # frames: one prompt
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
-            entry = _Entry(cid, request_id, stream, Output(stream.n))
+            entry = _Entry(cid, request_id, stream, Output(stream.n, bool(body.return_tokens_as_token_ids)),
+                           prompt_logprobs=body.prompt_logprobs)
             if isinstance(body, ChatFrame):
                 mode = chat_output(body, self.gw.chat_parsers)
                 entry.output.reasoning = mode.reasoning
@@ -242,7 +258,7 @@ class Connection:
                         await self._finish(entry, _error_frame(entry.client_id, error_from_reply(ev)))
                         return
                     i = stream.index(ev)
-                    out.add(ev, i)
+                    ev = out.add(ev, i)  # as the response shows it (tokens as ids)
                     p = pending.setdefault(i, _Pending())
                     text = ev.text
                     if entry.chat is not None:
@@ -254,6 +270,7 @@ class Connection:
                             entry.calls[i] = d.calls
                     p.text.append(text)
                     p.logprobs.extend(ev.logprobs)
+                    p.token_ids.extend(ev.token_ids)
                     if ev.finish_reason == "error":
                         await self._flush(entry, pending)
                         await self._finish(entry, _error_frame(entry.client_id, APIError(GENERATION_FAILED, 500)))
@@ -272,7 +289,7 @@ class Connection:
         # One frame per sample per wake-up: deltas that queued up meanwhile go out together.
         for i, p in sorted(pending.items()):
             text, reasoning = "".join(p.text), "".join(p.reasoning)
-            if not text and not reasoning and not p.logprobs and not p.tool_calls:
+            if not text and not reasoning and not p.logprobs and not p.tool_calls and not p.token_ids:
                 continue
             frame: dict[str, Any] = {"id": entry.client_id, "type": "delta", "text": text}
             if reasoning:
@@ -283,6 +300,8 @@ class Connection:
                 frame["logprobs"] = chat_logprobs(p.logprobs)["content"]
             if p.tool_calls:
                 frame["tool_calls"] = p.tool_calls
+            if p.token_ids:
+                frame["token_ids"] = p.token_ids
             await self._send_owned(entry, frame)
         pending.clear()
 
