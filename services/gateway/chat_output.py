@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rill.services.gateway.reasoning import Reasoning, ReasoningStream, reasoning_for
-from rill.services.gateway.requests import thinks
+from rill.services.gateway.requests import reasoning_parser
 from rill.services.gateway.tool_calls import ToolMode, ToolStream, calls_finish, tool_mode
 
 
@@ -54,7 +54,7 @@ PLAIN = ChatOutput()
 
 def chat_output(body: Any, parsers: ChatParsers) -> ChatOutput:
     """The chat request's ChatOutput: reasoning split off where the output may open with it."""
-    return ChatOutput(tool_mode(body, parsers.tools), reasoning_for(body, parsers.reasoning if thinks(body) else "none"))
+    return ChatOutput(tool_mode(body, parsers.tools), reasoning_for(body, reasoning_parser(body, parsers.reasoning)))
 
 
 @dataclass

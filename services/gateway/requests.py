@@ -244,7 +244,7 @@ def _check_truncation(req: GenerateBody, max_model_len: int) -> None:
     if k == 0 or (k is not None and max_model_len > 0 and k > max_model_len):
         raise _bad(f"truncate_prompt_tokens must be -1 or between 1 and the context ({max_model_len} tokens), "
                    f"got {k}.", "truncate_prompt_tokens")
-    if k is not None and getattr(req, "echo", False):  # the echo would show text the model never read
+    if k is not None and req.echo:  # the echo would show text the model never read
         raise _bad("truncate_prompt_tokens cannot be used with echo.", "truncate_prompt_tokens")
 
 
@@ -271,7 +271,7 @@ def _check_size(req: GenerateBody, max_model_len: int) -> None:
 def _check_frame(req: GenerateBody) -> None:
     if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
         raise _bad("A WebSocket frame carries one prompt; send a frame for each.", "prompt")
-    if getattr(req, "echo", None):  # frames carry the output's text only
+    if req.echo:  # frames carry the output's text only
         raise _bad("echo is not supported over the WebSocket yet.", "echo")
 
 
@@ -365,6 +365,11 @@ def thinks(req: GenerateBody) -> bool:
             and (req.chat_template_kwargs or {}).get("enable_thinking") is not False)
 
 
+def reasoning_parser(req: GenerateBody, parser: str) -> str:
+    """The server's reasoning parser where this request's output may open with reasoning, else none."""
+    return parser if thinks(req) else "none"
+
+
 def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParams:
     """The body's sampling settings; `reasoning`: the server's reasoning parser (chat requests)."""
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
@@ -381,7 +386,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw["stop_token_ids"] = req.stop_token_ids or []
     kw["logit_bias"] = req.logit_bias or {}
     kw["allowed_token_ids"] = req.allowed_token_ids or []
-    kw["grammar"] = grammar_of(req, reasoning if thinks(req) else "none")
+    kw["grammar"] = grammar_of(req, reasoning_parser(req, reasoning))
     if kw["grammar"] and kw["allowed_token_ids"]:  # two masks that may leave no token at all
         raise _bad("allowed_token_ids cannot be combined with structured outputs or forced tool calls.",
                    "allowed_token_ids")
