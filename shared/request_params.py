@@ -29,6 +29,8 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     #                                  tokens in the prompt or the output
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     allowed_token_ids: list[int] = []  # when set, every other token is masked (vLLM's)
+    bad_words: list[str] = []  # vLLM's: words never to generate; the tokenizer turns them into bad_word_ids
+    bad_word_ids: list[list[int]] = []  # each a word's ids: its last is banned right after the others
     logprobs: int | None = None  # per output token: the sampled token's logprob and this many top ones
     prompt_logprobs: int | None = None  # per prompt token likewise (prompt_logprobs; completions' echo + logprobs)
     # Structured outputs: an llguidance grammar (services/gateway/structured.py builds and checks

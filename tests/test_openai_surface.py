@@ -519,6 +519,42 @@ def test_allowed_token_ids_keep_the_output_to_them(client: openai.OpenAI, hf) ->
         assert err.value.param == "allowed_token_ids"
 
 
+def test_bad_words_are_never_generated(client: openai.OpenAI, hf) -> None:
+    """vLLM's bad_words: greedy output equals the unbanned one up to where a banned word came, then
+    goes another way, and neither of the word's forms (opening the text, after a space) completes
+    anywhere in it; streamed the same. With a grammar or allowed_token_ids, or a word of no tokens: a 400."""
+    tok = hf[0]
+    mid = model_name(client)
+
+    def greedy(**extra: object) -> list[int]:
+        r = client.completions.create(model=mid, prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body={"return_token_ids": True, **extra})
+        return r.model_dump()["choices"][0]["token_ids"]
+
+    def occurs(form: list[int], ids: list[int]) -> bool:
+        return any(ids[i:i + len(form)] == form for i in range(len(ids)))
+
+    plain = greedy()
+    for k, t in enumerate(plain):  # the output's first word whose forms did not occur before it
+        word = tok.decode([t])
+        forms = [tok.encode(word.strip(), add_special_tokens=False), tok.encode(word, add_special_tokens=False)]
+        if word.startswith(" ") and word.strip().isalpha() and not any(occurs(f, plain[:k]) for f in forms):
+            break
+    else:
+        pytest.fail(f"no word to ban in {tok.decode(plain)!r}")
+    banned = greedy(bad_words=[word.strip()])
+    assert banned[:k] == plain[:k] and banned[k] != plain[k]
+    assert not any(occurs(f, banned) for f in forms), (word, tok.decode(banned))
+    chunks = client.completions.create(model=mid, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"bad_words": [word.strip()]})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(banned)
+    for extra in ({"bad_words": ["x"], "response_format": {"type": "json_object"}}, {"bad_words": ["   "]},
+                  {"bad_words": ["x"], "allowed_token_ids": [5, 6]}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=mid, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert err.value.param == "bad_words"
+
+
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
     own): completions, chat and responses, the salted text equal to the unsalted one."""

@@ -89,7 +89,6 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
         (CHAT, {**CHAT_OK, "service_tier": "flex"}, "service_tier"),
         (COMPLETIONS, {**PROMPT_OK, "best_of": 2}, "best_of"),
         (COMPLETIONS, {**PROMPT_OK, "suffix": "end"}, "suffix"),
-        (COMPLETIONS, {**PROMPT_OK, "bad_words": ["x"]}, "bad_words"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "input_audio", "input_audio": {}}]}]},
          "messages[0].content[1]"),

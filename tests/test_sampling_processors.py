@@ -1,4 +1,4 @@
-"""The worker's logits processing (logit_bias, min_tokens bans, repetition/frequency/presence
+"""The worker's logits processing (logit_bias, min_tokens and bad-word bans, repetition/frequency/presence
 penalties, min_p), logprobs and seeded sampling, against plain per-row torch references, and
 through the ModelRunner with a tiny random Llama (preemption and resume included)."""
 
@@ -12,7 +12,7 @@ import torch
 from test_worker_runner import BLOCK, NUM_BLOCKS, HandScheduler, prompt
 
 from rill.services.worker.model_runner import ModelRunner
-from rill.services.worker.sampler import Sampler, SampleRow, check_params
+from rill.services.worker.sampler import Sampler, SampleRow, bad_word_tail, check_params
 from rill.shared.request_params import SamplingParams
 
 EOS = [2]
@@ -35,6 +35,9 @@ def ref_process(raw: torch.Tensor, p: SamplingParams, prompt_ids: list[int], out
     if len(outputs) < p.min_tokens:
         for tok in EOS + p.stop_token_ids:
             x[tok] = float("-inf")
+    for word in p.bad_word_ids:  # banned where the output ends with the word's other tokens
+        if word[-1] < vocab and len(outputs) >= len(word) - 1 and outputs[len(outputs) - len(word) + 1:] == word[:-1]:
+            x[word[-1]] = float("-inf")
     if p.repetition_penalty != 1.0:
         for tok in set(prompt_ids) | set(outputs):
             x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
@@ -60,7 +63,8 @@ class Req:
     slot: int | None = None
 
     def row(self) -> SampleRow:
-        return SampleRow(self.params, len(self.outputs), self.generator, self.slot)
+        return SampleRow(self.params, len(self.outputs), self.generator, self.slot,
+                         recent=bad_word_tail(self.params, self.prompt + self.outputs, len(self.prompt)))
 
 
 def random_params(rng: random.Random, vocab: int) -> SamplingParams:
@@ -70,6 +74,9 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
 
     bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(rng.randint(1, 4))}
     bias[vocab + 3] = 50.0  # outside the vocabulary: ignored
+    # Bad words over the narrow range outputs come from (make_batch), so their prefixes do occur.
+    narrow = min(vocab, 40)
+    bad = [[rng.randrange(narrow) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 8))]
     return SamplingParams(
         temperature=rng.choice([0.0, 0.6, 1.3]), top_k=maybe(rng.choice([3, 20]), 0),
         top_p=maybe(rng.choice([0.5, 0.9]), 1.0), min_p=maybe(rng.choice([0.05, 0.3]), 0.0),
@@ -78,7 +85,7 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         logit_bias=maybe(bias, {}), min_tokens=maybe(rng.randint(1, 4), 0),
         stop_token_ids=maybe([rng.randrange(vocab)], []), logprobs=maybe(rng.choice([0, 1, 5]), None),
         allowed_token_ids=maybe([*rng.sample(range(vocab), min(vocab, rng.randint(3, 30))), vocab + 5], []),
-        seed=maybe(rng.randrange(1 << 30), None))
+        bad_word_ids=maybe([*bad, [vocab + 2]], []), seed=maybe(rng.randrange(1 << 30), None))
 
 
 def make_batch(rng: random.Random, sampler: Sampler, vocab: int, size: int) -> list[Req]:
@@ -132,6 +139,23 @@ def test_rows_without_features_are_left_alone() -> None:
     out = sampler.sample_batch(raw, rows)
     assert out.logprobs == []
     assert out.token_ids[0] == int(raw[0].argmax()) and out.token_ids[3] == int(raw[3].argmax())
+
+
+def test_bad_words_ban_the_token_that_completes_one() -> None:
+    """A one-token word is never sampled; a longer word's last token only right after its others
+    in the output (the prompt does not count, drafts do)."""
+    sampler = Sampler(vocab_size=8)
+    raw = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 2.0, 1.0]])  # greedy order 5, 6, 7
+    p = SamplingParams(temperature=0.0, bad_word_ids=[[1, 2, 5], [6]])
+
+    def pick(prompt_ids: list[int], outputs: list[int], drafted: tuple[int, ...] = ()) -> int:
+        tail = bad_word_tail(p, prompt_ids + outputs, len(prompt_ids))
+        return sampler.sample(raw, [SampleRow(p, len(outputs), drafted=drafted, recent=tail)])[0]
+
+    assert pick([0], [1, 2]) == 7  # 5 completes [1, 2, 5]; 6 is always banned
+    assert pick([0, 1], [2]) == 5  # the prompt's 1 is not the word's start
+    assert pick([0], [1]) == 5 and pick([0], [1, 2, 3]) == 5 and pick([0], [2, 1]) == 5
+    assert pick([0], [1], drafted=(2,)) == 7 and pick([3], [2, 1, 2]) == 7
 
 
 def test_penalties_change_greedy_picks() -> None:

@@ -44,6 +44,24 @@ def test_ids_the_model_cannot_embed_are_refused_at_admission(tmp_path: Path, smo
         assert err.value.param == param and "out of range [0, 1000)" in str(err.value)
 
 
+def test_bad_words_become_each_form_of_the_word(smollm2_dir: str) -> None:
+    """As text opens with it and after a space (both, where the spaced form is one token and the
+    bare two); a word that is only whitespace is refused."""
+    tok = Tokenizer(smollm2_dir, max_model_len=256)
+
+    def enc(text: str) -> list[int]:
+        return tok.tok.encode(text, add_special_tokens=False)
+
+    assert len(enc("Danube")) != len(enc(" Danube"))
+    assert tok.bad_word_ids(["Danube", " the"]) == [enc("Danube"), enc(" Danube"), enc("the"), enc(" the")]
+    got = tok(GenerateRequest(request_id="r", reply_to="x", kind="completion", prompt="a", arrival_time=0.0,
+                              params=SamplingParams(max_tokens=4, bad_words=["Danube"]))).params
+    assert got.bad_word_ids == [enc("Danube"), enc(" Danube")] and got.bad_words == []
+    with pytest.raises(RequestError) as err:
+        tok.bad_word_ids(["\n "])
+    assert err.value.param == "bad_words"
+
+
 def test_a_model_without_a_chat_template_says_so_at_start(tmp_path: Path, smollm2_dir: str, redis_url: str,
                                                           prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     """A base model (Gemma 3 270M's GGUF, say) serves completions; its chat requests are 400s, and

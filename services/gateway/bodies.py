@@ -199,9 +199,13 @@ class _Sampling(_Body):
     guided_decoding_backend: Annotated[Any, NotYet("one backend, llguidance", "auto", "guidance")] = None
     guided_whitespace_pattern: Annotated[Any, NotYet("Rill's JSON is always compact")] = None
     structural_tag: Annotated[Any, NotYet("no structural tags")] = None
-    bad_words: Annotated[Any, NotYet("no banned-word filter", [])] = None
+    bad_words: Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]], Meta(
+        max_length=MAX_STOP_TOKEN_IDS, description=(
+            "Words never to generate (vLLM's): the token that would complete one, as text opens with it or "
+            "after a space, is banned; not with structured outputs or allowed_token_ids."))] | None = None
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS, description=(
-        "Only these tokens may be sampled (EOS too only if listed); not with structured outputs."))] | None = None
+        "Only these tokens may be sampled (EOS too only if listed); not with structured outputs or "
+        "bad_words."))] | None = None
     logits_processors: Annotated[Any, NotYet("no custom logits processors")] = None
     use_beam_search: Annotated[Any, NotYet(BEAM, False)] = None
     length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None

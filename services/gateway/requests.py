@@ -375,7 +375,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
-        "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs")
+        "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs", "bad_words")
         if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]
@@ -387,9 +387,10 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw["logit_bias"] = req.logit_bias or {}
     kw["allowed_token_ids"] = req.allowed_token_ids or []
     kw["grammar"] = grammar_of(req, reasoning_parser(req, reasoning))
-    if kw["grammar"] and kw["allowed_token_ids"]:  # two masks that may leave no token at all
-        raise _bad("allowed_token_ids cannot be combined with structured outputs or forced tool calls.",
-                   "allowed_token_ids")
+    masks = [name for name in ("allowed_token_ids", "bad_words") if kw.get(name)]
+    if masks and (kw["grammar"] or len(masks) > 1):  # masks that together may leave no token at all
+        other = "structured outputs or forced tool calls" if kw["grammar"] else masks[0]
+        raise _bad(f"{masks[-1]} cannot be combined with {other}.", masks[-1])
     if isinstance(req, ChatCompletionRequest) and tool_choice_name(req.tool_choice, req.tools) == "auto":
         # Calls in the model's own format start with a marker that is a special token in some
         # vocabularies (Granite's and Phi-4-mini's <|tool_call|>): kept, or no call would parse.
@@ -400,8 +401,7 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
 
 
 def echo_of(req: ChatCompletionRequest) -> str:
-    """Chat's echo: the final message's text, when the reply goes on in that message's role (the
-    assistant's when a new turn is opened)."""
+    """Chat's echo: the final message's text if the reply goes on in its role (a new turn's: assistant)."""
     last = req.messages[-1]
     role = last.__struct_config__.tag
     return _text(last.content) if req.echo and role == ("assistant" if turn_ending(req)[0] else role) else ""

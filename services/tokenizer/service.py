@@ -140,6 +140,20 @@ class Tokenizer:
             raise RequestError(f"{what} {bad[0]} is out of range [0, {self.vocab_size})", param)
         return ids
 
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's ids as text opening with it and, where they differ, as a later word (after
+        a space), as vLLM reads them; vLLM drops the second when its length differs, so " Danube"
+        (one token) would pass where "Danube" is two: here both are banned."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tok.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise RequestError(f"bad word {word!r} has no tokens once its leading whitespace is dropped",
+                                   "bad_words")
+            spaced = self.tok.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [bare, spaced] if spaced != bare else [bare]
+        return out
+
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
             return self.check_ids(self._chat_ids(req), "messages")
@@ -185,7 +199,8 @@ class Tokenizer:
         if p.min_tokens and p.allowed_token_ids and set(p.allowed_token_ids) <= ends:
             raise RequestError("allowed_token_ids leaves no token to sample before min_tokens (only end tokens)",
                                "allowed_token_ids")
-        params = msgspec.structs.replace(p, max_tokens=max_tokens, truncate_prompt_tokens=None)
+        params = msgspec.structs.replace(p, max_tokens=max_tokens, truncate_prompt_tokens=None, bad_words=[],
+                                         bad_word_ids=self.bad_word_ids(p.bad_words))
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
                                 arrival_time=req.arrival_time, priority=req.priority)

@@ -31,7 +31,7 @@ from rill.services.worker.draft_model import DraftModel, DraftRow
 from rill.services.worker.dtype_choice import resolve_dtype
 from rill.services.worker.llama import TORCH_DTYPES, LlamaModel
 from rill.services.worker.plan_check import Limits, PlanError, check_plan
-from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, mix_seed
+from rill.services.worker.sampler import Sampler, SampleRow, TokenMask, bad_word_tail, mix_seed
 from rill.services.worker.structured import GrammarError, Grammars
 from rill.services.worker.tensor_parallel import Shard, TPGroup
 from rill.shared.config import ModelConfig
@@ -317,8 +317,9 @@ class ModelRunner:
         for i, d in zip(sampled, drafts, strict=True):
             s = states[i]
             first = len(s.token_ids) - s.num_prompt  # output index of its next token
-            rows += [SampleRow(s.params, first + j, s.generator, s.history_slot, tuple(d[:j]), record=not d)
-                     for j in range(len(d) + 1)]
+            tail = bad_word_tail(s.params, s.token_ids, s.num_prompt)
+            rows += [SampleRow(s.params, first + j, s.generator, s.history_slot, tuple(d[:j]), record=not d,
+                               recent=tail) for j in range(len(d) + 1)]
         out = self.sampler.sample_batch(logits, rows, self._token_mask([states[i] for i in sampled], drafts))
         if self.tp is not None:
             self.tp.broadcast_tokens(out.token_ids, len(sampled))

@@ -51,6 +51,7 @@ class SampleRow:
     # its history is recorded by the caller once it knows which drafts stood (record False).
     drafted: tuple[int, ...] = ()
     record: bool = True
+    recent: tuple[int, ...] = ()  # its last output tokens before `drafted`, as many as its bad words need
 
 
 @dataclass
@@ -241,11 +242,12 @@ class Sampler:
 
     def _bias_and_bans(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """Only allowed_token_ids kept where given, logit_bias added; before min_tokens outputs, EOS
-        and stop tokens cannot be sampled."""
+        and stop tokens cannot be sampled, nor ever the token that would complete a bad word."""
         vocab = logits.shape[1]
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items() if 0 <= t < vocab]
         bans = [(i, t) for i, r in enumerate(rows) if r.output_index < r.params.min_tokens
                 for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
+        bans += [(i, t) for i, r in enumerate(rows) for t in _bad_word_bans(r) if 0 <= t < vocab]
         allowed = [(i, [t for t in r.params.allowed_token_ids if 0 <= t < vocab])
                    for i, r in enumerate(rows) if r.params.allowed_token_ids]
         if not bias and not bans and not allowed:
@@ -329,6 +331,23 @@ class Sampler:
                 r.generator.manual_seed(mix_seed(r.params.seed, r.output_index))
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=self.device)[0]
         return u
+
+
+def bad_word_tail(params: SamplingParams, token_ids: Sequence[int], num_prompt: int) -> tuple[int, ...]:
+    """The last outputs (of token_ids[num_prompt:]) that matching the bad words' other tokens needs."""
+    need = max((len(w) for w in params.bad_word_ids), default=1) - 1
+    return tuple(token_ids[max(num_prompt, len(token_ids) - need):]) if need > 0 else ()
+
+
+def _bad_word_bans(row: SampleRow) -> list[int]:
+    """The last token of each bad word whose other tokens end the row's output (vLLM's rule:
+    output tokens only, so a word the prompt ends half-way is not banned)."""
+    if not row.params.bad_word_ids:
+        return []
+    tail = row.recent + row.drafted
+    n = len(tail)  # the last-token test first: most words are ruled out there
+    return [w[-1] for w in row.params.bad_word_ids
+            if len(w) == 1 or (len(w) - 1 <= n and tail[-1] == w[-2] and tail[n - len(w) + 1:] == tuple(w[:-1]))]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
