@@ -112,10 +112,10 @@ def test_a_begun_assistant_reply_is_continued(stack: ServiceStack, smollm2_hf) -
     assert resp.usage.prompt_tokens == len(ids)
     assert_same_or_near_tie(tok, model, ids, hf_greedy(model, ids, 16), resp.choices[0].message.content)
 
-    async def over_ws() -> list[dict]:
+    async def over_ws(**extra: object) -> list[dict]:
         async with websockets.connect(stack.ws_url) as ws:
             await ws.send(json.dumps({"type": "chat", "id": "c", "messages": messages, "max_tokens": 16,
-                                      "temperature": 0, "continue_final_message": True}))
+                                      "temperature": 0, "continue_final_message": True, **extra}))
             frames = []
             while not frames or frames[-1]["type"] == "delta":
                 frames.append(json.loads(await ws.recv()))
@@ -124,6 +124,7 @@ def test_a_begun_assistant_reply_is_continued(stack: ServiceStack, smollm2_hf) -
     frames = asyncio.run(over_ws())
     assert frames[-1]["type"] == "done" and frames[-1]["usage"]["prompt_tokens"] == len(ids)
     assert "".join(f["text"] for f in frames[:-1]) == resp.choices[0].message.content
+    assert "".join(f["text"] for f in asyncio.run(over_ws(echo=True))[:-1]) == "1. The" + resp.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, extra_body={
             "continue_final_message": True, "add_generation_prompt": True})
@@ -168,6 +169,38 @@ def test_websocket_frames_carry_ids_and_prompt_logprobs(stack: ServiceStack) -> 
         assert ws_entry.keys() == http_entry.keys()
         for t, e in ws_entry.items():
             assert e["rank"] == http_entry[t]["rank"] and abs(e["logprob"] - http_entry[t]["logprob"]) < 1e-4
+
+
+def test_websocket_echo_opens_each_sample_with_the_prompt(stack: ServiceStack) -> None:
+    """echo in a completion frame: each sample's text opens with the prompt's (decoded when the
+    prompt is ids), as over HTTP; with logprobs, the done frame has the prompt's."""
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none")
+    body = {"model": client.models.list().data[0].id, "max_tokens": 6, "temperature": 0, "echo": True}
+    text = "The three rivers of Europe are"
+    http = client.completions.create(**body, prompt=text, extra_body={"return_token_ids": True}).model_dump()
+    ids = http["choices"][0]["prompt_token_ids"]
+    http_ids = client.completions.create(**body, prompt=ids).choices[0].text
+
+    async def over_ws() -> dict[str, list[dict]]:
+        async with websockets.connect(stack.ws_url) as ws:
+            await ws.send(json.dumps({"type": "completion", "id": "t", **body, "prompt": text, "n": 2}))
+            await ws.send(json.dumps({"type": "completion", "id": "i", **body, "prompt": ids, "logprobs": 1}))
+            await ws.send(json.dumps({"type": "completion", "id": "x", **body, "prompt": [*ids, 10 ** 6]}))
+            frames: dict[str, list[dict]] = {"t": [], "i": [], "x": []}
+            while any(not f or f[-1]["type"] == "delta" for f in frames.values()):
+                f = json.loads(await ws.recv())
+                frames[f["id"]].append(f)
+            return frames
+
+    frames = asyncio.run(over_ws())
+    assert [f["type"] for f in frames["t"]][-1] == [f["type"] for f in frames["i"]][-1] == "done"
+    for i in (0, 1):
+        assert "".join(f["text"] for f in frames["t"][:-1] if f.get("index") == i) == http["choices"][0]["text"]
+    assert http_ids.startswith(text) and "".join(f["text"] for f in frames["i"][:-1]) == http_ids
+    assert frames["x"][-1]["type"] == "error" and frames["x"][-1]["error"]["param"] == "prompt"
+    prompt_lps = frames["i"][-1]["prompt_logprobs"]
+    assert len(prompt_lps) == len(ids) and prompt_lps[0] is None and all(str(t) in e for t, e in
+                                                                         zip(ids[1:], prompt_lps[1:], strict=True))
 
 
 def test_openai_client_streams_chat(stack: ServiceStack) -> None:

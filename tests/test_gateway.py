@@ -862,7 +862,8 @@ async def test_ws_bad_frames(server: LiveServer, down: Downstream) -> None:
                          "temperature": 9}), "t3", "temperature"),
             (json.dumps({"type": "completion", "id": 4, "prompt": ["a", "b"]}), 4, "prompt"),
             (json.dumps({"type": "completion", "id": "t5", "prompt": "x", "model": "zzz"}), "t5", "model"),
-            (json.dumps({"type": "completion", "id": "t6", "prompt": "x", "echo": True}), "t6", "echo"),
+            (json.dumps({"type": "completion", "id": "t6", "prompt": "x", "echo": True, "max_tokens": 0}), "t6",
+             "max_tokens"),
         ]
         for frame, cid, param in bad:
             await ws.send(frame)

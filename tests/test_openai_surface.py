@@ -294,6 +294,9 @@ def test_echo_string_and_token_prompts(client: openai.OpenAI, hf) -> None:
     chunks = list(client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:  # an id the vocabulary lacks: the prompt's fault
+        client.completions.create(model=name, prompt=[*ids, 10 ** 6], max_tokens=4, echo=True)
+    assert err.value.param == "prompt"
 
 
 def test_echo_with_logprobs_scores_the_prompt(stack: ServiceStack, client: openai.OpenAI, hf) -> None:

@@ -196,11 +196,16 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-async def _echo_text(gw: Gateway, req: GenerateRequest) -> str:
+async def echo_text(gw: Gateway, req: GenerateRequest) -> str:
     """The prompt as text, for echo: as given, or decoded by a tokenizer replica from its ids."""
     if isinstance(req.prompt, str):
         return req.prompt
-    return (await gw.detokenize(list(req.prompt or []))).text
+    try:
+        return (await gw.detokenize(list(req.prompt or []))).text
+    except APIError as err:  # an id outside the vocabulary: the prompt's error, not /detokenize's field's
+        if err.param != "tokens":
+            raise
+        raise APIError(err.message, err.status, param="prompt") from None
 
 
 async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSEResponse:
@@ -213,7 +218,7 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
     request_id = shape.request_id if shape else new_request_id(requests.kind_of(body))
     reqs = requests.generate_requests(body, request_id, gw.reply_stream, gw.chat_parsers.reasoning)
     if isinstance(body, CompletionRequest) and body.echo:
-        echoes = list(await asyncio.gather(*(_echo_text(gw, req) for req in reqs)))
+        echoes = list(await asyncio.gather(*(echo_text(gw, req) for req in reqs)))
     else:
         echoes = [requests.echo_of(body) if isinstance(body, ChatCompletionRequest) else ""] * len(reqs)
     streams = await _submit(gw, reqs, buffered=not body.stream)

@@ -271,8 +271,8 @@ def _check_size(req: GenerateBody, max_model_len: int) -> None:
 def _check_frame(req: GenerateBody) -> None:
     if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
         raise _bad("A WebSocket frame carries one prompt; send a frame for each.", "prompt")
-    if req.echo:  # frames carry the output's text only
-        raise _bad("echo is not supported over the WebSocket yet.", "echo")
+    if scores_only(req):  # a frame's text is what the engine generates; scoring generates nothing
+        raise _bad("max_tokens 0 (scoring the prompt) is for HTTP; a frame asks prompt_logprobs.", "max_tokens")
 
 
 def _check_tokenize(req: TokenizeBody) -> None:

@@ -4,7 +4,7 @@ Client frames:  {"type": "chat", "id": .., "messages": [..], ...sampling}
                 {"type": "completion", "id": .., "prompt": .., ...sampling}
                 {"type": "cancel", "id": ..}
 (chat and completion frames are the HTTP bodies plus `type` and `id`, checked by the same
-schema, requests.py; `echo` is refused here)
+schema, requests.py)
 Server frames:  {"id": .., "type": "delta", "text": .., "index"?: .., "logprobs"?: [..], "tool_calls"?: [..],
                  "token_ids"?: [..]}
                 {"id": .., "type": "done", "finish_reason": .., "finish_reasons"?: [..], "usage": {..},
@@ -17,6 +17,8 @@ and the done frame, sent once every sample ended, lists each sample's finish rea
 stream in delta frames as OpenAI's chunks carry them (a call's id and name, then pieces of its
 arguments, by `index` of call); the done frame has them whole. `return_token_ids` adds each
 delta's token ids and the prompt's in the done frame; `prompt_logprobs`, vLLM's in the done frame.
+`echo` opens each sample's first delta with the prompt's text (chat: the continued message's), and
+with a completion's `logprobs` puts the prompt's in the done frame as `prompt_logprobs`.
                 {"id": .., "type": "error", "error": {"message": .., "type": .., "param": .., "code": ..}}
 
 Every request ends with exactly one `done` or `error` frame. A bad frame only earns an error
@@ -40,6 +42,7 @@ from rill.services.gateway import requests
 from rill.services.gateway.bodies import MAX_WS_ID_LEN, ChatFrame, CompletionFrame, FrameHead
 from rill.services.gateway.chat_output import ChatStream, chat_output
 from rill.services.gateway.errors import APIError
+from rill.services.gateway.openai_api import echo_text
 from rill.services.gateway.responses import (
     GENERATION_FAILED,
     Output,
@@ -74,6 +77,8 @@ class _Entry:
     chat: list[ChatStream] | None = None
     calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     prompt_logprobs: int | None = None  # asked for: in the done frame, vLLM's shape
+    echo: str = ""  # what each sample's first delta opens with
+    echoed: set[int] = field(default_factory=set)  # the samples that had it
 
 
 @dataclass
@@ -226,11 +231,12 @@ class Connection:
             # Reserve the id before the first await so a duplicate frame right behind it is refused.
             stream = self.gw.tracker.register(request_id, req.params.n)
             entry = _Entry(cid, request_id, stream, Output(stream.n, bool(body.return_tokens_as_token_ids)),
-                           prompt_logprobs=body.prompt_logprobs)
+                           prompt_logprobs=req.params.prompt_logprobs)
             if isinstance(body, ChatFrame):
                 mode = chat_output(body, self.gw.chat_parsers)
                 entry.output.reasoning = mode.reasoning
                 entry.chat = None if mode.plain else [ChatStream(mode) for _ in range(stream.n)]
+                entry.echo = requests.echo_of(body)
         except APIError as err:
             await self._send(_error_frame(cid, err))
             return
@@ -240,6 +246,8 @@ class Connection:
             return
         self.inflight[cid] = entry
         try:
+            if isinstance(body, CompletionFrame) and body.echo:
+                entry.echo = await echo_text(self.gw, req)
             await self.gw.send_request(req)
         except APIError as err:
             self.gw.tracker.unregister(request_id)
@@ -260,6 +268,9 @@ class Connection:
                     i = stream.index(ev)
                     ev = out.add(ev, i)  # as the response shows it (tokens as ids)
                     p = pending.setdefault(i, _Pending())
+                    if entry.echo and i not in entry.echoed:
+                        entry.echoed.add(i)
+                        p.text.append(entry.echo)
                     text = ev.text
                     if entry.chat is not None:
                         d = entry.chat[i].feed(text, ev.finish_reason is not None)
