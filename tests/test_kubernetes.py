@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_stack import ServiceStack, count_chats, rill_executable, stack_flags
 
 from rill.services.cli import build_parser
+from rill.services.gateway import info_api
 from rill.services.gateway import metrics as gateway_metrics
-from rill.services.gateway import openai_api
 from rill.services.gateway.metrics import GatewayMetrics, GroupBacklog
 from rill.shared.broker import free_port
 from rill.shared.schema import EngineStats
@@ -158,7 +158,7 @@ def test_container_args_pass_rills_parser() -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     probe = gateway["readinessProbe"]["httpGet"]
     assert probe["path"] == "/health" and probe["port"] == "http"
-    assert "/health" in {r.path for r in openai_api.routes()}
+    assert "/health" in {r.path for r in info_api.routes()}
     assert gns.api_key is None
     key = next(v for v in gateway["env"] if v["name"] == "RILL_API_KEY")
     assert "secretKeyRef" in key["valueFrom"]

@@ -12,7 +12,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rill.services.gateway import chat_page, metrics, openai_api, openapi_spec, responses_api, websocket
+from rill.services.gateway import (
+    chat_page,
+    info_api,
+    metrics,
+    openai_api,
+    openapi_spec,
+    responses_api,
+    websocket,
+)
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS
 from rill.services.gateway.auth import BearerAuth
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
@@ -78,7 +86,7 @@ def create_app(redis_url: str, prefix: str, model_name: str, max_model_len: int,
             await gateway.stop()
 
     app = Starlette(
-        routes=[*openai_api.routes(), *websocket.routes(), *chat_page.routes(), *metrics.routes(),
+        routes=[*openai_api.routes(), *info_api.routes(), *websocket.routes(), *chat_page.routes(), *metrics.routes(),
                 *openapi_spec.routes(), *responses_api.routes()],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_exception_handler, APIError: api_error_handler,
