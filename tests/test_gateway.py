@@ -864,6 +864,8 @@ async def test_ws_bad_frames(server: LiveServer, down: Downstream) -> None:
             (json.dumps({"type": "completion", "id": "t5", "prompt": "x", "model": "zzz"}), "t5", "model"),
             (json.dumps({"type": "completion", "id": "t6", "prompt": "x", "echo": True, "max_tokens": 0}), "t6",
              "max_tokens"),
+            (json.dumps({"type": "completion", "id": "t7", "prompt": "x", "use_beam_search": True}), "t7",
+             "use_beam_search"),
         ]
         for frame, cid, param in bad:
             await ws.send(frame)

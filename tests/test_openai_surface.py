@@ -558,6 +558,56 @@ def test_bad_words_are_never_generated(client: openai.OpenAI, hf) -> None:
         assert err.value.param == "bad_words"
 
 
+def reference_beams(model, prompt: list[int], width: int, steps: int, ends: set[int],
+                    penalty: float) -> list[tuple[list[int], float]]:
+    """vLLM's beam search over transformers' logits: the best (output ids, score), best first."""
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float]] = []
+    for _ in range(steps):
+        grown = []
+        for toks, lp in live:
+            top = torch.log_softmax(hf_logits(model, prompt + toks)[-1], -1).topk(2 * width)
+            for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                (done if t in ends else grown).append((toks + [t], lp + v))
+        live = sorted(grown, key=lambda b: b[1], reverse=True)[:width]
+    scored = [(t, lp / (len(prompt) + len(t) - (t[-1] in ends)) ** penalty) for t, lp in done + live]
+    return sorted(scored, key=lambda b: b[1], reverse=True)[:width]
+
+
+def beam_score(model, prompt: list[int], toks: list[int], ends: set[int], penalty: float) -> float:
+    lps = torch.log_softmax(hf_logits(model, prompt + toks)[len(prompt) - 1:-1], -1)
+    return float(lps[torch.arange(len(toks)), toks].sum()) / (len(prompt) + len(toks) - (toks[-1] in ends)) ** penalty
+
+
+def test_beam_search_finds_the_reference_beams(stack: ServiceStack, client: openai.OpenAI, hf) -> None:
+    """use_beam_search (vLLM's): the n beams are a reference beam search's over transformers'
+    logits, best first (where a near tie swaps two, their scores agree); width 1 is greedy. Fields
+    it cannot honour are 400s naming them, as is length_penalty without it."""
+    tok, model = hf
+    mid, ids = model_name(client), tok(PROMPT)["input_ids"]
+    with httpx.Client(base_url=stack.base_url) as c:
+        ends = set(c.get("/tokenizer_info").json()["eos_token_ids"])
+    for width, steps, penalty in ((3, 8, 1.0), (2, 24, 0.5), (2, 12, 0.0)):
+        r = client.completions.create(model=mid, prompt=PROMPT, max_tokens=steps, n=width, extra_body={
+            "use_beam_search": True, "length_penalty": penalty, "return_token_ids": True}).model_dump()
+        got = [c["token_ids"] for c in r["choices"]]
+        want = reference_beams(model, ids, width, steps, ends, penalty)
+        scores = [beam_score(model, ids, t, ends, penalty) for t in got]
+        assert len(got) == width and all(a >= b - 2e-3 for a, b in zip(scores, scores[1:], strict=False))
+        for g, s, (w, ws) in zip(got, scores, want, strict=True):
+            assert g == w or abs(s - ws) < 2e-3, (tok.decode(g), tok.decode(w), s, ws)
+        assert [c["text"] for c in r["choices"]] == [tok.decode(t[:-1] if t[-1] in ends else t) for t in got]
+        assert r["usage"]["completion_tokens"] == sum(map(len, got))
+    greedy = client.completions.create(model=mid, prompt=PROMPT, max_tokens=8, temperature=0)
+    one = client.completions.create(model=mid, prompt=PROMPT, max_tokens=8, extra_body={"use_beam_search": True})
+    assert one.choices[0].text == greedy.choices[0].text
+    for extra in ({"use_beam_search": True, "temperature": 0.7}, {"use_beam_search": True, "logprobs": 0},
+                  {"use_beam_search": True, "stream": True}, {"length_penalty": 2.0}, {"use_beam_search": True, "n": 11}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=mid, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert err.value.param == next(k for k in extra if k != "use_beam_search"), extra
+
+
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
     """A prompt's cached blocks serve only requests with its cache_salt (none is a salt of its
     own): completions, chat and responses, the salted text equal to the unsalted one."""

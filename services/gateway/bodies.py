@@ -76,7 +76,7 @@ Tools = Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)]
 
 FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 TEMPLATES = "a per-request chat template is not supported; the server's --chat-template applies"
-BEAM = "Rill has no beam search"
+BEAM_FRAMES = "beam search answers with whole sequences: use HTTP"
 GENERATION_PROMPT = "Open the assistant's turn after the messages (default: true, unless continue_final_message)."
 CONTINUE = ("End the prompt inside the final message, with no end of turn, so the output goes on with it (an "
             "assistant reply the client began); not with add_generation_prompt: true. A grammar "
@@ -207,8 +207,11 @@ class _Sampling(_Body):
         "Only these tokens may be sampled (EOS too only if listed); not with structured outputs or "
         "bad_words."))] | None = None
     logits_processors: Annotated[Any, NotYet("no custom logits processors")] = None
-    use_beam_search: Annotated[Any, NotYet(BEAM, False)] = None
-    length_penalty: Annotated[Any, NotYet(BEAM, 1.0)] = None
+    use_beam_search: Annotated[bool, Meta(description=(
+        "vLLM's: the n likeliest sequences by beam search of width n (beam_search.py), not streamed; "
+        "with no sampling fields."))] | None = None
+    length_penalty: Annotated[float, Meta(ge=-10.0, le=10.0, description=(
+        "Beam search's: a sequence scores its cumulative logprob / length ** length_penalty."))] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, description=(
         "vLLM's: per prompt token (the first: null), by token id, its logprob, rank (1: likeliest) and "
         "text, and the k likeliest tokens' likewise. Not with stream."))] | None = None
@@ -296,12 +299,16 @@ class ChatFrame(ChatCompletionRequest, tag_field="type", tag="chat", kw_only=Tru
     """A WebSocket chat frame: the chat body plus `type` and the client's `id`."""
 
     id: WsId
+    use_beam_search: Annotated[Any, NotYet(BEAM_FRAMES, False)] = None
+    length_penalty: Annotated[Any, NotYet(BEAM_FRAMES, 1.0)] = None
 
 
 class CompletionFrame(CompletionRequest, tag_field="type", tag="completion", kw_only=True):
     """A WebSocket completion frame: the completion body plus `type` and the client's `id`."""
 
     id: WsId
+    use_beam_search: Annotated[Any, NotYet(BEAM_FRAMES, False)] = None
+    length_penalty: Annotated[Any, NotYet(BEAM_FRAMES, 1.0)] = None
 
 
 class FrameHead(Struct):

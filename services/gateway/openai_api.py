@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rill.services.gateway import requests
+from rill.services.gateway import beam_search, requests
 from rill.services.gateway.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -211,8 +211,11 @@ async def _generate(request: Request, cls: type[GenerateBody]) -> Response | SSE
 async def generate(request: Request, body: GenerateBody, shape: Shape | None = None) -> Response | SSEResponse:
     """Run a checked body; its results in OpenAI's completions or chat objects, or `shape`'s."""
     gw = _gateway(request)
+    beam_search.check(body, gw.admission.max_logprobs)
     request_id = shape.request_id if shape else new_request_id(requests.kind_of(body))
     reqs = requests.generate_requests(body, request_id, gw.reply_stream, gw.chat_parsers.reasoning)
+    if body.use_beam_search:
+        return await _beam_search(request, body, request_id, reqs[0])
     if isinstance(body, CompletionRequest) and body.echo:
         echoes = list(await asyncio.gather(*(echo_text(gw, req) for req in reqs)))
     else:
@@ -245,6 +248,24 @@ async def generate(request: Request, body: GenerateBody, shape: Shape | None = N
         # Disconnects, errors and cancellation all end here: free the engine's blocks.
         if not handed_off:
             _abort_unfinished(gw, streams)
+
+
+async def _beam_search(request: Request, body: GenerateBody, request_id: str, first: GenerateRequest) -> Response:
+    gw = _gateway(request)
+    out = await or_disconnect(request.receive, beam_search.output(gw, body, first, lambda reqs: _run(gw, reqs)))
+    if isinstance(out, _Disconnected):
+        return Response(status_code=499)
+    return json_response(full_response(requests.kind_of(body), request_id, gw.model_name, out, False, "",
+                                       _chat_output(gw, body)))
+
+
+async def _run(gw: Gateway, reqs: list[GenerateRequest]) -> list[Output]:
+    """Requests run to their end (beam search's steps); what is left unfinished is aborted."""
+    streams = await _submit(gw, reqs, buffered=True)
+    try:
+        return await _collect_all(streams, False, False)
+    finally:
+        _abort_unfinished(gw, streams)
 
 
 async def _submit(gw: Gateway, reqs: list[GenerateRequest], buffered: bool) -> list[RequestStream]:
