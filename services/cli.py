@@ -35,20 +35,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    "nodes as redis://host1:port1,host2:port2/0 (any one that answers will do)")
     p.add_argument("--prefix", default="rill", help="key prefix of every stream (several servers, one Redis)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
-                   help="tokenizer: a Jinja chat template file used instead of the model's")
+    _chat_flags(p)
     from rill.services.tokenizer.router import DEFAULT_POLICY, POLICIES
 
     p.add_argument("--routing", default=DEFAULT_POLICY, choices=list(POLICIES),
                    help="tokenizer: how each new request's engine is picked among data-parallel engines "
                         "(cache-aware: the engine holding the longest prefix of the prompt, unless overloaded)")
-    from rill.services.gateway import reasoning, tool_formats
-
-    p.add_argument("--tool-call-parser", default="auto", choices=list(tool_formats.PARSERS),
-                   help="gateway: the model's tool-call format (auto: read from its chat template)")
-    p.add_argument("--reasoning-parser", default="none", choices=list(reasoning.PARSERS),
-                   help="gateway: a thinking model's <think>...</think> as reasoning_content (qwen3: when the "
-                        "output opens it; deepseek_r1: the output starts inside it)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -88,6 +80,22 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top logprobs a request may ask for per token (logprobs / top_logprobs)")
     p.add_argument("--log-level", default=None, help="Rill's log level (default INFO: start-up facts only)")
+
+
+def _chat_flags(p: argparse.ArgumentParser) -> None:
+    """The flags about chat templates and what the model writes: the tokenizer's and the gateway's."""
+    p.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
+                   help="tokenizer: a Jinja chat template file used instead of the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="tokenizer: let a request bring its own chat_template (vLLM's flag; a template is code "
+                        "the tokenizer runs, sandboxed, so only for trusted clients)")
+    from rill.services.gateway import reasoning, tool_formats
+
+    p.add_argument("--tool-call-parser", default="auto", choices=list(tool_formats.PARSERS),
+                   help="gateway: the model's tool-call format (auto: read from its chat template)")
+    p.add_argument("--reasoning-parser", default="none", choices=list(reasoning.PARSERS),
+                   help="gateway: a thinking model's <think>...</think> as reasoning_content (qwen3: when the "
+                        "output opens it; deepseek_r1: the output starts inside it)")
 
 
 def _chat_template_file(path: str) -> str:
@@ -313,7 +321,8 @@ def run_service(ns: argparse.Namespace) -> None:
     elif ns.name == "tokenizer":
         from rill.services.tokenizer.service import run
         start = partial(run, ns.redis_url, ns.prefix, model_dir, args.max_model_len, consumer,
-                        chat_template=ns.chat_template, routing=ns.routing)
+                        chat_template=ns.chat_template, routing=ns.routing,
+                        trust_request_chat_template=ns.trust_request_chat_template)
     elif ns.name == "detokenizer":
         from rill.services.detokenizer.service import run
         start = partial(run, ns.redis_url, ns.prefix, model_dir, consumer)

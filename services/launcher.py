@@ -45,6 +45,8 @@ def _child_argv(ns: argparse.Namespace, name: str, model_dir: str, replica: str)
         argv += ["--chat-template", ns.chat_template]
     if name == "tokenizer":
         argv += ["--routing", ns.routing]
+    if name == "tokenizer" and ns.trust_request_chat_template:
+        argv.append("--trust-request-chat-template")
     if name == "gateway":
         argv += ["--tool-call-parser", ns.tool_call_parser, "--reasoning-parser", ns.reasoning_parser]
     if name == "gateway" and ns.ignore_unknown_fields:

@@ -217,6 +217,25 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(hf, smollm2_dir: str,
     assert err.value.param == "reasoning_effort"
 
 
+def test_a_request_brings_its_own_template_where_trusted(hf, smollm2_dir: str) -> None:
+    """vLLM's chat_template field (or chat_template_kwargs' chat_template, as transformers reads it):
+    rendered as transformers renders it, reading the request's variables, on a tokenizer started
+    with --trust-request-chat-template; elsewhere, or when it does not parse, a 400 naming it."""
+    msgs = [ChatMessage(role="user", content="Why is the sky blue?")]
+    hf_msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    trusted = Tokenizer(smollm2_dir, 2048, trust_request_chat_template=True)
+    got = trusted.render(msgs, kwargs={"chat_template": EFFORT, "reasoning_effort": "high"})
+    assert got == hf.apply_chat_template(hf_msgs, chat_template=EFFORT, reasoning_effort="high", tokenize=False)
+    assert trusted.render(msgs) == hf.apply_chat_template(hf_msgs, add_generation_prompt=True, tokenize=False)
+    ids = trusted.chat_ids(msgs, kwargs={"chat_template": EFFORT})
+    assert ids == hf.apply_chat_template(hf_msgs, chat_template=EFFORT, tokenize=True, return_dict=True)["input_ids"]
+    for tok, template in ((Tokenizer(smollm2_dir, 2048), EFFORT), (trusted, "{% for m in messages %}"),
+                          (trusted, "{{ raise_exception('no') }}"), (trusted, "{{ ''.__class__.__mro__ }}")):
+        with pytest.raises(RequestError) as err:
+            tok.render(msgs, kwargs={"chat_template": template})
+        assert err.value.param == "chat_template"
+
+
 def test_tools_in_text_for_templates_without_them(smollm2_dir: str, tmp_path: Path) -> None:
     """A template that never reads `tools`: the signatures in the system turn (or the first user
     turn when it refuses a system one), calls and results as hermes blocks; one that reads

@@ -499,6 +499,17 @@ def test_a_field_for_templates_that_read_it_is_refused_by_one_that_does_not(clie
     assert err.value.param == name and name in err.value.message
 
 
+def test_a_request_template_needs_the_trust_flag(stack: ServiceStack, client: openai.OpenAI) -> None:
+    """vLLM's chat_template, on a server started without --trust-request-chat-template (the
+    default): a 400 naming it, on chat and /tokenize alike, as vLLM refuses it."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name(client), messages=CHAT, max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages[0].content }}"})
+    assert err.value.param == "chat_template" and "--trust-request-chat-template" in err.value.message
+    r = httpx.post(f"{stack.base_url}/tokenize", json={"messages": CHAT, "chat_template": "{{ 1 }}"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
 def test_allowed_token_ids_keep_the_output_to_them(client: openai.OpenAI, hf) -> None:
     """vLLM's allowed_token_ids: greedy picks the likeliest allowed token (transformers' logits);
     with a grammar, or an id outside the vocabulary: a 400."""

@@ -408,3 +408,7 @@ def test_ignore_unknown_fields_flag_reaches_the_gateway_only() -> None:
         assert "--ignore-unknown-fields" not in _child_argv(ns, "worker", "/m", "w")
     one = build_parser().parse_args(["service", "gateway", "--ignore-unknown-fields"])
     assert one.ignore_unknown_fields
+    for argv, on in ((["serve"], False), (["serve", "--trust-request-chat-template"], True)):
+        ns = build_parser().parse_args(argv)
+        assert ("--trust-request-chat-template" in _child_argv(ns, "tokenizer", "/m", "t")) is on
+        assert "--trust-request-chat-template" not in _child_argv(ns, "gateway", "/m", "g")

@@ -52,6 +52,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_REPETITION_PENALTY = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 MAX_WS_ID_LEN = 128
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template (models' own: a few to ~20 KB)
 MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
 
@@ -72,10 +73,12 @@ LogitBias = Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]]
 Priority = Annotated[Int64, Meta(description="Lower runs first under --scheduling-policy priority.")]
 WsId = Annotated[str, Meta(min_length=1, max_length=MAX_WS_ID_LEN)] | Int64
 Tools = Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)]
+RequestTemplate = Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
+    "vLLM's: a Jinja chat template used instead of the server's; only where it was started with "
+    "--trust-request-chat-template."))]
 
 
 FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
-TEMPLATES = "a per-request chat template is not supported; the server's --chat-template applies"
 BEAM_FRAMES = "beam search answers with whole sequences: use HTTP"
 GENERATION_PROMPT = "Open the assistant's turn after the messages (default: true, unless continue_final_message)."
 CONTINUE = ("End the prompt inside the final message, with no end of turn, so the output goes on with it (an "
@@ -249,7 +252,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Annotated[Any, NotYet(FUNCTIONS)] = None
     function_call: Annotated[Any, NotYet(FUNCTIONS, "none")] = None
-    chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
+    chat_template: RequestTemplate | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # the ones the template reads reach it
     add_generation_prompt: Annotated[bool, Meta(description=GENERATION_PROMPT)] | None = None
     continue_final_message: Annotated[bool, Meta(description=CONTINUE)] | None = None
@@ -330,7 +333,7 @@ class TokenizeBody(_Body):
     add_generation_prompt: Annotated[bool, Meta(description=f"Messages only. {GENERATION_PROMPT}")] | None = None
     return_token_strs: Annotated[Any, NotYet("no token strings", False)] = None
     continue_final_message: Annotated[bool, Meta(description=f"Messages only. {CONTINUE}")] | None = None
-    chat_template: Annotated[Any, NotYet(TEMPLATES)] = None
+    chat_template: RequestTemplate | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Tools | None = None
 

@@ -431,11 +431,11 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
             for rid, prompt in zip(ids, prompts, strict=True)]
 
 
-def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
-    """What the chat request sets in its template: its fields that only a template reads, then its
-    chat_template_kwargs, which win (as in vLLM)."""
-    fields = {name: getattr(req, name) for name in TEMPLATE_FIELDS if getattr(req, name) is not None}
-    return {**fields, **(req.chat_template_kwargs or {})}
+def template_variables(req: ChatCompletionRequest | TokenizeBody) -> dict[str, Any]:
+    """What the request sets in its template: its fields only a template reads and its own template
+    (chat_template: the tokenizer's to allow), then its chat_template_kwargs, which win (as in vLLM)."""
+    fields = {name: getattr(req, name, None) for name in (*TEMPLATE_FIELDS, "chat_template")}
+    return {**{k: v for k, v in fields.items() if v is not None}, **(req.chat_template_kwargs or {})}
 
 
 def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:
@@ -447,4 +447,4 @@ def tokenize_request(body: TokenizeBody, reply_to: str) -> TokenizeRequest:
     return TokenizeRequest(request_id="", reply_to=reply_to, messages=chat_messages(body.messages),
                            add_generation_prompt=opens, continue_final_message=continues,
                            add_special_tokens=body.add_special_tokens, tools=tool_definitions(body.tools),
-                           chat_template_kwargs=body.chat_template_kwargs or {})
+                           chat_template_kwargs=template_variables(body))

@@ -32,7 +32,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +201,12 @@ def _cut_at_tag(text: str, final: str) -> str:
                             "given (it drops or rewrites it), so there is no place to continue it")
     at = text.rindex(CONTINUE_TAG.strip())
     return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+@lru_cache(maxsize=32)
+def request_template(source: str) -> ChatTemplate:
+    """A request's own template (vLLM's chat_template field), compiled once per text."""
+    return ChatTemplate(source, environment())
 
 
 class ChatTemplates:

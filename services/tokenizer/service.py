@@ -18,9 +18,11 @@ import redis
 from msgspec import Struct
 
 from rill.services.tokenizer.chat_template import (
+    ChatTemplate,
     ContinueError,
     TemplateError,
     load_templates,
+    request_template,
     template_kwargs,
     template_messages,
 )
@@ -60,9 +62,11 @@ class Tokenizer:
     `tokenizers` library and jinja2 only (shared/tokenizer_files.py, chat_template.py): a replica
     imports neither transformers nor torch, so it starts in about a second in ~100 MB."""
 
-    def __init__(self, model_dir: str, max_model_len: int, chat_template: str | None = None) -> None:
+    def __init__(self, model_dir: str, max_model_len: int, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.tok = load_tokenizer(model_dir)
         self.templates = load_templates(model_dir, chat_template, self.tok.config)
+        self.trust_request_chat_template = trust_request_chat_template  # a template is code run here
         self.config = ModelConfig.from_dir(model_dir)
         self.max_model_len = max_model_len
         self.eos_token_ids = self.tok.eos_token_ids
@@ -76,11 +80,11 @@ class Tokenizer:
         """The prompt text the chat template makes of these messages (and tools)."""
         if not messages:
             raise RequestError("messages must be a non-empty list", "messages")
-        if not self.templates:
-            raise RequestError("this model has no chat template; start the server with --chat-template FILE, or use /v1/completions", "messages")
+        kwargs = dict(kwargs or {})
+        own = kwargs.pop("chat_template", None)
+        template = self._template(own, tools is not None)
         try:
-            template = self.templates.pick(tools is not None)
-            extra = template_kwargs(template, kwargs or {})
+            extra = template_kwargs(template, kwargs)
         except TemplateError as exc:
             raise RequestError(str(exc), "chat_template_kwargs") from exc
         for name in TEMPLATE_FIELDS:
@@ -105,7 +109,26 @@ class Tokenizer:
         except ContinueError as exc:
             raise RequestError(str(exc), "continue_final_message") from exc
         except TemplateError as exc:  # a template can reject roles or orderings
-            raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               "messages" if own is None else "chat_template") from exc
+
+    def _template(self, source: Any, has_tools: bool) -> ChatTemplate:
+        """The request's own template (vLLM's chat_template; only with --trust-request-chat-template),
+        else the server's."""
+        if source is not None:
+            if not self.trust_request_chat_template:
+                raise RequestError("a request's chat_template runs only on a server started with "
+                                   "--trust-request-chat-template; leave it out to use the server's", "chat_template")
+            try:
+                return request_template(str(source))
+            except TemplateError as exc:
+                raise RequestError(str(exc), "chat_template") from exc
+        if not self.templates:
+            raise RequestError("this model has no chat template; start the server with --chat-template FILE, or use /v1/completions", "messages")
+        try:
+            return self.templates.pick(has_tools)
+        except TemplateError as exc:
+            raise RequestError(str(exc), "chat_template_kwargs") from exc
 
     def info(self) -> dict[str, Any]:
         """What GET /tokenizer_info serves (vLLM's endpoint; lm-eval's remote tokenizer reads it):
@@ -208,14 +231,14 @@ class Tokenizer:
 
 def run(redis_url: str, prefix: str, model_dir: str, max_model_len: int, consumer: str,
         stop: StopFlag | None = None, claim_idle_ms: int | None = CLAIM_IDLE_MS,
-        chat_template: str | None = None, routing: str = DEFAULT_POLICY) -> None:
+        chat_template: str | None = None, routing: str = DEFAULT_POLICY, trust_request_chat_template: bool = False) -> None:
     """Serve until `stop` is set (SIGTERM/SIGINT by default). `claim_idle_ms`: take over other
     replicas' requests unacked that long (None: never); `chat_template`: a template file used
-    instead of the model's; `routing`: the policy that picks each request's engine (router.py). Broker errors never end the loop: it backs off, reconnects and
+    instead of the model's (`trust_request_chat_template`: a request may bring its own); `routing`: the policy that picks each request's engine (router.py). Broker errors never end the loop: it backs off, reconnects and
     first redoes its own unacked requests."""
     stop = stop if stop is not None else StopFlag()
     bus = Bus(redis_url, prefix, name=consumer)  # the router's
-    tokenizer = Tokenizer(model_dir, max_model_len, chat_template)
+    tokenizer = Tokenizer(model_dir, max_model_len, chat_template, trust_request_chat_template)
     router = Router(bus, routing)
     heartbeat = replica_heartbeat(redis_url, prefix, "tokenizer", consumer,
                                   [(bus.streams.tokenizer_info_key(), msgspec.json.encode(tokenizer.info()))])
