@@ -35,6 +35,7 @@ class GenerateRequest(Struct, tag_field="_t", tag="generate", omit_defaults=True
     add_generation_prompt: bool = True  # the template's opening of the assistant's turn
     continue_final_message: bool = False  # the prompt ends inside the final message: the output goes on with it
     add_special_tokens: bool | None = None  # None: a text prompt's yes, a chat template's no (as vLLM)
+    suffix: str | None = None  # completions: the text after the one to fill in (the model's FIM tokens)
     avoid_engine: int = -1  # sent again after this engine lost it: elsewhere while another runs
 
 
@@ -51,9 +52,8 @@ class TokenizedRequest(Struct, tag_field="_t", tag="tokenized", omit_defaults=Tr
 
 
 class AbortRequest(Struct, tag_field="_t", tag="abort", omit_defaults=True):
-    """Anyone -> scheduler: drop these requests and free their blocks (idempotent).
-
-    An id may name a whole request (all its samples) or one sample (request_params.sample_request_id)."""
+    """Anyone -> scheduler: drop these requests, whole or one sample each (request_params.sample_request_id),
+    and free their blocks (idempotent)."""
 
     request_ids: list[str]
     reason: AbortReason = "abort"

@@ -104,3 +104,19 @@ def _bos_eos_post_processor(tok: Tokenizer, special: dict[str, str], add_bos: bo
     pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
     pairs = [(t, tok.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None]
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=pairs)
+
+
+# Fill-in-the-middle markers by family, in prefix-suffix-middle order: StarCoder's (and its
+# descendants'), Qwen2.5-Coder's and CodeGemma's, DeepSeek-Coder's.
+FIM_MARKERS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+               ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+
+
+def fim_tokens(tok: ModelTokenizer) -> tuple[int, int, int] | None:
+    """The ids of the first family's FIM markers that the vocabulary holds all of, else None."""
+    for names in FIM_MARKERS:
+        ids = [tok.tokenizer.token_to_id(name) for name in names]
+        if None not in ids:
+            return ids[0], ids[1], ids[2]
+    return None

@@ -510,6 +510,17 @@ def test_a_request_template_needs_the_trust_flag(stack: ServiceStack, client: op
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
+def test_a_suffix_needs_a_model_with_fim_tokens(client: openai.OpenAI) -> None:
+    """SmolLM2's vocabulary has no fill-in-the-middle markers: a suffix is a 400 naming it (from
+    the tokenizer, which reads the vocabulary); an empty one asks for nothing, OpenAI's default."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name(client), prompt="def f(x):", suffix="\nprint(f(1))", max_tokens=4)
+    assert err.value.param == "suffix" and "fill-in-the-middle" in err.value.message
+    plain, empty = (client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=4, temperature=0,
+                                              **kw) for kw in ({}, {"suffix": ""}))
+    assert empty.choices[0].text == plain.choices[0].text
+
+
 def test_allowed_token_ids_keep_the_output_to_them(client: openai.OpenAI, hf) -> None:
     """vLLM's allowed_token_ids: greedy picks the likeliest allowed token (transformers' logits);
     with a grammar, or an id outside the vocabulary: a 400."""

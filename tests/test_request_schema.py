@@ -88,7 +88,6 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
         (CHAT, {**CHAT_OK, "store": 0}, "store"),  # not false: JSON kinds, not Python equality
         (CHAT, {**CHAT_OK, "service_tier": "flex"}, "service_tier"),
         (COMPLETIONS, {**PROMPT_OK, "best_of": 2}, "best_of"),
-        (COMPLETIONS, {**PROMPT_OK, "suffix": "end"}, "suffix"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "input_audio", "input_audio": {}}]}]},
          "messages[0].content[1]"),
@@ -97,7 +96,7 @@ def refused_cases() -> list[tuple[str, dict[str, Any], str]]:
 
 async def test_refused_fields_are_named_over_http_and_websocket(gw: LiveServer, downstream: Downstream) -> None:
     cases = refused_cases()
-    assert len({param for _, _, param in cases}) > 20  # the enumeration finds them (fewer as more are honoured)
+    assert len({param for _, _, param in cases}) > 15  # the enumeration finds them (fewer as more are honoured)
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         for path, body, param in cases:
             r = await c.post(path, json=body)

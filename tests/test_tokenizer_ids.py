@@ -62,6 +62,49 @@ def test_bad_words_become_each_form_of_the_word(smollm2_dir: str) -> None:
     assert err.value.param == "bad_words"
 
 
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def test_a_suffix_is_filled_in_the_middle_in_the_models_format(tmp_path: Path, smollm2_dir: str) -> None:
+    """Completions' suffix: prompt and suffix after their FIM markers, then the middle's, as
+    transformers tokenizes the same text with the markers written out (Qwen2.5-Coder's format,
+    added to SmolLM2's vocabulary here); a model without FIM tokens refuses the field by name, as
+    does truncate_prompt_tokens beside it."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    for f in Path(smollm2_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    rust = RustTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    rust.add_special_tokens([AddedToken(t, special=True) for t in FIM])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": rust.get_vocab_size()}))
+    tok = Tokenizer(str(tmp_path), max_model_len=256)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    prompt, suffix = "def area(r):\n    return", "\n\nprint(area(2.0))\n"
+
+    def req(**kw: object) -> GenerateRequest:
+        return GenerateRequest(request_id="r", reply_to="x", kind="completion", arrival_time=0.0,
+                               params=SamplingParams(max_tokens=4), **kw)  # type: ignore[arg-type]
+
+    want = hf.encode(f"{FIM[0]}{prompt}{FIM[1]}{suffix}{FIM[2]}", add_special_tokens=True)
+    assert tok(req(prompt=prompt, suffix=suffix)).prompt_token_ids == want
+    assert want[0] == tok.fim[0] and want[-1] == tok.fim[2] and len(set(tok.fim)) == 3
+    ids = hf.encode(prompt, add_special_tokens=False)
+    assert tok(req(prompt=ids, suffix=suffix)).prompt_token_ids == want  # ids are taken as given
+    plain = Tokenizer(smollm2_dir, max_model_len=256)
+    assert plain.fim is None
+    for t, bad, param in ((plain, req(prompt=prompt, suffix=suffix), "suffix"),
+                          (tok, msgspec.structs.replace(req(prompt=prompt, suffix=suffix), params=SamplingParams(
+                              max_tokens=4, truncate_prompt_tokens=8)), "truncate_prompt_tokens")):
+        with pytest.raises(RequestError) as err:
+            t(bad)
+        assert err.value.param == param
+
+
 def test_a_model_without_a_chat_template_says_so_at_start(tmp_path: Path, smollm2_dir: str, redis_url: str,
                                                           prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     """A base model (Gemma 3 270M's GGUF, say) serves completions; its chat requests are 400s, and

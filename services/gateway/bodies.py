@@ -52,6 +52,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_REPETITION_PENALTY = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 MAX_WS_ID_LEN = 128
+MAX_SUFFIX_CHARS = 1 << 20  # completions' suffix: tokenized whole, so bounded before it reaches a tokenizer
 MAX_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template (models' own: a few to ~20 KB)
 MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
@@ -290,7 +291,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX, description="As on chat; 0 with echo scores the prompt "
                                                                     "and generates nothing.")] | None = None
 
-    suffix: Annotated[Any, NotYet("no fill-in-the-middle", "")] = None
+    suffix: Annotated[str, Meta(max_length=MAX_SUFFIX_CHARS, description=(
+        "Fill in the middle: the text generated goes between the prompt and this, in the model's FIM "
+        "format (<fim_prefix>... or <|fim_prefix|>...); a model without FIM tokens refuses it. Empty: "
+        "none."))] | None = None
     best_of: Annotated[Any, NotYet("vLLM V1 dropped it too; use n", 1)] = None
     prompt_embeds: Annotated[Any, NotYet("no prompt embeddings")] = None
     add_special_tokens: Annotated[bool, Meta(description=(

@@ -423,11 +423,11 @@ def generate_requests(req: GenerateBody, request_id: str, reply_to: str,
     opens, continues = turn_ending(req) if isinstance(req, ChatCompletionRequest) else (True, False)
     return [GenerateRequest(request_id=rid, reply_to=reply_to, kind=kind_of(req), params=params,
                             arrival_time=arrival, messages=chat_messages(req.messages) if chat else None,
-                            prompt=prompt, priority=req.priority or 0,
+                            prompt=prompt, suffix=None if chat else req.suffix or None,
                             tools=tool_definitions(req.tools) if chat else None,
                             chat_template_kwargs=template_variables(req) if chat else {},
                             add_generation_prompt=opens, continue_final_message=continues,
-                            add_special_tokens=req.add_special_tokens)
+                            add_special_tokens=req.add_special_tokens, priority=req.priority or 0)
             for rid, prompt in zip(ids, prompts, strict=True)]
 
 

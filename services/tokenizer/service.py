@@ -45,7 +45,7 @@ from rill.shared.schema import (
     tokenizer_input_decoder,
 )
 from rill.shared.streams import TOKENIZER_GROUP
-from rill.shared.tokenizer_files import load_tokenizer
+from rill.shared.tokenizer_files import fim_tokens, load_tokenizer
 
 log = logging.getLogger("rill.tokenizer")
 
@@ -73,6 +73,7 @@ class Tokenizer:
         # One rule for token ids, the worker's: the model embeds and emits ids below its
         # config's vocab_size (a tokenizer may know more, e.g. added tokens the embedding lacks).
         self.vocab_size = self.config.vocab_size
+        self.fim = fim_tokens(self.tok)
 
     def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
@@ -180,11 +181,29 @@ class Tokenizer:
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
             return self.check_ids(self._chat_ids(req), "messages")
+        if req.suffix is not None:
+            return self.check_ids(self._fill_in_the_middle(req.prompt, req.suffix, req.add_special_tokens),
+                                  "prompt")
         if isinstance(req.prompt, str):
             return self.check_ids(self._text_ids(req.prompt, req.add_special_tokens), "prompt")
         if isinstance(req.prompt, list):
             return self.check_ids(list(req.prompt), "prompt")
         raise RequestError("prompt must be a string or a list of token ids", "prompt")
+
+    def _fill_in_the_middle(self, prompt: str | list[int] | None, suffix: str,
+                            add_special_tokens: bool | None) -> list[int]:
+        """The prompt, then the suffix, each after its FIM marker, then the marker of the middle the
+        model writes (prefix-suffix-middle order); a text prompt's BOS stays first."""
+        if self.fim is None:
+            raise RequestError("this model's vocabulary has no fill-in-the-middle tokens (<fim_prefix>, "
+                               "<|fim_prefix|>, ...), so it cannot take a suffix", "suffix")
+        pre, suf, mid = self.fim
+        if isinstance(prompt, str):
+            head = self._text_ids("", add_special_tokens)  # BOS, where the tokenizer adds one
+            body = self.tok.encode(prompt, add_special_tokens=False)
+        else:
+            head, body = [], list(prompt or [])
+        return [*head, pre, *body, suf, *self.tok.encode(suffix, add_special_tokens=False), mid]
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         """/tokenize: the ids a generate request with this prompt or these messages would run."""
@@ -203,6 +222,8 @@ class Tokenizer:
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
         ids, p = self.prompt_ids(req), req.params
         keep = p.truncate_prompt_tokens
+        if keep is not None and req.suffix is not None:  # the cut would drop the FIM markers
+            raise RequestError("truncate_prompt_tokens cannot be used with suffix", "truncate_prompt_tokens")
         if keep is not None:  # the last `keep` (all of them if fewer)
             ids = ids[-(self.max_model_len if keep == -1 else keep):]
         if not ids:
