@@ -628,6 +628,9 @@ def test_beam_search_finds_the_reference_beams(stack: ServiceStack, client: open
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=mid, prompt=PROMPT, max_tokens=2, extra_body=extra)
         assert err.value.param == next(k for k in extra if k != "use_beam_search"), extra
+    with pytest.raises(openai.BadRequestError) as err:  # one prompt a search
+        client.completions.create(model=mid, prompt=[PROMPT, PROMPT], max_tokens=2, extra_body={"use_beam_search": True})
+    assert err.value.param == "prompt"
 
 
 def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from rill.services.gateway import info_api
-from rill.services.gateway.bodies import GenerateBody
+from rill.services.gateway.bodies import CompletionRequest, GenerateBody
 from rill.services.gateway.errors import APIError
 from rill.services.gateway.fields import NotYet
+from rill.services.gateway.requests import prompts_of
 from rill.services.gateway.responses import Output
 from rill.shared.request_params import SamplingParams, past_the_context
 from rill.shared.schema import GenerateRequest, TextDelta
@@ -52,7 +53,7 @@ def check(req: GenerateBody, max_logprobs: int) -> None:
             raise APIError("length_penalty applies to beam search only (use_beam_search: true).",
                            param="length_penalty")
         return
-    if isinstance(getattr(req, "prompt", None), list) and req.prompt and not isinstance(req.prompt[0], int):
+    if isinstance(req, CompletionRequest) and len(prompts_of(req.prompt)) > 1:
         raise APIError("Beam search takes one prompt.", param="prompt")
     if 2 * (req.n or 1) > max_logprobs:
         raise APIError(f"Beam search of width n asks 2n logprobs a step; this server's --max-logprobs "
@@ -119,7 +120,8 @@ async def output(gw: Gateway, body: GenerateBody, first: GenerateRequest, run: R
     """The body's beams as an Output of n choices (finish "stop" at an end token, else "length")."""
     ends = await end_tokens(gw, bool(body.ignore_eos))
     penalty = 1.0 if body.length_penalty is None else body.length_penalty
-    prompt, beams = await search(run, first, body.n or 1, gw.max_model_len, ends, penalty)
+    context = await info_api.served_max_model_len(gw)
+    prompt, beams = await search(run, first, body.n or 1, context, ends, penalty)
     texts = [reply.text for reply in await asyncio.gather(*(gw.detokenize(_shown(b)) for b in beams))]
     out = Output(len(beams))
     ids = bool(body.return_token_ids)
