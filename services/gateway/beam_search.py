@@ -75,6 +75,14 @@ class Beam:
         length = prompt_len + len(self.tokens) - (1 if self.finished else 0)
         return self.logprob / (length ** length_penalty)
 
+    def best_score(self, prompt_len: int, max_tokens: int, length_penalty: float) -> float:
+        """The most a live beam can still score: its logprob only falls as it grows, so at best it
+        keeps today's over the length that divides it least (the longest for a positive penalty,
+        ending at the next token otherwise)."""
+        longest = length_penalty > 0
+        length = prompt_len + (max_tokens if longest else len(self.tokens))
+        return self.logprob / (length ** length_penalty)
+
 
 async def search(run: Runner, first: GenerateRequest, width: int, context: int, ends: set[int],
                  length_penalty: float) -> tuple[list[int], list[Beam]]:
@@ -103,10 +111,20 @@ async def search(run: Runner, first: GenerateRequest, width: int, context: int, 
                 ended = top.token_id in ends
                 (done if ended else grown).append(Beam(beam.tokens + [top.token_id], beam.logprob + top.logprob, ended))
         live = sorted(grown, key=lambda b: b.logprob, reverse=True)[:width]  # one length: the score's order
-        if not live:
+        if not live or _settled(done, live, width, len(prompt), max_tokens, length_penalty):
             break
     best = sorted(done + live, key=lambda b: b.score(len(prompt), length_penalty), reverse=True)[:width]
     return prompt, best
+
+
+def _settled(done: list[Beam], live: list[Beam], width: int, prompt_len: int, max_tokens: int,
+             length_penalty: float) -> bool:
+    """Whether no live beam can still reach the best `width` finished ones: the answer is known,
+    as running on to max_tokens would find it (vLLM's search does)."""
+    if len(done) < width:
+        return False
+    floor = sorted((b.score(prompt_len, length_penalty) for b in done), reverse=True)[width - 1]
+    return all(b.best_score(prompt_len, max_tokens, length_penalty) < floor for b in live)
 
 
 async def end_tokens(gw: Gateway, ignore_eos: bool) -> set[int]:
