@@ -516,6 +516,10 @@ def test_a_suffix_needs_a_model_with_fim_tokens(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model_name(client), prompt="def f(x):", suffix="\nprint(f(1))", max_tokens=4)
     assert err.value.param == "suffix" and "fill-in-the-middle" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # the cut would drop the FIM markers
+        client.completions.create(model=model_name(client), prompt="def f(x):", suffix="\nprint(f(1))", max_tokens=4,
+                                  extra_body={"truncate_prompt_tokens": 8})
+    assert err.value.param == "truncate_prompt_tokens" and "suffix" in err.value.message
     plain, empty = (client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=4, temperature=0,
                                               **kw) for kw in ({}, {"suffix": ""}))
     assert empty.choices[0].text == plain.choices[0].text

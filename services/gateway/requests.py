@@ -244,8 +244,8 @@ def _check_truncation(req: GenerateBody, max_model_len: int) -> None:
     if k == 0 or (k is not None and max_model_len > 0 and k > max_model_len):
         raise _bad(f"truncate_prompt_tokens must be -1 or between 1 and the context ({max_model_len} tokens), "
                    f"got {k}.", "truncate_prompt_tokens")
-    if k is not None and req.echo:  # the echo would show text the model never read
-        raise _bad("truncate_prompt_tokens cannot be used with echo.", "truncate_prompt_tokens")
+    if k is not None and (clash := "echo" if req.echo else "suffix" if getattr(req, "suffix", None) else ""):
+        raise _bad(f"truncate_prompt_tokens cannot be used with {clash}.", "truncate_prompt_tokens")  # unread text, cut FIM markers
 
 
 def _check_size(req: GenerateBody, max_model_len: int) -> None:

@@ -222,8 +222,6 @@ class Tokenizer:
     def __call__(self, req: GenerateRequest) -> TokenizedRequest:
         ids, p = self.prompt_ids(req), req.params
         keep = p.truncate_prompt_tokens
-        if keep is not None and req.suffix is not None:  # the cut would drop the FIM markers
-            raise RequestError("truncate_prompt_tokens cannot be used with suffix", "truncate_prompt_tokens")
         if keep is not None:  # the last `keep` (all of them if fewer)
             ids = ids[-(self.max_model_len if keep == -1 else keep):]
         if not ids:
