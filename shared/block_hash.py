@@ -33,11 +33,16 @@ def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] | Non
     A `salt` (a request's cache_salt) roots the chain elsewhere: only requests with the same salt
     share blocks, so one tenant cannot learn from cache timing what another's prompts hold."""
     out = list(known or [])
-    parent = out[-1] if out else salt_root(salt) if salt else NONE_HASH
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent)
+    extend_block_hashes(out, token_ids[len(out) * block_size:], block_size, salt)
     return out
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, salt: str | None = None) -> None:
+    """Append to `hashes` (those of the blocks before `token_ids`) the hashes of token_ids' full blocks."""
+    parent = hashes[-1] if hashes else salt_root(salt) if salt else NONE_HASH
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
 
 
 def pack_summary(hashes: Sequence[bytes]) -> bytes:

@@ -273,3 +273,30 @@ def test_cache_salt_shares_blocks_only_under_the_same_salt() -> None:
         s.update(fake_result(p, s))
         run_to_idle(s)
     assert computed == {"a": 0, "b": 0, "c": 0, "d": 8, "e": 8}
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_request_hashes_grow_from_new_blocks_only(salt: str | None) -> None:
+    """A request's memoised block hashes, grown step by step across its prompt and output,
+    equal the hashes of all its tokens computed at once (the chain is one, wherever it is cut)."""
+    from rill.services.scheduler.request import Request
+    from rill.shared.block_hash import block_hashes
+
+    bs, prompt = 4, list(range(3, 3 + 10))  # the prompt ends inside its third block
+    req = Request.from_message(TokenizedRequest(
+        request_id="h", reply_to="g", prompt_token_ids=prompt, eos_token_ids=[2], arrival_time=0.0,
+        params=SamplingParams(max_tokens=50, cache_salt=salt)), 256)[0]
+    for num_tokens in (3, 9, 10, 10, 13, 16, 17, 30):
+        while len(req.prompt_token_ids) + len(req.output_token_ids) < num_tokens:
+            req.output_token_ids.append(100 + len(req.output_token_ids))
+        got = list(req.hashes(bs, num_tokens))
+        assert got == block_hashes(req.all_token_ids[:num_tokens], bs, salt=salt)
+        assert len(got) == num_tokens // bs
+    # One with its output known before its first hashes (a preempted or handed-over request),
+    # first hashed short of its prompt's end: no output token may slip into a prompt block.
+    again = Request.from_message(TokenizedRequest(
+        request_id="h2", reply_to="g", prompt_token_ids=prompt, eos_token_ids=[2], arrival_time=0.0,
+        params=SamplingParams(max_tokens=50, cache_salt=salt)), 256)[0]
+    again.output_token_ids.extend(req.output_token_ids)
+    for num_tokens in (9, 30):
+        assert again.hashes(bs, num_tokens) == block_hashes(req.all_token_ids[:num_tokens], bs, salt=salt)

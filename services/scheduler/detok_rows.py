@@ -37,7 +37,7 @@ class DetokRows:
         self.reply_to.append(req.reply_to)
         self.offsets.append(offset)
         self.new.append(new)
-        self.context.append(req.output_token_ids[max(0, offset - ctx):offset])
+        self.context.append(req.output_token_ids[offset - ctx if offset > ctx else 0:offset])
         self.reasons.append(reason)
         self.prompt_tokens.append(len(req.prompt_token_ids))
         self.cached_tokens.append(req.num_cached_tokens if offset == 0 else 0)

@@ -9,7 +9,6 @@ whose request finished, was aborted or was preempted since is dropped.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
@@ -27,15 +26,16 @@ class InFlight:
     incarnations: list[int]  # num_preemptions at scheduling time: a preempted request restarts
     samples: list[bool]  # the step samples a token for this request
 
-    def current_rows(self, requests: dict[str, Request]) -> Iterator[tuple[Request, int, bool, int]]:
+    def current_rows(self, requests: dict[str, Request]) -> list[tuple[Request, int, bool, int]]:
         """(request, tokens, samples, drafts) of the rows whose request is still the one
         scheduled: not finished, aborted or preempted since."""
-        for req, incarnation, sampling, n, drafts in zip(self.reqs, self.incarnations, self.samples,
-                                                         self.plan.num_scheduled_tokens, self.plan.num_drafts(),
-                                                         strict=True):
-            if (requests.get(req.request_id) is req and req.status is Status.RUNNING
-                    and req.num_preemptions == incarnation):
-                yield req, n, sampling, drafts
+        running = Status.RUNNING
+        return [(req, n, sampling, drafts)
+                for req, incarnation, sampling, n, drafts in zip(self.reqs, self.incarnations, self.samples,
+                                                                 self.plan.num_scheduled_tokens,
+                                                                 self.plan.num_drafts(), strict=True)
+                if requests.get(req.request_id) is req and req.status is running
+                and req.num_preemptions == incarnation]
 
 
 class PlanLedger:
@@ -55,13 +55,17 @@ class PlanLedger:
             req.known_to_worker = False
 
     def build(self, reqs: list[Request], scheduled: dict[str, int], drafts: dict[str, list[int]] | None) -> StepPlan:
-        """The plan for `reqs` (in batch order, `scheduled` their tokens), now in flight."""
+        """The plan for `reqs` (in batch order, `scheduled` their tokens), now in flight: its
+        tokens count as in flight until its result is applied, and it counts in the step stats."""
         self.step_id += 1
         new_reqs: list[NewRequestData] = []
         cached_ids: list[str] = []
         cached_blocks: list[list[int]] = []
-        self.counters.record_step(reqs, list(scheduled.values()))
-        for req in reqs:
+        tokens = list(scheduled.values())
+        spec = [drafts.get(rid, []) for rid in scheduled] if drafts else []
+        samples: list[bool] = []
+        decode = 0
+        for req, n, k in zip(reqs, tokens, [len(d) for d in spec] or [0] * len(tokens), strict=True):
             blocks = self.kv.block_ids(req.request_id)
             if not req.known_to_worker:
                 new_reqs.append(NewRequestData(
@@ -73,24 +77,22 @@ class PlanLedger:
                 cached_ids.append(req.request_id)
                 cached_blocks.append(blocks[req.num_blocks_sent:])
             req.num_blocks_sent = len(blocks)
+            planned, known = req.num_planned_tokens, req.num_known_tokens
+            # The worker samples when a step reaches the end of the tokens it knows by then.
+            samples.append(planned + n - k == known)
+            # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
+            if planned == known - 1 and known > len(req.prompt_token_ids):
+                decode += n
+            req.num_inflight_tokens += n
+            req.num_inflight_samples += samples[-1]
+        self.counters.record_step(decode, sum(tokens))
         plan = StepPlan(
             step_id=self.step_id, new_requests=new_reqs, cached_request_ids=cached_ids,
             cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
-            num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self.forget_ids,
-            spec_token_ids=[drafts.get(rid, []) for rid in scheduled] if drafts else [])
+            num_scheduled_tokens=tokens, finished_request_ids=self.forget_ids, spec_token_ids=spec)
         self.forget_ids = []
-        self._send(plan, reqs)
-        return plan
-
-    def _send(self, plan: StepPlan, reqs: list[Request]) -> None:
-        """Count the plan's tokens as in flight until its result is applied."""
-        samples: list[bool] = []
-        for req, n, k in zip(reqs, plan.num_scheduled_tokens, plan.num_drafts(), strict=True):
-            # The worker samples when a step reaches the end of the tokens it knows by then.
-            samples.append(req.num_planned_tokens + n - k == req.num_known_tokens)
-            req.num_inflight_tokens += n
-            req.num_inflight_samples += samples[-1]
         self.in_flight.append(InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
+        return plan
 
     def pop(self, step_id: int) -> InFlight | None:
         """The oldest plan in flight, if `step_id` is its result (results come back in order)."""

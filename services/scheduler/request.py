@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from rill.services.scheduler.kv_cache_manager import block_hashes
+from rill.shared.block_hash import extend_block_hashes
 from rill.shared.config import detok_context_len
 from rill.shared.request_params import SamplingParams, sample_request_id
 from rill.shared.schema import TokenizedRequest
@@ -62,7 +62,7 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         """Its tokens as the worker will know them once the plans in flight have run."""
-        return self.num_tokens + self.num_inflight_samples
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_samples
 
     @property
     def num_planned_tokens(self) -> int:
@@ -70,14 +70,24 @@ class Request:
         return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
+    def num_unplanned_tokens(self) -> int:
+        """Tokens the worker will know that no plan in flight runs: what the next plan may run.
+        (num_known_tokens - num_planned_tokens in one call: it is read for every row of every step.)"""
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_samples
+                - self.num_computed_tokens - self.num_inflight_tokens)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
-        """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
-        if len(self.block_hashes) < num_tokens // block_size:
-            self.block_hashes = block_hashes(self.all_token_ids[:num_tokens], block_size, self.block_hashes,
-                                             self.params.cache_salt)
+        """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised: only
+        the tokens of blocks not hashed yet are read, so a long context costs no more per block)."""
+        start, num_prompt = len(self.block_hashes) * block_size, len(self.prompt_token_ids)
+        if start + block_size <= num_tokens:
+            tokens = (self.prompt_token_ids[start:num_tokens]
+                      + self.output_token_ids[max(start - num_prompt, 0):max(num_tokens - num_prompt, 0)])
+            extend_block_hashes(self.block_hashes, tokens, block_size, self.params.cache_salt)
         return self.block_hashes
 
     @classmethod

@@ -107,7 +107,9 @@ class Scheduler(RequestStates):
     def _chunk(self, req: Request, budget: int) -> int:
         if req.num_inflight_samples and self._ends_on_placeholder(req):
             return 0
-        n = min(req.num_known_tokens - req.num_planned_tokens, budget)
+        n = req.num_unplanned_tokens
+        if n > budget:
+            n = budget
         return self._prompt_chunk(n, req.num_planned_tokens) if n > 1 else n
 
     def _prompt_chunk(self, n: int, context: int) -> int:
@@ -260,7 +262,7 @@ class Scheduler(RequestStates):
         for req, n, sampling, drafts in step.current_rows(self.requests):
             rid = req.request_id
             tokens, logprobs = sampled.get(rid) or ([], [])
-            accepted = max(len(tokens) - 1, 0)
+            accepted = len(tokens) - 1 if tokens else 0  # drafts kept: all tokens but the sample
             req.num_computed_tokens += n - (drafts - accepted)  # rejected drafts' KV is not kept
             req.num_inflight_tokens -= n
             req.num_inflight_samples -= sampling
@@ -280,7 +282,9 @@ class Scheduler(RequestStates):
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             kept = len(output) - offset
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            num_tokens = len(req.prompt_token_ids) + len(output)
+            if req.num_computed_tokens > num_tokens:
+                req.num_computed_tokens = num_tokens
             # Publish newly full blocks first: a request that ends now still leaves them cached.
             if caching and req.num_computed_tokens // bs > num_hashed.get(rid, 0):
                 self.kv.register_full_blocks(rid, req.hashes(bs, req.num_computed_tokens), req.num_computed_tokens)
@@ -316,7 +320,7 @@ class Scheduler(RequestStates):
         num_out = len(req.output_token_ids)
         if token in req.eos_token_ids and num_out >= req.params.min_tokens:
             return "stop"
-        if num_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or num_out + len(req.prompt_token_ids) >= self.config.max_model_len:
             return "length"
         return None
 

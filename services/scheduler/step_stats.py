@@ -6,8 +6,6 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from rill.services.scheduler.request import Request
-
 
 @dataclass
 class StepCounters:
@@ -21,15 +19,8 @@ class StepCounters:
     aborted_requests: int = 0
     preemptions: int = 0
 
-    def record_step(self, reqs: list[Request], tokens: list[int]) -> None:
-        """Count one plan's rows (`tokens` each) before it is sent."""
-        # A decode row runs exactly the last sampled token; anything else is (re)computing a prompt.
-        decode = 0
-        for r, n in zip(reqs, tokens, strict=True):
-            known = r.num_known_tokens
-            if known > len(r.prompt_token_ids) and r.num_planned_tokens == known - 1:
-                decode += n
-        total = sum(tokens)
+    def record_step(self, decode: int, total: int) -> None:
+        """Count one plan before it is sent: `total` tokens, `decode` of them decode rows' tokens."""
         prefill = total - decode
         self.steps += 1
         self.prefill_tokens += prefill
