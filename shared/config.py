@@ -166,6 +166,10 @@ def fitted_max_model_len(max_model_len: int, cache_tokens: int, fit: bool) -> in
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# A request's prediction (OpenAI's predicted outputs): drafts per step from it, and the longest
+# suffix of its output looked for in it (services/scheduler/speculation.py).
+PREDICTION_DRAFTS = 8
+PREDICTION_NGRAM = 8
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class SamplingParams(Struct, omit_defaults=True, frozen=True):
     cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only under the same salt
     return_token_ids: bool = False  # the prompt's and the output's token ids in the response
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's); the tokenizer's
+    # OpenAI's predicted outputs: the text the output is expected to be, mostly; the tokenizer turns it
+    # into prediction_ids, from which the scheduler drafts (speculation.py). A hint: output is unchanged.
+    prediction: str | None = None
+    prediction_ids: list[int] = []
 
     @property
     def uses_penalties(self) -> bool:

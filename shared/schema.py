@@ -126,10 +126,9 @@ class KVHandoff(Struct, tag_field="_t", tag="kv_handoff", omit_defaults=True):
 
 
 class KVTransferAck(Struct, tag_field="_t", tag="kv_ack", omit_defaults=True):
-    """Decode engine -> prefill engine: what became of a hand-off. "ok": the KV is imported and
-    the request decodes there, so the prefill engine frees its blocks; "aborted": the request
-    ended on the decode engine (cancelled, or failed with its own error reply); "failed": the
-    import failed (`retryable`: a fresh export may succeed)."""
+    """Decode engine -> prefill engine: what became of a hand-off. "ok": the KV is imported and the request
+    decodes there (the prefill engine frees its blocks); "aborted": it ended on the decode engine (cancelled,
+    or failed with its own error reply); "failed": the import failed (`retryable`: a new export may work)."""
 
     transfer_id: str
     request_id: str
@@ -275,11 +274,9 @@ WorkerOutput = WorkerReady | StepResult
 
 
 class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defaults=True):
-    """New output tokens of every request that produced some this step, columnar.
-
-    Each row carries its own decode context (the output tokens before `offsets[i]`, up to a
-    window), so any detokenizer replica can decode it without memory of earlier messages.
-    """
+    """New output tokens of every request that produced some this step, columnar. Each row carries its
+    own decode context (the output tokens before `offsets[i]`, up to a window), so any detokenizer
+    replica can decode it without memory of earlier messages."""
 
     engine_id: int
     step_id: int
@@ -301,6 +298,8 @@ class DetokBatch(Struct, tag_field="_t", tag="detok", array_like=True, omit_defa
     cached_tokens: list[int] = []
     # Per row: None unless it asked for token ids, then its prompt's with its first token, else [].
     prompt_ids: list[list[int] | None] = []
+    # Per row of a request with a prediction: [accepted, rejected] of its drafts from it so far; else [].
+    prediction_tokens: list[list[int]] = []
 
 
 class TopLogprob(Struct, array_like=True):
@@ -332,6 +331,7 @@ class TextDelta(Struct, array_like=True, omit_defaults=True):
     cached_tokens: int = 0  # with the first delta: prompt tokens the prefix cache held
     token_ids: list[int] = []  # this delta's tokens, when the request asked (return_token_ids)
     prompt_token_ids: list[int] = []  # with the first delta, when it asked
+    prediction_tokens: list[int] = []  # a request with a prediction: [accepted, rejected] drafts so far
 
 
 class ReplyBatch(Struct, tag_field="_t", tag="reply", array_like=True):
@@ -368,7 +368,7 @@ class TokenizeReply(Struct, tag_field="_t", tag="tokenized_text", array_like=Tru
 
 class Routed(Struct, tag_field="_t", tag="routed", array_like=True):
     """Tokenizer -> gateway: the engine a request was sent to, so that the gateway fails it at once if
-    that engine dies while others live. None for a prefill engine (disagg.py watches its hand-off)."""
+    that engine dies while others live. Not sent for a prefill engine (disagg.py watches its hand-off)."""
 
     request_id: str
     engine: int

@@ -328,7 +328,8 @@ class Detokenizer:
                                   logprobs=[self.text_logprob(lp) for lp in lps],
                                   prompt_logprobs=[self.text_logprob(lp) for lp in prompt_lps],
                                   cached_tokens=_get(batch.cached_tokens, i, 0),
-                                  token_ids=[] if prompt_ids is None else list(new), prompt_token_ids=prompt_ids or [])
+                                  token_ids=[] if prompt_ids is None else list(new), prompt_token_ids=prompt_ids or [],
+                                  prediction_tokens=_get(batch.prediction_tokens, i) or [])
                 if out.stopped and reason is None:
                     stopped.append(request_id)
             except Exception as exc:  # bad ids or columns: fail this request only

@@ -42,6 +42,7 @@ _ALONE = {name: NotYet(_WHY, *ok) for name, ok in {
     "prompt_logprobs": (), "seed": (), "stop": (), "stop_token_ids": (), "logit_bias": (), "allowed_token_ids": (),
     "bad_words": (), "response_format": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "tools": (), "tool_choice": (), "truncate_prompt_tokens": (),
+    "prediction": (),
 }.items()}
 
 

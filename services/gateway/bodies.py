@@ -53,6 +53,7 @@ MAX_REPETITION_PENALTY = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 MAX_WS_ID_LEN = 128
 MAX_SUFFIX_CHARS = 1 << 20  # completions' suffix: tokenized whole, so bounded before it reaches a tokenizer
+MAX_PREDICTION_CHARS = 1 << 20  # likewise a prediction's text
 MAX_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template (models' own: a few to ~20 KB)
 MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
@@ -160,6 +161,16 @@ class StreamOptions(_Body):
                                                              "(with include_usage).")] | None = None
 
 
+class Prediction(_Body, tag_field="type", tag="content"):
+    """OpenAI's predicted outputs: text the output is expected to be, mostly (a file being edited)."""
+
+    content: Annotated[str, Meta(max_length=MAX_PREDICTION_CHARS)] | Annotated[list[TextPart], Meta(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 # ---------------------------------------------------------------------------------------------
 # Request bodies
 
@@ -232,6 +243,10 @@ class _Sampling(_Body):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_SALT_LEN, description=(
         "Prefix-cache isolation: the prompt's cached blocks are shared only with requests that send the "
         "same salt (e.g. one per tenant), so cache timing tells nothing across salts."))] | None = None
+    prediction: Annotated[Prediction, Meta(description=(
+        "OpenAI's predicted outputs, on completions too: drafts from this text are verified as the output is "
+        "decoded (speculative decoding), so the output is the same, only sooner where it matches; usage "
+        "counts the accepted and rejected ones."))] | None = None
     kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None
     vllm_xargs: Annotated[Any, NotYet("no extension arguments")] = None
     mm_processor_kwargs: Annotated[Any, NotYet("text-only models")] = None
@@ -274,7 +289,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     verbosity: Annotated[Any, NotYet("no verbosity control")] = None
     modalities: Annotated[Any, NotYet("text-only models", ["text"])] = None
     audio: Annotated[Any, NotYet("text-only models")] = None
-    prediction: Annotated[Any, NotYet("no predicted outputs")] = None
     web_search_options: Annotated[Any, NotYet("no web search")] = None
     store: Annotated[Any, NotYet("Rill stores no completions", False)] = None
     service_tier: Annotated[Any, NotYet("one service tier", "auto", "default")] = None

@@ -375,18 +375,16 @@ def sampling_params(req: GenerateBody, reasoning: str = "none") -> SamplingParam
     kw: dict[str, Any] = {name: getattr(req, name) for name in (
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
         "min_tokens", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
-        "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs", "bad_words")
-        if getattr(req, name) is not None}
+        "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs", "bad_words", "stop_token_ids",
+        "logit_bias", "allowed_token_ids") if getattr(req, name) is not None}
     kw["max_tokens"] = 1 if scores_only(req) else max_tokens_of(req)[1]
     kw["logprobs"] = logprobs_of(req)[1]
     if req.top_k is not None:
         kw["top_k"] = max(req.top_k, 0)  # -1 and 0 both disable
     stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
     kw["stop"] = [s for s in stop if s]  # an empty stop string would end every request at once
-    kw["stop_token_ids"] = req.stop_token_ids or []
-    kw["logit_bias"] = req.logit_bias or {}
-    kw["allowed_token_ids"] = req.allowed_token_ids or []
     kw["grammar"] = grammar_of(req, reasoning_parser(req, reasoning))
+    kw["prediction"] = req.prediction.text if req.prediction is not None else None
     masks = [name for name in ("allowed_token_ids", "bad_words") if kw.get(name)]
     if masks and (kw["grammar"] or len(masks) > 1):  # masks that together may leave no token at all
         other = "structured outputs or forced tool calls" if kw["grammar"] else masks[0]

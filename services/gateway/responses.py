@@ -41,7 +41,7 @@ def error_from_reply(err: ErrorReply) -> APIError:
 class Choice:
     """One sample's text, finish reason, token count and logprobs, from its in-order deltas."""
 
-    __slots__ = ("parts", "ends", "finish_reason", "completion_tokens", "logprobs", "token_ids")
+    __slots__ = ("parts", "ends", "finish_reason", "completion_tokens", "logprobs", "token_ids", "prediction")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
@@ -50,6 +50,7 @@ class Choice:
         self.completion_tokens = 0
         self.logprobs: list[TextLogprob] = []
         self.token_ids: list[int] = []  # when the request asked (return_token_ids)
+        self.prediction: list[int] = []  # with a prediction: its drafts [accepted, rejected], the latest counts
 
     def add(self, d: TextDelta) -> None:
         self.token_ids += d.token_ids
@@ -59,6 +60,8 @@ class Choice:
         # Offsets count output tokens, so they bound the count even if a delta omits it.
         self.completion_tokens = max(self.completion_tokens, d.completion_tokens, d.offset + d.num_tokens)
         self.logprobs.extend(d.logprobs)
+        if d.prediction_tokens:
+            self.prediction = d.prediction_tokens
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
 
@@ -131,9 +134,14 @@ class Output:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                  "total_tokens": self.prompt_tokens + completion,
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        details: dict[str, int] = {}
         if self.reasoning is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
-                c.tokens_through(self.reasoning.length(c.text)) for c in self.choices)}
+            details["reasoning_tokens"] = sum(c.tokens_through(self.reasoning.length(c.text)) for c in self.choices)
+        if any(c.prediction for c in self.choices):  # OpenAI's names: drafts from the prediction kept, and not
+            details["accepted_prediction_tokens"] = sum(c.prediction[0] for c in self.choices if c.prediction)
+            details["rejected_prediction_tokens"] = sum(c.prediction[1] for c in self.choices if c.prediction)
+        if details:
+            usage["completion_tokens_details"] = details
         return usage
 
 

@@ -8,11 +8,15 @@ from rill.shared.request_params import past_the_context
 from rill.shared.schema import TokenizedRequest
 
 
-def refusal(msg: TokenizedRequest, kv: KVCacheManager, max_model_len: int, max_num_seqs: int) -> Refusal | None:
+def refusal(msg: TokenizedRequest, kv: KVCacheManager, max_model_len: int, max_num_seqs: int,
+            verifies_drafts: bool = True) -> Refusal | None:
     """What can never run here however long it waits (and which request field to blame), or None."""
     p, n = msg.params, len(msg.prompt_token_ids)
     if not n:
         return Refusal("the prompt is empty", "prompt")
+    if p.prediction_ids and not verifies_drafts:
+        return Refusal("a prediction needs speculative decoding, which this engine's tensor-parallel "
+                       "workers do not run yet", "prediction")
     if p.n < 1:
         return Refusal("n must be at least 1", "n")
     if p.max_tokens is None and n >= max_model_len:  # chat's default: the prompt alone is too long

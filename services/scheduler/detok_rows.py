@@ -25,6 +25,7 @@ class DetokRows:
         self.logprobs: list[list[TokenLogprobs]] = []
         self.prompt_logprobs: list[list[TokenLogprobs]] = []
         self.prompt_ids: list[list[int] | None] = []
+        self.prediction: list[list[int]] = []
 
     def __bool__(self) -> bool:
         return bool(self.ids)
@@ -47,6 +48,8 @@ class DetokRows:
         self.logprobs.append(logprobs)
         self.prompt_logprobs.append(prompt_logprobs)
         self.prompt_ids.append((req.prompt_token_ids if offset == 0 else []) if p.return_token_ids else None)
+        accepted = req.num_prediction_accepted
+        self.prediction.append([accepted, req.num_prediction_drafts - accepted] if req.prediction else [])
 
     def batch(self, engine_id: int, step_id: int) -> DetokBatch:
         return DetokBatch(engine_id=engine_id, step_id=step_id, request_ids=self.ids,
@@ -58,4 +61,5 @@ class DetokRows:
                           logprobs=self.logprobs if any(self.logprobs) else [],
                           prompt_logprobs=self.prompt_logprobs if any(self.prompt_logprobs) else [],
                           cached_tokens=self.cached_tokens if any(self.cached_tokens) else [],
-                          prompt_ids=self.prompt_ids if any(i is not None for i in self.prompt_ids) else [])
+                          prompt_ids=self.prompt_ids if any(i is not None for i in self.prompt_ids) else [],
+                          prediction_tokens=self.prediction if any(self.prediction) else [])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
 
 from rill.shared.block_hash import extend_block_hashes
-from rill.shared.config import detok_context_len
+from rill.shared.config import PREDICTION_DRAFTS, detok_context_len
 from rill.shared.request_params import SamplingParams, sample_request_id
 from rill.shared.schema import TokenizedRequest
 
@@ -50,10 +51,21 @@ class Request:
     seq: int = field(default_factory=lambda: next(_arrivals))  # tie-break in arrival order
     detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)
     worker_params: SamplingParams | None = None  # params without what only detokenizers read
+    # A prediction's ids as 4-byte ints, searched for drafts (speculation.py), where in it the last
+    # drafts started, how many the next may be, and its drafts proposed and accepted so far (usage).
+    prediction: bytes = b""
+    prediction_at: int = 0
+    prediction_width: int = PREDICTION_DRAFTS
+    num_prediction_drafts: int = 0
+    num_prediction_accepted: int = 0
 
     def __post_init__(self) -> None:
-        if self.worker_params is None:
-            self.worker_params = msgspec.structs.replace(self.params, stop=[]) if self.params.stop else self.params
+        p = self.params
+        if p.prediction_ids and not self.prediction:
+            self.prediction = array("i", p.prediction_ids).tobytes()
+        if self.worker_params is None:  # the worker needs neither the stop strings nor the prediction
+            self.worker_params = msgspec.structs.replace(p, stop=[], prediction_ids=[]) \
+                if p.stop or p.prediction_ids else p
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ from rill.services.scheduler.in_flight import tokens_by_request
 from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.request import Refusal, Request, Status
 from rill.services.scheduler.request_states import RequestStates
-from rill.services.scheduler.speculation import Speculator
+from rill.services.scheduler.speculation import Speculator, next_prediction_width, prediction_request_drafts
 from rill.shared.config import StepCost
 from rill.shared.kinds import EngineRole, FinishReason
 from rill.shared.schema import DetokBatch, StepPlan, StepResult, TokenizedRequest
@@ -51,6 +51,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     engine_id: int = 0
     role: EngineRole = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
+    verifies_drafts: bool = True  # False under tensor parallelism: a request's prediction is refused
 
 
 @dataclass
@@ -81,7 +82,8 @@ class Scheduler(RequestStates):
         Checked before it is queued."""
         if msg.request_id in self.groups or msg.request_id in self.requests:
             return Refusal(f"duplicate request id {msg.request_id}", None)
-        return admission.refusal(msg, self.kv, self.config.max_model_len, self.config.max_num_seqs)
+        return admission.refusal(msg, self.kv, self.config.max_model_len, self.config.max_num_seqs,
+                                 self.config.verifies_drafts)
 
     # ------------------------------------------------------------------------- scheduling
 
@@ -100,7 +102,8 @@ class Scheduler(RequestStates):
         if not in_flight:
             return True
         last = in_flight[-1]
-        if self.speculator is not None and self.speculator.active(len(self.running)) and last.reqs:
+        if last.reqs and ((self.speculator is not None and self.speculator.active(len(self.running)))
+                          or any(r.prediction for r in last.reqs)):
             return False  # its next drafts come from the tokens this step samples
         return all(n == 1 for n in last.plan.num_scheduled_tokens)
 
@@ -159,7 +162,7 @@ class Scheduler(RequestStates):
             # released only after its prefix-cache hash is published.
             if windowed:
                 self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
-            draft = self._draft(req, n, budget) if speculating else []  # holds its drafts' blocks
+            draft = self._draft(req, n, budget) if speculating or req.prediction else []  # holds their blocks
             n += len(draft)  # already: the loop below then only ever preempts for the token itself
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()
@@ -207,11 +210,17 @@ class Scheduler(RequestStates):
             budget -= n
 
     def _draft(self, req: Request, n: int, budget: int) -> list[int]:
-        """Speculative drafts for a decode row, if blocks for them are free: drafts never
+        """Speculative drafts for a decode row, from its prediction if it has one, else from the
+        engine's speculator while it speculates; only if blocks for them are free: drafts never
         preempt anyone."""
-        if self.speculator is None or n != 1 or not self.speculator.active(len(self.running)):
+        if n != 1:
             return []
-        draft = self.speculator.drafts(req, budget, self.config.max_model_len)
+        if req.prediction:
+            draft = prediction_request_drafts(req, budget, self.config.max_model_len)
+        elif self.speculator is not None and self.speculator.active(len(self.running)):
+            draft = self.speculator.drafts(req, budget, self.config.max_model_len)
+        else:
+            return []
         if draft and self.kv.allocate(req.request_id, req.num_planned_tokens + 1 + len(draft)) is None:
             return []
         return draft
@@ -271,8 +280,8 @@ class Scheduler(RequestStates):
                 self._finish(req)
                 failed.append((req, errors[rid]))
                 continue
-            if drafts and self.speculator is not None:
-                self.speculator.record(drafts, accepted)
+            if drafts:
+                self._record_drafts(req, drafts, accepted)
             output = req.output_token_ids
             offset = len(output)
             reason = None
@@ -305,6 +314,16 @@ class Scheduler(RequestStates):
                 parked.append(req)
         detok = rows.batch(self.config.engine_id, result.step_id) if rows else None
         return StepOutcome(detok=detok, finished=finished, parked=parked, failed=failed)
+
+    def _record_drafts(self, req: Request, drafts: int, accepted: int) -> None:
+        """Count a row's verified drafts: a prediction's in its request (usage, and how many it
+        drafts next), others in the speculator."""
+        if req.prediction:
+            req.num_prediction_drafts += drafts
+            req.num_prediction_accepted += accepted
+            req.prediction_width = next_prediction_width(drafts, accepted)
+        elif self.speculator is not None:
+            self.speculator.record(drafts, accepted)
 
     def fail_in_flight(self, step_id: int) -> list[Request]:
         """The step failed on the worker: its requests end with an error."""

@@ -126,7 +126,8 @@ class SchedulerService:
                             max_model_len=max_model_len,
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
                             step_cost=StepCost.of(ready.step_cost),
-                            policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role),
+                            policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role,
+                            verifies_drafts=self.args.tensor_parallel_size == 1),
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching,
                            sliding_window=ready.sliding_window or None),
             Speculator(SpeculativeConfig.parse(self.args.speculative_config)) if self.args.speculative_config else None)

@@ -2,7 +2,9 @@
 
 With method "ngram" the drafts are proposed here: a request whose last tokens occurred earlier in
 its prompt or output is guessed to go on as it did then (prompt lookup). With "draft_model" the
-plan carries placeholders that the worker's draft model fills in (worker/draft_model.py).
+plan carries placeholders that the worker's draft model fills in (worker/draft_model.py). A request
+with a prediction (OpenAI's predicted outputs) drafts from it alone, on any engine: where its
+output's last tokens stand in the predicted text, the text after them.
 
 Drafts run in the same step as the request's last token. The worker samples every one of those
 positions exactly as it would without speculation and keeps the drafts up to the first one its
@@ -27,7 +29,7 @@ from array import array
 from collections.abc import Sequence
 
 from rill.services.scheduler.request import Request
-from rill.shared.config import SpeculativeConfig
+from rill.shared.config import PREDICTION_DRAFTS, PREDICTION_NGRAM, SpeculativeConfig
 from rill.shared.schema import DRAFT_PLACEHOLDER
 
 
@@ -50,6 +52,56 @@ def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[
     return []
 
 
+def prediction_drafts(output: Sequence[int], prediction: bytes, at: int, k: int,
+                      n_max: int = PREDICTION_NGRAM) -> tuple[list[int], int]:
+    """Up to `k` tokens of a prediction (its ids as 4-byte ints) that follow the longest suffix of
+    `output` found in it, and where they start (the next call's `at`); ([], at) when none is.
+
+    The output usually goes on where it was in the prediction, so a suffix is first looked for from
+    `at` on, then anywhere. It takes two tokens, but for the first output token: a lone common
+    token found elsewhere would mostly draft what is then rejected, and a rejected draft costs
+    nearly a token's compute on a CPU."""
+    size = len(prediction) // 4
+    tail = array("i", output[-n_max:]).tobytes()
+    for n in range(min(n_max, len(output)), 0 if len(output) == 1 else 1, -1):
+        pattern = tail[len(tail) - 4 * n:]
+        for lo in (max(at - n, 0), 0):
+            pos = prediction.find(pattern, lo * 4, (size - 1) * 4)  # at least one token must follow
+            while pos >= 0 and pos % 4:  # matched across token boundaries
+                pos = prediction.find(pattern, pos + 1, (size - 1) * 4)
+            if pos >= 0:
+                start = pos // 4 + n
+                return array("i", prediction[start * 4:(start + k) * 4]).tolist(), start
+    return [], at
+
+
+def draft_room(req: Request, k: int, budget: int, max_model_len: int) -> int:
+    """How many drafts (at most `k`) may run after the request's last token this step, within the
+    step's `budget` (its last token included) and its length limits; 0 when it is not decoding or
+    its last token is still unknown (in a plan in flight)."""
+    if not req.output_token_ids or req.num_inflight_tokens or req.num_computed_tokens != req.num_tokens - 1:
+        return 0
+    return max(0, min(k, budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
+                      max_model_len - req.num_tokens - 1))
+
+
+def prediction_request_drafts(req: Request, budget: int, max_model_len: int) -> list[int]:
+    """A request with a prediction: drafts from it (see prediction_drafts), as many as
+    `req.prediction_width` allows (next_prediction_width)."""
+    room = draft_room(req, req.prediction_width, budget, max_model_len)
+    if room < 1:
+        return []
+    drafts, req.prediction_at = prediction_drafts(req.output_token_ids, req.prediction, req.prediction_at, room)
+    return drafts
+
+
+def next_prediction_width(drafted: int, accepted: int) -> int:
+    """How many drafts a request's prediction gets next, after `accepted` of `drafted` stood: twice
+    as many while all stand (up to PREDICTION_DRAFTS), else as many as stood (one at least), so an
+    output that left its prediction pays for few rejected drafts until it is back on it."""
+    return min(2 * drafted, PREDICTION_DRAFTS) if accepted == drafted else max(accepted, 1)
+
+
 class Speculator:
     """Drafts for the requests a step decodes, and the acceptance counters."""
 
@@ -67,10 +119,7 @@ class Speculator:
     def drafts(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts to run after the request's last token this step, within the step's `budget`
         (its last token included) and its length limits; [] when it is not speculated."""
-        if not req.output_token_ids or req.num_inflight_tokens or req.num_computed_tokens != req.num_tokens - 1:
-            return []  # not decoding, or its last token still unknown
-        room = min(self.config.num_speculative_tokens, budget - 1,
-                   req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1)
+        room = draft_room(req, self.config.num_speculative_tokens, budget, max_model_len)
         if room < 1:
             return []
         if self.config.method == "draft_model":

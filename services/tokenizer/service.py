@@ -178,6 +178,14 @@ class Tokenizer:
             out += [bare, spaced] if spaced != bare else [bare]
         return out
 
+    def prediction_ids(self, prediction: str | None) -> list[int]:
+        """A prediction's ids, as the output would hold its text; no longer than the context."""
+        ids = self.tok.encode(prediction, add_special_tokens=False) if prediction else []
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prediction has {len(ids)} tokens, more than the model's context "
+                               f"({self.max_model_len})", "prediction")
+        return ids
+
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.kind == "chat":
             return self.check_ids(self._chat_ids(req), "messages")
@@ -242,7 +250,8 @@ class Tokenizer:
             raise RequestError("allowed_token_ids leaves no token to sample before min_tokens (only end tokens)",
                                "allowed_token_ids")
         params = msgspec.structs.replace(p, max_tokens=max_tokens, truncate_prompt_tokens=None, bad_words=[],
-                                         bad_word_ids=self.bad_word_ids(p.bad_words))
+                                         bad_word_ids=self.bad_word_ids(p.bad_words), prediction=None,
+                                         prediction_ids=self.prediction_ids(p.prediction))
         return TokenizedRequest(request_id=req.request_id, reply_to=req.reply_to, prompt_token_ids=ids,
                                 params=params, eos_token_ids=self.eos_token_ids,
                                 arrival_time=req.arrival_time, priority=req.priority)
