@@ -245,8 +245,8 @@ class _Sampling(_Body):
         "same salt (e.g. one per tenant), so cache timing tells nothing across salts."))] | None = None
     prediction: Annotated[Prediction, Meta(description=(
         "OpenAI's predicted outputs, on completions too: drafts from this text are verified as the output is "
-        "decoded (speculative decoding), so the output is the same, only sooner where it matches; usage "
-        "counts the accepted and rejected ones."))] | None = None
+        "decoded (speculative decoding), so the output is as without it (GGUF: under RILL_BATCH_INVARIANT), "
+        "only sooner where it matches; usage counts the accepted and rejected ones."))] | None = None
     kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None
     vllm_xargs: Annotated[Any, NotYet("no extension arguments")] = None
     mm_processor_kwargs: Annotated[Any, NotYet("text-only models")] = None
