@@ -61,11 +61,14 @@ class PlanLedger:
         new_reqs: list[NewRequestData] = []
         cached_ids: list[str] = []
         cached_blocks: list[list[int]] = []
-        tokens = list(scheduled.values())
-        spec = [drafts.get(rid, []) for rid in scheduled] if drafts else []
+        plan = StepPlan(  # its lists are filled below
+            step_id=self.step_id, new_requests=new_reqs, cached_request_ids=cached_ids,
+            cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
+            num_scheduled_tokens=list(scheduled.values()), finished_request_ids=self.forget_ids,
+            spec_token_ids=[drafts.get(rid, []) for rid in scheduled] if drafts else [])
         samples: list[bool] = []
         decode = 0
-        for req, n, k in zip(reqs, tokens, [len(d) for d in spec] or [0] * len(tokens), strict=True):
+        for req, n, k in zip(reqs, plan.num_scheduled_tokens, plan.num_drafts(), strict=True):
             blocks = self.kv.block_ids(req.request_id)
             if not req.known_to_worker:
                 new_reqs.append(NewRequestData(
@@ -85,11 +88,7 @@ class PlanLedger:
                 decode += n
             req.num_inflight_tokens += n
             req.num_inflight_samples += samples[-1]
-        self.counters.record_step(decode, sum(tokens))
-        plan = StepPlan(
-            step_id=self.step_id, new_requests=new_reqs, cached_request_ids=cached_ids,
-            cached_new_block_ids=cached_blocks, scheduled_request_ids=list(scheduled),
-            num_scheduled_tokens=tokens, finished_request_ids=self.forget_ids, spec_token_ids=spec)
+        self.counters.record_step(decode, sum(plan.num_scheduled_tokens))
         self.forget_ids = []
         self.in_flight.append(InFlight(plan, reqs, [r.num_preemptions for r in reqs], samples))
         return plan

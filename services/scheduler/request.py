@@ -61,7 +61,7 @@ class Request:
 
     def __post_init__(self) -> None:
         p = self.params
-        if p.prediction_ids and not self.prediction:
+        if p.prediction_ids:
             self.prediction = array("i", p.prediction_ids).tobytes()
         if self.worker_params is None:  # the worker needs neither the stop strings nor the prediction
             self.worker_params = msgspec.structs.replace(p, stop=[], prediction_ids=[]) \

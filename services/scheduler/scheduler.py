@@ -94,7 +94,8 @@ class Scheduler(RequestStates):
         step. A step running prompt tokens is long (on a CPU each one costs about a decode
         row), and a plan fixed while it runs would hold every request arriving meanwhile back
         by one more whole step: waiting for its result lets them join the next plan instead.
-        With speculative decoding, not behind any step that decodes (its requests may speculate).
+        With speculative decoding, not behind any step that decodes (its requests may speculate);
+        without it, not behind a step of a request with a prediction (it drafts from it).
         """
         in_flight = self.plans.in_flight
         if len(in_flight) >= depth:
