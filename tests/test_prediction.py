@@ -176,7 +176,8 @@ def test_prediction_through_the_stack(client: openai.OpenAI, mid: str) -> None:
 
     for bad, fault in (({"type": "tokens", "content": "x"}, "prediction.type"),
                        ({"type": "content"}, "prediction.content"),
-                       ({"type": "content", "content": []}, "prediction.content")):
+                       ({"type": "content", "content": []}, "prediction.content"),
+                       ({"type": "content", "content": [{"type": "text", "text": "x" * 600_000}] * 2}, "prediction")):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=mid, messages=msgs, max_tokens=5, prediction=bad)
         assert err.value.body["param"] == fault

@@ -53,7 +53,7 @@ MAX_REPETITION_PENALTY = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs, as in vLLM
 MAX_WS_ID_LEN = 128
 MAX_SUFFIX_CHARS = 1 << 20  # completions' suffix: tokenized whole, so bounded before it reaches a tokenizer
-MAX_PREDICTION_CHARS = 1 << 20  # likewise a prediction's text
+MAX_PREDICTION_CHARS = 1 << 20  # likewise a prediction's text (its parts together)
 MAX_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template (models' own: a few to ~20 KB)
 MAX_TOOLS = 128  # OpenAI's bound on the functions of one request
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown names logged per process: a client cannot flood the log
@@ -164,7 +164,11 @@ class StreamOptions(_Body):
 class Prediction(_Body, tag_field="type", tag="content"):
     """OpenAI's predicted outputs: text the output is expected to be, mostly (a file being edited)."""
 
-    content: Annotated[str, Meta(max_length=MAX_PREDICTION_CHARS)] | Annotated[list[TextPart], Meta(min_length=1)]
+    content: str | Annotated[list[TextPart], Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if len(self.text) > MAX_PREDICTION_CHARS:  # text or parts: tokenized whole
+            raise ValueError(f"longer than {MAX_PREDICTION_CHARS} characters")
 
     @property
     def text(self) -> str:
