@@ -65,9 +65,9 @@ def test_search_finds_the_reference_beams_and_stops_early(penalty: float, end_bi
 
     first = GenerateRequest(request_id="b", reply_to="r", kind="completion", prompt="text",
                             params=SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
-    prompt, beams = asyncio.run(search(run, first, width, 1000, {END}, penalty))
+    head, beams = asyncio.run(search(run, first, width, 1000, {END}, penalty))
     want = reference(width, max_tokens, penalty, end_bias)
-    assert prompt == PROMPT
+    assert head.prompt_token_ids == PROMPT
     assert [b.tokens for b in beams] == [t for t, _ in want]
     for b, (_, score) in zip(beams, want, strict=True):
         assert b.score(len(PROMPT), penalty) == pytest.approx(score, rel=1e-9)

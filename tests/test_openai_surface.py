@@ -627,6 +627,12 @@ def test_beam_search_finds_the_reference_beams(stack: ServiceStack, client: open
     greedy = client.completions.create(model=mid, prompt=PROMPT, max_tokens=8, temperature=0)
     one = client.completions.create(model=mid, prompt=PROMPT, max_tokens=8, extra_body={"use_beam_search": True})
     assert one.choices[0].text == greedy.choices[0].text
+    # A prompt whose blocks are cached: the search's usage says so, as a plain request's does.
+    long = "Rivers, mountains and seas: " * 6 + PROMPT
+    client.completions.create(model=mid, prompt=long, max_tokens=2, temperature=0)
+    searched = client.completions.create(model=mid, prompt=long, max_tokens=2, extra_body={"use_beam_search": True})
+    plain = client.completions.create(model=mid, prompt=long, max_tokens=2, temperature=0)
+    assert searched.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens_details.cached_tokens > 0
     for extra in ({"use_beam_search": True, "temperature": 0.7}, {"use_beam_search": True, "logprobs": 0},
                   {"use_beam_search": True, "stream": True}, {"length_penalty": 2.0}, {"use_beam_search": True, "n": 11}):
         with pytest.raises(openai.BadRequestError) as err:

@@ -86,16 +86,16 @@ class Beam:
 
 
 async def search(run: Runner, first: GenerateRequest, width: int, context: int, ends: set[int],
-                 length_penalty: float) -> tuple[list[int], list[Beam]]:
-    """(the prompt's ids, the best `width` beams, best first). `first` is the request as the
-    body makes it (max_tokens None: up to the `context`); each step's requests ask one token
-    with 2 x width logprobs."""
+                 length_penalty: float) -> tuple[Output, list[Beam]]:
+    """(the first step's output: the prompt's ids and what the prefix cache held of them; the
+    best `width` beams, best first). `first` is the request as the body makes it (max_tokens None:
+    up to the `context`); each step's requests ask one token with 2 x width logprobs."""
     asked = first.params.max_tokens
     first = msgspec.structs.replace(first, params=SamplingParams(
         temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True, return_token_ids=True,
         cache_salt=first.params.cache_salt))
     outs = await run([first])
-    prompt = outs[0].prompt_token_ids
+    head, prompt = outs[0], outs[0].prompt_token_ids
     room = context - len(prompt)  # a chat's default fills the context, a completion's is 16 (as the tokenizer's)
     max_tokens = asked or (room if first.kind == "chat" else min(16, room))
     if len(prompt) + max_tokens > context:
@@ -115,7 +115,7 @@ async def search(run: Runner, first: GenerateRequest, width: int, context: int, 
         if not live or _settled(done, live, width, len(prompt), max_tokens, length_penalty):
             break
     best = sorted(done + live, key=lambda b: b.score(len(prompt), length_penalty), reverse=True)[:width]
-    return prompt, best
+    return head, best
 
 
 def _settled(done: list[Beam], live: list[Beam], width: int, prompt_len: int, max_tokens: int,
@@ -140,7 +140,8 @@ async def output(gw: Gateway, body: GenerateBody, first: GenerateRequest, run: R
     ends = await end_tokens(gw, bool(body.ignore_eos))
     penalty = 1.0 if body.length_penalty is None else body.length_penalty
     context = await info_api.served_max_model_len(gw)
-    prompt, beams = await search(run, first, body.n or 1, context, ends, penalty)
+    head, beams = await search(run, first, body.n or 1, context, ends, penalty)
+    prompt = head.prompt_token_ids
     texts = [reply.text for reply in await asyncio.gather(*(gw.detokenize(_shown(b)) for b in beams))]
     out = Output(len(beams))
     ids = bool(body.return_token_ids)
@@ -148,7 +149,7 @@ async def output(gw: Gateway, body: GenerateBody, first: GenerateRequest, run: R
         out.add(TextDelta(request_id=first.request_id, offset=0, num_tokens=len(b.tokens), text=text,
                           finish_reason="stop" if b.finished else "length", prompt_tokens=len(prompt),
                           completion_tokens=len(b.tokens), token_ids=b.tokens if ids else [],
-                          prompt_token_ids=prompt if ids else []), i)
+                          prompt_token_ids=prompt if ids else [], cached_tokens=head.cached_tokens), i)
     return out
 
 
