@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -317,6 +318,12 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
         _gemm_weights.cache_clear()
         _gguf_layers.cache_clear()
     settle_lone_floats(table, cases, dtype)
+    pinned = settle_decode_rows(table, shapes, logits, dtype)
+    if pinned is not None:
+        price, at = pinned
+        cost = f"{100 * price:+.0f}% GEMM time at {at} rows, {100 * DECODE_PIN_PRICE:+.0f}% allowed"
+        log.info("gguf decode steps: %s up to %d rows (%s)", "on the blocks" if price <= DECODE_PIN_PRICE
+                 else "routes by speed: the blocks would cost more", chooser.DECODE_ROWS, cost)
     chooser.install(table)
     return table, keys
 
@@ -334,3 +341,38 @@ def settle_lone_floats(table: KernelTable, cases: list[tuple[GgufShape, bool, in
         for i in range(1, len(keys) - 1):
             if choices[i] == "float" and choices[i - 1] == choices[i + 1] == "blocks":
                 table.entries[keys[i]] = {**table.entries[keys[i]], "choice": "blocks", "settled": "lone float"}
+
+
+# What a decode step's rows agreeing bit for bit, whatever shares the step, is worth: this share of
+# the GEMM time of the decode-sized buckets.
+DECODE_PIN_PRICE = 0.10
+
+
+def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: GgufShape | None,
+                       dtype: torch.dtype) -> tuple[float, int] | None:
+    """Every part on its blocks at every bucket up to chooser.DECODE_ROWS rows where, at each, that
+    costs at most DECODE_PIN_PRICE over the measured choices (summed over the model's parts, each
+    as often as the model has it, and the head). Only the blocks GEMMs give a row the same bits
+    whatever rows share the call, and a GGUF model's 8-bit rounding of each activation row turns a
+    last-bit difference into another greedy text within tens of tokens: pinned, the verify rows of
+    a speculative or predicted step are computed as decoding computes them (and so accept what it
+    gives), and a decode row as in a decode step of any other size. Returns (the price at the
+    dearest bucket, that bucket); None where some part's blocks were not timed there."""
+    parts = [(shape, False, n) for shape, n in Counter(shapes).items()] + ([(logits, True, 1)] if logits else [])
+    worst, keys = (0.0, 0), []
+    for bucket in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
+        chosen = blocks = 0.0
+        for (n, k, q), lg, count in parts:
+            key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), bucket)
+            entry = table.entries.get(key, {})
+            us = entry.get("us", {})
+            if "blocks" not in us or entry.get("choice") not in us:
+                return None
+            chosen, blocks = chosen + count * us[entry["choice"]], blocks + count * us["blocks"]
+            keys.append(key)
+        worst = max(worst, (blocks / max(chosen, 1e-9) - 1, bucket))
+    if worst[0] <= DECODE_PIN_PRICE:
+        for key in keys:
+            if table.entries[key]["choice"] != "blocks":
+                table.entries[key] = {**table.entries[key], "choice": "blocks", "settled": "decode rows"}
+    return worst

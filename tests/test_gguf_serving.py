@@ -5,6 +5,7 @@ so the weights are equal and the only difference is the kernels' 8-bit rounding 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,7 @@ MAX_MEAN_LOGPROB_DIFF = 0.08
 def from_blocks(model_dir: str) -> LlamaModel:
     """The model with every linear layer on its blocks ("blocks" route at every batch size): the
     kernel table left empty (its incumbents serve the blocks), then each layer forced."""
-    saved = chooser.installed()
-    chooser.install(chooser.KernelTable())
-    try:
-        model = LlamaModel.load(model_dir, torch.float32, quantization="gguf")
-    finally:
-        chooser.install(saved)
+    model = load_under(chooser.KernelTable(), model_dir)
     for lin in model.linears():
         if isinstance(lin, QuantLinear):
             lin.force("blocks")
@@ -141,6 +137,13 @@ def test_auto_keeps_a_gguf_quantized_on_cpu_only(smollm2_dir: str, tiny_llama) -
 def all_float_table(model_dir: str) -> tuple[chooser.KernelTable, list[tuple[int, int, int]], tuple[int, int, int]]:
     """(a table where every bucket of every fp32 part measured fastest from a float copy, the
     parts, the head): blocks 2 µs, dequant 3, float 1."""
+    return gguf_table(model_dir, lambda bucket: {"blocks": 2.0, "dequant": 3.0, "float": 1.0})
+
+
+def gguf_table(model_dir: str, us_at: Callable[[int], dict[str, float]]
+               ) -> tuple[chooser.KernelTable, list[tuple[int, int, int]], tuple[int, int, int]]:
+    """(a table where every fp32 part and the head measured `us_at(bucket)` µs per route, each
+    bucket choosing the fastest; the parts, one per layer; the head)."""
     from rill.kernels import gguf_linear
     from rill.services.worker.gguf_weights import GGUFSource
     from rill.shared.config import ModelConfig
@@ -151,21 +154,26 @@ def all_float_table(model_dir: str) -> tuple[chooser.KernelTable, list[tuple[int
     for shape, logits in [*((p, False) for p in parts), (head, True)]:
         for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
             key = chooser.KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*shape, torch.float32, logits), bucket)
-            table.entries[key] = {"choice": "float", "us": {"blocks": 2.0, "dequant": 3.0, "float": 1.0}, "dropped": []}
+            us = us_at(bucket)
+            table.entries[key] = {"choice": min(us, key=us.__getitem__), "us": us, "dropped": []}
     return table, parts, head
+
+
+def load_under(table: chooser.KernelTable, model_dir: str, quantization: str = "gguf") -> LlamaModel:
+    """The fp32 model built with `table` installed (the one installed before is restored)."""
+    saved = chooser.installed()
+    chooser.install(table)
+    try:
+        return LlamaModel.load(model_dir, torch.float32, quantization=quantization)
+    finally:
+        chooser.install(saved)
 
 
 def test_layers_measured_faster_as_floats_are_the_float_models(smollm2_dir: str) -> None:
     """Where this machine's table says a float copy wins at every batch size, the layer is the
     float model's own (one fused GEMM, no blocks held) and the logits equal the float model's."""
     table, _, _ = all_float_table(smollm2_dir)
-    saved = chooser.installed()
-    chooser.install(table)
-    try:
-        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
-        ref = LlamaModel.load(smollm2_dir, torch.float32)
-    finally:
-        chooser.install(saved)
+    model, ref = load_under(table, smollm2_dir), load_under(table, smollm2_dir, "none")
     assert not any(isinstance(lin, QuantLinear) for lin in model.linears())
     assert model.embed.numel() == ref.embed.numel(), "a tied float head keeps the float table"
     prompt = chat_ids(smollm2_dir)[1]
@@ -179,12 +187,7 @@ def test_batch_invariant_serves_the_blocks_and_rows_alone(smollm2_dir: str, monk
     shares its step (what makes a seeded or greedy request's text independent of the batch)."""
     table, _, _ = all_float_table(smollm2_dir)
     monkeypatch.setenv("RILL_BATCH_INVARIANT", "1")
-    saved = chooser.installed()
-    chooser.install(table)
-    try:
-        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
-    finally:
-        chooser.install(saved)
+    model = load_under(table, smollm2_dir)
     assert all(isinstance(lin, QuantLinear) and lin.float_copy_bytes == 0 for lin in model.linears())
     prompt = chat_ids(smollm2_dir)[0]
     loud = [int(t) for t in torch.randint(1000, 20000, (300,), generator=torch.Generator().manual_seed(2))]
@@ -201,17 +204,45 @@ def test_batch_invariant_serves_the_blocks_and_rows_alone(smollm2_dir: str, monk
 
 def last_row_in_chunks(model: LlamaModel, prompt: list[int], chunks: list[int]) -> torch.Tensor:
     """fp32 logits of the prompt's last row, its prompt run in steps of `chunks` tokens."""
+    return chunk_logits(model, prompt, chunks, last_only=True)[-1:]
+
+
+def chunk_logits(model: LlamaModel, prompt: list[int], chunks: list[int], last_only: bool = False) -> torch.Tensor:
+    """fp32 logits of the prompt run in steps of `chunks` tokens: of every row, or of each step's last."""
     from rill.kernels.ops import make_attention_metadata
 
     blocks = list(range(-(-len(prompt) // 16)))
     kv = model.allocate_kv_cache(len(blocks), 16)
-    done = 0
+    done, rows = 0, []
     for n in chunks:
         positions, meta = make_attention_metadata([blocks], [done], [n], 16)
         with torch.inference_mode():
-            logits = model.forward(torch.tensor(prompt[done:done + n]), positions, meta, kv, torch.tensor([n - 1]))
+            rows.append(model.forward(torch.tensor(prompt[done:done + n]), positions, meta, kv,
+                                      torch.tensor([n - 1]) if last_only else torch.arange(n)))
         done += n
-    return logits
+    return torch.cat(rows)
+
+
+@pytest.mark.skipif(not gguf_native.format_supported(gguf_blocks.Q4_1), reason="no native GGUF GEMM in this build")
+@pytest.mark.parametrize("blocks_us", [1.05, 2.0])
+def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: str, blocks_us: float) -> None:
+    """A table where the float copies win at one row: by 5% (cpu_tuning.settle_decode_rows pins the
+    blocks up to DECODE_ROWS rows), the 9 rows of a verify step have the bits of 9 one-row decode
+    steps, so drafts accept what decoding gives; by 2x (left to speed), they do not."""
+    from rill.kernels import cpu_tuning
+    from rill.services.worker.invariance import decode_gaps
+
+    table, parts, head = gguf_table(smollm2_dir, lambda bucket: {"blocks": blocks_us, "dequant": 3.0, "float": 1.0}
+                                    if bucket == 1 else {"blocks": 1.0, "dequant": 3.0, "float": 2.0})
+    pinned = cpu_tuning.settle_decode_rows(table, parts, head, torch.float32)
+    assert pinned is not None and (pinned[0] <= cpu_tuning.DECODE_PIN_PRICE) == (blocks_us < 2)
+    model = load_under(table, smollm2_dir)
+    prompt = [int(t) for t in torch.randint(1000, 20000, (100,), generator=torch.Generator().manual_seed(3))]
+    verified = chunk_logits(model, prompt, [91, 9])[91:]
+    decoded = chunk_logits(model, prompt, [91] + [1] * 9)[91:]
+    assert torch.equal(verified, decoded) == (blocks_us < 2)
+    gaps = decode_gaps(model, "cpu")  # what the worker says at start
+    assert gaps == [] if blocks_us < 2 else any("GEMM kernel" in gap for gap in gaps), gaps
 
 
 def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:
@@ -225,12 +256,7 @@ def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) 
     fit = float_copies.fit(table, parts, head, torch.float32, 0)
     assert fit.kept == 0 and fit.dropped == len(set(parts)) + 1
     assert fit.wanted == 4 * sum(n * k for n, k, _ in [*parts, head])
-    saved = chooser.installed()
-    chooser.install(fit.table)
-    try:
-        model = LlamaModel.load(smollm2_dir, torch.float32, quantization="gguf")
-    finally:
-        chooser.install(saved)
+    model = load_under(fit.table, smollm2_dir)
     assert all(isinstance(lin, QuantLinear) and lin.float_copy_bytes == 0 for lin in model.linears())
     # Each bucket went to the next-fastest route measured (blocks 2 us, dequant 3).
     assert all(r is not None and set(r.choices) == {"blocks"} for lin in model.linears() for r in lin.routes)

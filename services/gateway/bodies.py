@@ -249,7 +249,8 @@ class _Sampling(_Body):
         "same salt (e.g. one per tenant), so cache timing tells nothing across salts."))] | None = None
     prediction: Annotated[Prediction, Meta(description=(
         "OpenAI's predicted outputs, on completions too: drafts from this text are verified as the output is "
-        "decoded (speculative decoding), so the output is as without it (GGUF: under RILL_BATCH_INVARIANT), "
+        "decoded (speculative decoding), so the output is as without it (GGUF: where decode rows are pinned, "
+        "logged at start, or under RILL_BATCH_INVARIANT), "
         "only sooner where it matches; usage counts the accepted and rejected ones."))] | None = None
     kv_transfer_params: Annotated[Any, NotYet("no external KV transfer")] = None
     vllm_xargs: Annotated[Any, NotYet("no extension arguments")] = None

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rill.worker")
 
-MAX_ROWS = 64  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
+MAX_ROWS = chooser.DECODE_ROWS  # beyond, the per-op path's batched kernels (prompt attention, oneDNN) pay off
 # Most rows of one sequence in a step: a speculative verify step's. Longer prompt chunks keep the
 # prompt attention kernel, whatever shares their step (a prompt of at most this many tokens may
 # take either kernel, by the step's size: its logits then differ in the last bits).
@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
+def driver_parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
     """(kind, qtype, n, weight) of each part of `linear` as its measured route serves m rows;
     None where a part takes a route the driver does not have."""
     if isinstance(linear, QuantLinear):
@@ -177,7 +177,7 @@ class DecodeLayers:
                 self._stacks[m] = None
                 return None
             for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-                parts = _parts(lin, m)
+                parts = driver_parts(lin, m)
                 if parts is None or len(parts) > _MAX_PARTS:
                     self._stacks[m] = None
                     return None

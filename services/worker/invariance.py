@@ -1,4 +1,11 @@
-"""What RILL_BATCH_INVARIANT=1 cannot pin for a loaded model, said once at start.
+"""Whether a row's bits depend on what shares its step, said once at start.
+
+By default, a decode step of up to chooser.DECODE_ROWS rows gives each row the same bits whatever
+else it holds (verify rows of speculative and predicted drafts included, so they accept what
+decoding would give) where the native layer driver serves every such step with the same kernels:
+its GEMMs on the GGUF blocks (pinned there where that was measured cheap,
+cpu_tuning.settle_decode_rows) and each row attending as one decode token. decode_gaps names what
+breaks that for a loaded model.
 
 The mode pins every GGUF layer whose format the native library serves to its blocks
 (kernels/gguf_linear.py) and every attention row to the native decode kernel
@@ -10,12 +17,13 @@ a float layer), attention where the native decode kernel cannot run, and the GPU
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rill.kernels import cpu_native, gguf_blocks
+from rill.kernels import chooser, cpu_native, gguf_blocks, torch_ops
 from rill.kernels.gguf_linear import QuantLinear
+from rill.services.worker.decode_layers import driver_parts, why_not
 
 if TYPE_CHECKING:
     from rill.services.worker.llama import LlamaModel
@@ -37,3 +45,38 @@ def invariance_gaps(model: LlamaModel, device: str) -> list[str]:
     if not cpu_native.decode_supported(q, torch.empty(1, 16, c.num_key_value_heads, c.head_dim, dtype=model.dtype)):
         gaps.append("attention (no native decode kernel for this model's shape or dtype)")
     return gaps
+
+
+def decode_gaps(model: LlamaModel, device: str) -> list[str]:
+    """What makes a decode row's bits depend on the size of its step (up to chooser.DECODE_ROWS
+    rows) by default (empty: nothing): a kernel that changes with the row count."""
+    if device != "cpu":
+        return [f"the {device} kernels"]
+    if (reason := why_not(model)) is not None:
+        return [f"the native layer driver is off ({reason})"]
+    sizes = [b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS]
+    c, gaps = model.cfg, []
+    if c.hidden_act == "silu" and {torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) for m in sizes} != {"native"}:
+        gaps.append("SiLU's kernel")
+    layers = model.linears()[1:]
+    kernels = [{_driver_kernels(lin, m) for m in sizes} for lin in layers]
+    shifting = sum(None in k or len(k) > 1 for k in kernels)
+    if shifting:
+        gaps.append(f"the GEMM kernel of {shifting} of {len(layers)} linear layers")
+    if len({_head_kernels(model.lm_head, m) for m in sizes}) > 1:
+        gaps.append("the LM head's GEMM kernel")
+    return gaps
+
+
+def _driver_kernels(linear: Any, m: int) -> tuple[tuple[int, int], ...] | None:
+    """(kind, weight address) of each part as the driver serves `linear` at m rows (None: it does not)."""
+    parts = driver_parts(linear, m)
+    return None if parts is None else tuple((kind, w.data_ptr()) for kind, _, _, w in parts)
+
+
+def _head_kernels(head: Any, m: int) -> tuple[str, ...]:
+    """The LM head's route per part at m logit rows (it runs after the driver, op by op)."""
+    if isinstance(head, QuantLinear):
+        return tuple(p.route.pick(m) if p.blocks_held else "float" for p in head.parts)
+    route = getattr(head, "route", None)
+    return (route.pick(m),) if route is not None else ()
