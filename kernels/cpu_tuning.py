@@ -318,12 +318,10 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
         _gemm_weights.cache_clear()
         _gguf_layers.cache_clear()
     settle_lone_floats(table, cases, dtype)
-    pinned = settle_decode_rows(table, shapes, logits, dtype)
-    if pinned is not None:
-        price, at = pinned
-        cost = f"{100 * price:+.0f}% GEMM time at {at} rows, {100 * DECODE_PIN_PRICE:+.0f}% allowed"
-        log.info("gguf decode steps: %s up to %d rows (%s)", "on the blocks" if price <= DECODE_PIN_PRICE
-                 else "routes by speed: the blocks would cost more", chooser.DECODE_ROWS, cost)
+    if (settled := settle_decode_rows(table, shapes, logits, dtype)) is not None:
+        log.info("gguf decode steps: on the blocks up to %d rows (their GEMM time over the fastest routes' "
+                 "at %s; %+.0f%% allowed)", settled[0],
+                 ", ".join(f"{b} rows {100 * p:+.0f}%" for b, p in settled[1].items()), 100 * DECODE_PIN_PRICE)
     chooser.install(table)
     return table, keys
 
@@ -349,19 +347,22 @@ DECODE_PIN_PRICE = 0.10
 
 
 def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: GgufShape | None,
-                       dtype: torch.dtype) -> tuple[float, int] | None:
-    """Every part on its blocks at every bucket up to chooser.DECODE_ROWS rows where, at each, that
-    costs at most DECODE_PIN_PRICE over the measured choices (summed over the model's parts, each
-    as often as the model has it, and the head). Only the blocks GEMMs give a row the same bits
-    whatever rows share the call, and a GGUF model's 8-bit rounding of each activation row turns a
-    last-bit difference into another greedy text within tens of tokens: pinned, the verify rows of
-    a speculative or predicted step are computed as decoding computes them (and so accept what it
-    gives), and a decode row as in a decode step of any other size. Returns (the price at the
-    dearest bucket, that bucket); None where some part's blocks were not timed there."""
+                       dtype: torch.dtype) -> tuple[int, dict[int, float]] | None:
+    """Every part on its blocks at the buckets from 1 row up to the first where that costs more
+    than DECODE_PIN_PRICE over the measured choices (summed over the model's parts, each as often
+    as the model has it, and the head), chooser.DECODE_ROWS at most. Only the blocks GEMMs give a
+    row the same bits whatever rows share the call, and a GGUF model's 8-bit rounding of each
+    activation row turns a last-bit difference into another greedy text within tens of tokens:
+    pinned, the verify rows of a speculative or predicted step are computed as decoding computes
+    them (and so accept what it gives), and a decode row as in a decode step of another pinned
+    size. Returns (the most rows pinned, 0 for none; each bucket's price); None where some part's
+    blocks were not timed."""
     parts = [(shape, False, n) for shape, n in Counter(shapes).items()] + ([(logits, True, 1)] if logits else [])
-    worst, keys = (0.0, 0), []
+    prices: dict[int, float] = {}
+    keys: dict[int, list[str]] = {}
     for bucket in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
         chosen = blocks = 0.0
+        keys[bucket] = []
         for (n, k, q), lg, count in parts:
             key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), bucket)
             entry = table.entries.get(key, {})
@@ -369,10 +370,14 @@ def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: Gguf
             if "blocks" not in us or entry.get("choice") not in us:
                 return None
             chosen, blocks = chosen + count * us[entry["choice"]], blocks + count * us["blocks"]
-            keys.append(key)
-        worst = max(worst, (blocks / max(chosen, 1e-9) - 1, bucket))
-    if worst[0] <= DECODE_PIN_PRICE:
-        for key in keys:
+            keys[bucket].append(key)
+        prices[bucket] = blocks / max(chosen, 1e-9) - 1
+    pinned = 0
+    for bucket, price in prices.items():
+        if price > DECODE_PIN_PRICE:
+            break
+        pinned = bucket
+        for key in keys[bucket]:
             if table.entries[key]["choice"] != "blocks":
                 table.entries[key] = {**table.entries[key], "choice": "blocks", "settled": "decode rows"}
-    return worst
+    return pinned, prices

@@ -230,19 +230,19 @@ def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: st
     blocks up to DECODE_ROWS rows), the 9 rows of a verify step have the bits of 9 one-row decode
     steps, so drafts accept what decoding gives; by 2x (left to speed), they do not."""
     from rill.kernels import cpu_tuning
-    from rill.services.worker.invariance import decode_gaps
+    from rill.services.worker.invariance import decode_rows_agree
 
     table, parts, head = gguf_table(smollm2_dir, lambda bucket: {"blocks": blocks_us, "dequant": 3.0, "float": 1.0}
                                     if bucket == 1 else {"blocks": 1.0, "dequant": 3.0, "float": 2.0})
-    pinned = cpu_tuning.settle_decode_rows(table, parts, head, torch.float32)
-    assert pinned is not None and (pinned[0] <= cpu_tuning.DECODE_PIN_PRICE) == (blocks_us < 2)
+    settled = cpu_tuning.settle_decode_rows(table, parts, head, torch.float32)
+    assert settled is not None and settled[0] == (chooser.DECODE_ROWS if blocks_us < 2 else 0)
     model = load_under(table, smollm2_dir)
     prompt = [int(t) for t in torch.randint(1000, 20000, (100,), generator=torch.Generator().manual_seed(3))]
     verified = chunk_logits(model, prompt, [91, 9])[91:]
     decoded = chunk_logits(model, prompt, [91] + [1] * 9)[91:]
     assert torch.equal(verified, decoded) == (blocks_us < 2)
-    gaps = decode_gaps(model, "cpu")  # what the worker says at start
-    assert gaps == [] if blocks_us < 2 else any("GEMM kernel" in gap for gap in gaps), gaps
+    rows, gaps = decode_rows_agree(model, "cpu")  # what the worker says at start
+    assert (rows, gaps) == (chooser.DECODE_ROWS, []) if blocks_us < 2 else rows == 0 and "linear layers" in gaps[0]
 
 
 def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:

@@ -291,48 +291,51 @@ def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypa
 
 
 def test_decode_buckets_pin_the_blocks_where_that_is_cheap() -> None:
-    """Up to DECODE_ROWS rows every part goes on its blocks (the GEMMs whose rows do not depend on
-    the call's size) where, at each bucket, that costs at most DECODE_PIN_PRICE of the chosen
-    routes' time, each part counted as often as the model has it; else nothing moves; a part whose
-    blocks were not timed leaves the routes alone. Prompt-sized buckets keep their choice."""
+    """From 1 row up to DECODE_ROWS every part goes on its blocks (the GEMMs whose rows do not
+    depend on the call's size) until a bucket where that costs more than DECODE_PIN_PRICE of the
+    chosen routes' time, each part counted as often as the model has it; a part whose blocks were
+    not timed leaves the routes alone. Prompt-sized buckets keep their choice."""
     from rill.kernels import gguf_blocks, gguf_linear
 
     a, b, head = (64, 256, gguf_blocks.Q4_1), (128, 256, gguf_blocks.Q4_1), (512, 256, gguf_blocks.Q8_0)
+    Override = dict[tuple[tuple[int, int, int], int], tuple[float, float]]
 
-    def table_of(blocks_us: float, float_us: float, at: tuple[tuple[int, int, int], int]) -> KernelTable:
-        """Blocks 1 µs, float 2 (0.5 for prompt chunks), but at `at` (part, bucket)."""
+    def table_of(at: Override) -> KernelTable:
+        """Blocks 1 µs, float 2 (0.5 for prompt chunks), but (blocks, float) at[(part, bucket)]."""
         table = KernelTable()
         for shape, logits in ((a, False), (b, False), (head, True)):
             for bucket in chooser.LOGIT_BUCKETS if logits else chooser.ROW_BUCKETS:
-                us = {"blocks": 1.0, "float": 2.0 if bucket <= 64 else 0.5}
-                if (shape, bucket) == at:
-                    us = {"blocks": blocks_us, "float": float_us}
-                choice = min(us, key=us.__getitem__)
+                blocks, float_ = at.get((shape, bucket), (1.0, 2.0 if bucket <= 64 else 0.5))
+                us = {"blocks": blocks, "float": float_}
                 key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*shape, torch.bfloat16, logits), bucket)
-                table.entries[key] = {"choice": choice, "us": us}
+                table.entries[key] = {"choice": min(us, key=us.__getitem__), "us": us}
         return table
 
     def choices(table: KernelTable, shape: tuple[int, int, int]) -> list[str]:
         key = gguf_linear.gguf_key(*shape, torch.bfloat16)
         return [str(table.choice(gguf_linear.OP, key, bucket)) for bucket in chooser.ROW_BUCKETS]
 
-    shapes = [a, a, a, b]  # a in three layers, b in one
-    cheap = table_of(1.05, 1.0, (a, 1))  # a's float copy wins at 1 row by 5%
+    def settle(table: KernelTable) -> tuple[int, dict[int, float]] | None:
+        return cpu_tuning.settle_decode_rows(table, [a, a, a, b], head, torch.bfloat16)  # a in three layers
+
+    cheap = table_of({(a, 1): (1.05, 1.0)})  # a's float copy wins at 1 row by 5%
     assert choices(cheap, a)[0] == "float"
-    price, at = cpu_tuning.settle_decode_rows(cheap, shapes, head, torch.bfloat16) or (None, None)
-    assert at == 1 and price == pytest.approx((3 * 1.05 + 1 + 1) / (3 * 1.0 + 1 + 1) - 1)
+    assert settle(cheap) == (64, {1: pytest.approx((3 * 1.05 + 1 + 1) / (3 + 1 + 1) - 1), 4: 0, 16: 0, 32: 0, 64: 0})
     assert choices(cheap, a) == ["blocks"] * 5 + ["float"] * 2  # prompt chunks keep the float copies
-    dear = table_of(1.5, 1.0, (a, 1))
-    assert cpu_tuning.settle_decode_rows(dear, shapes, head, torch.bfloat16) == (pytest.approx(0.3), 1)
+    dear = table_of({(a, 1): (1.5, 1.0)})
+    assert settle(dear) == (0, {1: pytest.approx(0.3), 4: 0, 16: 0, 32: 0, 64: 0})
     assert choices(dear, a)[0] == "float"
+    # Dear from 32 rows: pinned up to 16.
+    partial = table_of({(a, 1): (1.05, 1.0), (a, 32): (1.5, 1.0)})
+    assert settle(partial)[0] == 16 and choices(partial, a)[:5] == ["blocks"] * 3 + ["float", "blocks"]
     # b 40% dearer on its blocks at 4 rows, by itself: 8% over the whole model, counted per layer
     # (13% with each shape counted once); so pinned.
-    weighted = table_of(1.4, 1.0, (b, 4))
-    assert cpu_tuning.settle_decode_rows(weighted, shapes, head, torch.bfloat16) == (pytest.approx(0.08), 4)
+    weighted = table_of({(b, 4): (1.4, 1.0)})
+    assert settle(weighted) == (64, {1: 0, 4: pytest.approx(0.08), 16: 0, 32: 0, 64: 0})
     assert choices(weighted, b)[1] == "blocks"
-    untimed = table_of(1.05, 1.0, (a, 1))
+    untimed = table_of({(a, 1): (1.05, 1.0)})
     del untimed.entries[KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*b, torch.bfloat16), 16)]["us"]["blocks"]
-    assert cpu_tuning.settle_decode_rows(untimed, shapes, head, torch.bfloat16) is None
+    assert settle(untimed) is None
     assert choices(untimed, a)[0] == "float"
 
 

@@ -1,19 +1,19 @@
 """Whether a row's bits depend on what shares its step, said once at start.
 
-By default, a decode step of up to chooser.DECODE_ROWS rows gives each row the same bits whatever
-else it holds (verify rows of speculative and predicted drafts included, so they accept what
-decoding would give) where the native layer driver serves every such step with the same kernels:
-its GEMMs on the GGUF blocks (pinned there where that was measured cheap,
-cpu_tuning.settle_decode_rows) and each row attending as one decode token. decode_gaps names what
-breaks that for a loaded model.
+By default, decode steps of up to some size give each row the same bits whatever else they hold
+(verify rows of speculative and predicted drafts included, so they accept what decoding would
+give) where the native layer driver serves them all with the same kernels: its GEMMs on the GGUF
+blocks (pinned there up to the size where that was measured cheap, cpu_tuning.settle_decode_rows)
+and each row attending as one decode token. decode_rows_agree says up to which size, and what
+changes beyond.
 
-The mode pins every GGUF layer whose format the native library serves to its blocks
+RILL_BATCH_INVARIANT=1 pins every GGUF layer whose format the native library serves to its blocks
 (kernels/gguf_linear.py) and every attention row to the native decode kernel
-(kernels/torch_attention.py). Anything else keeps a kernel chosen by the step's shape, so a greedy
-request's text may still depend on what shares its steps: a float layer (its GEMM is the measured
-choice per batch size), a GGUF layer in a format the library does not serve (dequantized at load:
-a float layer), attention where the native decode kernel cannot run, and the GPU kernels.
-"""
+(kernels/torch_attention.py), prompt rows included. Anything else keeps a kernel chosen by the
+step's shape, so a greedy request's text may still depend on what shares its steps: a float layer
+(its GEMM is the measured choice per batch size), a GGUF layer in a format the library does not
+serve (dequantized at load: a float layer), attention where the native decode kernel cannot run,
+and the GPU kernels; invariance_gaps names them."""
 
 from __future__ import annotations
 
@@ -47,25 +47,32 @@ def invariance_gaps(model: LlamaModel, device: str) -> list[str]:
     return gaps
 
 
-def decode_gaps(model: LlamaModel, device: str) -> list[str]:
-    """What makes a decode row's bits depend on the size of its step (up to chooser.DECODE_ROWS
-    rows) by default (empty: nothing): a kernel that changes with the row count."""
+def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:
+    """(the most rows of a decode step up to which a row's bits do not depend on the step's size,
+    0 for none; what changes beyond, empty where nothing does up to chooser.DECODE_ROWS)."""
     if device != "cpu":
-        return [f"the {device} kernels"]
+        return 0, [f"the {device} kernels"]
     if (reason := why_not(model)) is not None:
-        return [f"the native layer driver is off ({reason})"]
-    sizes = [b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS]
-    c, gaps = model.cfg, []
-    if c.hidden_act == "silu" and {torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) for m in sizes} != {"native"}:
-        gaps.append("SiLU's kernel")
-    layers = model.linears()[1:]
-    kernels = [{_driver_kernels(lin, m) for m in sizes} for lin in layers]
-    shifting = sum(None in k or len(k) > 1 for k in kernels)
-    if shifting:
-        gaps.append(f"the GEMM kernel of {shifting} of {len(layers)} linear layers")
-    if len({_head_kernels(model.lm_head, m) for m in sizes}) > 1:
-        gaps.append("the LM head's GEMM kernel")
-    return gaps
+        return 0, [f"the native layer driver is off ({reason})"]
+    c, layers = model.cfg, model.linears()[1:]
+
+    def kernels(m: int) -> tuple[object, list[object], object]:
+        silu = torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) if c.hidden_act == "silu" else "gelu"
+        return silu, [_driver_kernels(lin, m) for lin in layers], _head_kernels(model.lm_head, m)
+
+    first = kernels(1)
+    if None in first[1]:
+        return 0, [f"{first[1].count(None)} of {len(layers)} linear layers the driver does not take"]
+    agree = 0
+    for m in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
+        silu, gemms, head = kernels(m)
+        shifting = sum(k != k1 for k, k1 in zip(gemms, first[1], strict=True))
+        gaps = ([f"the GEMM kernel of {shifting} of {len(layers)} linear layers"] if shifting else []) \
+            + (["SiLU's kernel"] if silu != first[0] else []) + (["the LM head's GEMM kernel"] if head != first[2] else [])
+        if gaps:
+            return agree, gaps
+        agree = m
+    return agree, []
 
 
 def _driver_kernels(linear: Any, m: int) -> tuple[tuple[int, int], ...] | None:

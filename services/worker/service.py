@@ -29,10 +29,9 @@ import msgspec
 import redis
 import torch
 
-from rill.kernels import chooser
 from rill.services.worker import step_budget
 from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
-from rill.services.worker.invariance import decode_gaps, invariance_gaps
+from rill.services.worker.invariance import decode_rows_agree, invariance_gaps
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.memory import resident_bytes, weight_bytes
 from rill.services.worker.model_runner import ModelRunner
@@ -120,11 +119,12 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
         log.warning("RILL_BATCH_INVARIANT=1 does not pin %s: a greedy text may still depend on the batch",
                     "; ".join(gaps))
     elif not envs.RILL_BATCH_INVARIANT and (tp is None or tp.rank == 0):
-        gaps = decode_gaps(runner.model, device)
-        log.info("decode steps of up to %d rows: %s", chooser.DECODE_ROWS,
-                 f"a row's bits depend on the step's size ({'; '.join(gaps)} change with it): drafts verify on "
-                 "other bits than decoding's, RILL_BATCH_INVARIANT=1 pins them" if gaps else
-                 "a row's bits do not depend on what shares its step (drafts verify on decoding's bits)")
+        rows, gaps = decode_rows_agree(runner.model, device)
+        agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verify on "
+                  "decoding's bits)" if rows else "a row's bits depend on the step's size")
+        changed = (f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it (RILL_BATCH_INVARIANT=1 "
+                   "pins them)" if gaps else "")
+        log.info("decode steps: %s%s", agreed, changed)
     dtype = runner.dtype
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
