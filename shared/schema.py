@@ -231,11 +231,11 @@ class WorkerReady(Struct, tag_field="_t", tag="ready", array_like=True, omit_def
     dtype: str
     device: str
     quantization: str = "none"  # of the linear layers ("int8": W8A8); the KV cache stays in `dtype`
-    # Every layer's window when all slide (0: one sees the whole context): blocks behind it are released.
-    sliding_window: int = 0
+    sliding_window: int = 0  # every layer's window when all slide (0: none): blocks behind it are released
     max_num_batched_tokens: int = 0  # its step budget, measured (worker/step_budget.py) or given; 0: default
-    # Its prompt steps' cost (StepCost: worker/step_budget.py); empty where it measured none.
-    step_cost: list[float] = []
+    step_cost: list[float] = []  # its prompt steps' cost (StepCost: worker/step_budget.py); [] unmeasured
+    # The most rows of a decode step whose rows all get the bits they would alone (0: no such bound).
+    agreeing_rows: int = 0
 
 
 class TokenLogprobs(Struct, array_like=True):

@@ -52,6 +52,9 @@ class SchedulerConfig:
     engine_id: int = 0
     role: EngineRole = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
     verifies_drafts: bool = True  # False under tensor parallelism: a request's prediction is refused
+    # The worker's decode steps of up to this many rows give each row the bits it would get alone:
+    # drafts keep a step within it, so they verify on decoding's bits (0: no such bound).
+    agreeing_rows: int = 0
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Scheduler(RequestStates):
         `scheduled` and `drafts`. Returns the budget left and whether anyone was preempted."""
         preempted = False
         windowed, speculating = self.kv.sliding_window is not None, self.speculator is not None
+        agreeing, start = self.config.agreeing_rows, budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -163,7 +167,10 @@ class Scheduler(RequestStates):
             # released only after its prefix-cache hash is published.
             if windowed:
                 self.kv.release_behind_window(req.request_id, req.num_computed_tokens)
-            draft = self._draft(req, n, budget) if speculating or req.prediction else []  # holds their blocks
+            draft: list[int] = []
+            if speculating or req.prediction:  # holds their blocks; within the rows that agree (see the config)
+                rows_after = start - budget + len(self.running) - i  # those planned, this one, one each after
+                draft = self._draft(req, n, min(budget, agreeing - rows_after + 1) if agreeing else budget)
             n += len(draft)  # already: the loop below then only ever preempts for the token itself
             while self.kv.allocate(req.request_id, req.num_planned_tokens + n) is None:
                 victim = self._pick_victim()

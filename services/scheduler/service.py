@@ -127,7 +127,7 @@ class SchedulerService:
                             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
                             step_cost=StepCost.of(ready.step_cost),
                             policy=self.args.scheduling_policy, engine_id=self.e, role=self.args.role,
-                            verifies_drafts=self.args.tensor_parallel_size == 1),
+                            verifies_drafts=self.args.tensor_parallel_size == 1, agreeing_rows=ready.agreeing_rows),
             KVCacheManager(ready.num_blocks, ready.block_size, self.args.enable_prefix_caching,
                            sliding_window=ready.sliding_window or None),
             Speculator(SpeculativeConfig.parse(self.args.speculative_config)) if self.args.speculative_config else None)

@@ -17,6 +17,7 @@ and the GPU kernels; invariance_gaps names them."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +25,12 @@ import torch
 from rill.kernels import chooser, cpu_native, gguf_blocks, torch_ops
 from rill.kernels.gguf_linear import QuantLinear
 from rill.services.worker.decode_layers import driver_parts, why_not
+from rill.shared import envs
 
 if TYPE_CHECKING:
     from rill.services.worker.llama import LlamaModel
+
+log = logging.getLogger("rill.worker")
 
 
 def invariance_gaps(model: LlamaModel, device: str) -> list[str]:
@@ -45,6 +49,21 @@ def invariance_gaps(model: LlamaModel, device: str) -> list[str]:
     if not cpu_native.decode_supported(q, torch.empty(1, 16, c.num_key_value_heads, c.head_dim, dtype=model.dtype)):
         gaps.append("attention (no native decode kernel for this model's shape or dtype)")
     return gaps
+
+
+def agreeing_rows(model: LlamaModel, device: str, say: bool) -> int:
+    """What the worker announces (WorkerReady.agreeing_rows): decode_rows_agree's size, 0 under
+    RILL_BATCH_INVARIANT (every size agrees: no bound); said once at start where `say`."""
+    if envs.RILL_BATCH_INVARIANT:
+        return 0
+    rows, gaps = decode_rows_agree(model, device)
+    agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verify on decoding's "
+              "bits; the scheduler keeps steps with drafts within it)" if rows else "a row's bits depend on the step's size")
+    changed = (f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it (RILL_BATCH_INVARIANT=1 pins them)"
+               if gaps else "")
+    if say:
+        log.info("decode steps: %s%s", agreed, changed)
+    return rows
 
 
 def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:

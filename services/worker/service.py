@@ -31,7 +31,7 @@ import torch
 
 from rill.services.worker import step_budget
 from rill.services.worker.cpu_setup import release_freed_memory, resolve_device
-from rill.services.worker.invariance import decode_rows_agree, invariance_gaps
+from rill.services.worker.invariance import agreeing_rows, invariance_gaps
 from rill.services.worker.kv_transfer import KVTransferExecutor, RedisKVTransport
 from rill.services.worker.memory import resident_bytes, weight_bytes
 from rill.services.worker.model_runner import ModelRunner
@@ -118,13 +118,6 @@ def build_runner(args: EngineArgs, tp: TPGroup | None = None) -> ModelRunner:
     if envs.RILL_BATCH_INVARIANT and (tp is None or tp.rank == 0) and (gaps := invariance_gaps(runner.model, device)):
         log.warning("RILL_BATCH_INVARIANT=1 does not pin %s: a greedy text may still depend on the batch",
                     "; ".join(gaps))
-    elif not envs.RILL_BATCH_INVARIANT and (tp is None or tp.rank == 0):
-        rows, gaps = decode_rows_agree(runner.model, device)
-        agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verify on "
-                  "decoding's bits)" if rows else "a row's bits depend on the step's size")
-        changed = (f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it (RILL_BATCH_INVARIANT=1 "
-                   "pins them)" if gaps else "")
-        log.info("decode steps: %s%s", agreed, changed)
     dtype = runner.dtype
     cfg = runner.cfg  # a rank's own KV heads
     budget = _kv_bytes(runner, args)
@@ -216,6 +209,7 @@ class _PlanLoop:
                                  block_size=runner.block_size, max_model_len=runner.max_model_len,
                                  dtype=runner.dtype, device=runner.device, quantization=runner.quantization,
                                  sliding_window=runner.model.sliding_window or 0,
+                                 agreeing_rows=agreeing_rows(runner.model, runner.device, self.lead),
                                  max_num_batched_tokens=budget.tokens,
                                  step_cost=budget.cost.wire() if budget.cost else [])
         # Disaggregation: KV exports/imports a plan asks for run after its step (kv_transfer.py).
