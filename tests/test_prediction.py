@@ -97,10 +97,11 @@ def test_an_engine_without_speculation_drafts_from_a_prediction_and_counts_them(
     assert plan.spec_token_ids[0] == [31] and a.prediction_width == 6  # the prediction ends there
 
 
-@pytest.mark.parametrize("agreeing", [0, 12])
+@pytest.mark.parametrize("agreeing", [0, 8, 12])
 def test_drafts_keep_a_step_within_the_rows_that_agree(agreeing: int) -> None:
     """Where the worker's decode steps of up to `agreeing` rows give each row its bits alone, a
-    step's drafts stop at that many rows, so they verify on decoding's bits; 0: no bound."""
+    step's drafts stop at that many rows, so they verify on decoding's bits; 0: no bound, nor
+    where it would not hold one request's widest verify step (8 drafts and its token)."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, agreeing_rows=agreeing), KVCacheManager(64, 4))
     prediction = list(range(20, 40))
     for rid in "abc":
@@ -108,7 +109,7 @@ def test_drafts_keep_a_step_within_the_rows_that_agree(agreeing: int) -> None:
     plan = sched.schedule()
     sched.update(StepResult(step_id=plan.step_id, request_ids=list("abc"), token_ids=[20, 20, 20]))
     plan = sched.schedule()
-    if agreeing:  # a takes 1 + 8, b what is left of 12 but one row for c, c none
+    if agreeing > 9:  # a takes 1 + 8, b what is left of 12 but one row for c, c none
         assert [len(d) for d in plan.spec_token_ids] == [8, 1, 0] and sum(plan.num_scheduled_tokens) == agreeing
     else:
         assert [len(d) for d in plan.spec_token_ids] == [8, 8, 8]

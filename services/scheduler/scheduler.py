@@ -34,7 +34,7 @@ from rill.services.scheduler.kv_cache_manager import KVCacheManager
 from rill.services.scheduler.request import Refusal, Request, Status
 from rill.services.scheduler.request_states import RequestStates
 from rill.services.scheduler.speculation import Speculator, next_prediction_width, prediction_request_drafts
-from rill.shared.config import StepCost
+from rill.shared.config import PREDICTION_DRAFTS, StepCost
 from rill.shared.kinds import EngineRole, FinishReason
 from rill.shared.schema import DetokBatch, StepPlan, StepResult, TokenizedRequest
 
@@ -53,7 +53,8 @@ class SchedulerConfig:
     role: EngineRole = "both"  # "prefill": park each request at its first token, for a decode engine (disagg.py)
     verifies_drafts: bool = True  # False under tensor parallelism: a request's prediction is refused
     # The worker's decode steps of up to this many rows give each row the bits it would get alone:
-    # drafts keep a step within it, so they verify on decoding's bits (0: no such bound).
+    # drafts keep a step within it (if it holds a widest verify step), so they verify on decoding's
+    # bits (0: no such bound).
     agreeing_rows: int = 0
 
 
@@ -77,6 +78,10 @@ class Scheduler(RequestStates):
         super().__init__(config, kv)
         self.config: SchedulerConfig = config
         self.speculator = speculator
+        # Steps with drafts keep within the rows that agree only where that holds one request's
+        # widest verify step: below, exactness is not on offer and the bound would only cost speed.
+        widest = max(PREDICTION_DRAFTS, speculator.config.num_speculative_tokens if speculator else 0)
+        self.agreeing_rows = config.agreeing_rows if config.agreeing_rows > widest else 0
 
     # ----------------------------------------------------------------------------- admission
 
@@ -154,7 +159,7 @@ class Scheduler(RequestStates):
         `scheduled` and `drafts`. Returns the budget left and whether anyone was preempted."""
         preempted = False
         windowed, speculating = self.kv.sliding_window is not None, self.speculator is not None
-        agreeing, start = self.config.agreeing_rows, budget
+        agreeing, start = self.agreeing_rows, budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

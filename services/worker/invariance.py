@@ -57,8 +57,8 @@ def agreeing_rows(model: LlamaModel, device: str, say: bool) -> int:
     if envs.RILL_BATCH_INVARIANT:
         return 0
     rows, gaps = decode_rows_agree(model, device)
-    agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verify on decoding's "
-              "bits; the scheduler keeps steps with drafts within it)" if rows else "a row's bits depend on the step's size")
+    agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verified there "
+              "accept what decoding gives)" if rows else "a row's bits depend on the step's size")
     changed = (f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it (RILL_BATCH_INVARIANT=1 pins them)"
                if gaps else "")
     if say:
