@@ -31,6 +31,9 @@ log = logging.getLogger("rill.kernels")
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 512  # a typical CPU prompt chunk (the budget is measured per machine: worker/step_budget.py)
 DECODE_BATCH, DECODE_CONTEXT = 32, 512
+# What a decode step's rows agreeing bit for bit, whatever shares the step, is worth: this share of
+# a decode-sized bucket's GEMM time (settle_decode_rows).
+DECODE_PIN_PRICE = 0.10
 
 
 @dataclass(frozen=True)
@@ -339,11 +342,6 @@ def settle_lone_floats(table: KernelTable, cases: list[tuple[GgufShape, bool, in
         for i in range(1, len(keys) - 1):
             if choices[i] == "float" and choices[i - 1] == choices[i + 1] == "blocks":
                 table.entries[keys[i]] = {**table.entries[keys[i]], "choice": "blocks", "settled": "lone float"}
-
-
-# What a decode step's rows agreeing bit for bit, whatever shares the step, is worth: this share of
-# the GEMM time of the decode-sized buckets.
-DECODE_PIN_PRICE = 0.10
 
 
 def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: GgufShape | None,

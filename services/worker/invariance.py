@@ -57,12 +57,11 @@ def agreeing_rows(model: LlamaModel, device: str, say: bool) -> int:
     if envs.RILL_BATCH_INVARIANT:
         return 0
     rows, gaps = decode_rows_agree(model, device)
-    agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verified there "
-              "accept what decoding gives)" if rows else "a row's bits depend on the step's size")
-    changed = (f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it (RILL_BATCH_INVARIANT=1 pins them)"
-               if gaps else "")
     if say:
-        log.info("decode steps: %s%s", agreed, changed)
+        agreed = (f"up to {rows} rows a row's bits do not depend on the step's size (drafts verified there "
+                  "accept what decoding gives)" if rows else "a row's bits depend on the step's size")
+        changed = f"; {'beyond, ' if rows else ''}{' and '.join(gaps)} change with it" if gaps else ""
+        log.info("decode steps: %s%s%s", agreed, changed, " (RILL_BATCH_INVARIANT=1 pins them)" if gaps else "")
     return rows
 
 
@@ -82,12 +81,16 @@ def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:
     first = kernels(1)
     if None in first[1]:
         return 0, [f"{first[1].count(None)} of {len(layers)} linear layers the driver does not take"]
-    agree = 0
-    for m in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
+    agree = 1
+    for m in (b for b in chooser.ROW_BUCKETS if 1 < b <= chooser.DECODE_ROWS):
         silu, gemms, head = kernels(m)
-        shifting = sum(k != k1 for k, k1 in zip(gemms, first[1], strict=True))
-        gaps = ([f"the GEMM kernel of {shifting} of {len(layers)} linear layers"] if shifting else []) \
-            + (["SiLU's kernel"] if silu != first[0] else []) + (["the LM head's GEMM kernel"] if head != first[2] else [])
+        gaps = []
+        if shifting := sum(k != k1 for k, k1 in zip(gemms, first[1], strict=True)):
+            gaps.append(f"the GEMM kernel of {shifting} of {len(layers)} linear layers")
+        if silu != first[0]:
+            gaps.append("SiLU's kernel")
+        if head != first[2]:
+            gaps.append("the LM head's GEMM kernel")
         if gaps:
             return agree, gaps
         agree = m
