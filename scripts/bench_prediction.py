@@ -38,9 +38,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--port", type=int, default=8123)
-    args, serve_args = ap.parse_known_args()
+    own = sys.argv[1:]
+    cut = own.index("--") if "--" in own else len(own)  # what follows "--" is the server's, MODEL or not
+    args, serve_args = ap.parse_args(own[:cut]), own[cut + 1:]
     argv = [sys.executable, "-m", "rill.services.cli", "serve", *([args.model] if args.model else []),
-            "--port", str(args.port), *[a for a in serve_args if a != "--"]]
+            "--port", str(args.port), *serve_args]
     with serving(argv, args.port) as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
