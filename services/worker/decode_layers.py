@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def driver_parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
+def _parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
     """(kind, qtype, n, weight) of each part of `linear` as its measured route serves m rows;
     None where a part takes a route the driver does not have."""
     if isinstance(linear, QuantLinear):
@@ -94,6 +94,22 @@ def driver_parts(linear: Any, m: int) -> list[tuple[int, int, int, torch.Tensor]
         small = _small(linear, m)
         return None if small is None else [(_SMALL, 0, linear.out_features, small)]
     return None
+
+
+def driver_linears(model: LlamaModel, m: int) -> list[list[list[tuple[int, int, int, torch.Tensor]]]] | None:
+    """Each layer's qkv, o, gate_up and down parts (_parts) as the driver serves m rows; None where
+    it does not serve m rows: torch's SiLU measured faster there (the per-op path, for its bits),
+    or a linear layer takes a route the driver has not."""
+    c = model.cfg
+    if c.hidden_act == "silu" and torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) != "native":
+        return None
+    out = []
+    for layer in model.layers:
+        row = [_parts(lin, m) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(parts is None or len(parts) > _MAX_PARTS for parts in row):
+            return None
+        out.append(row)
+    return out  # type: ignore[return-value]
 
 
 def _small(linear: torch_ops.Linear, m: int) -> torch.Tensor | None:
@@ -168,19 +184,14 @@ class DecodeLayers:
         if m in self._stacks:
             return self._stacks[m]
         model, c = self.model, self.model.cfg
-        if c.hidden_act == "silu" and torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) != "native":
-            self._stacks[m] = None  # torch's SiLU measured faster here: the per-op path, for its bits
+        linears = driver_linears(model, m)
+        if linears is None or not all(k_cache.is_contiguous() for k_cache, _ in kv_caches):
+            self._stacks[m] = None
             return None
         layers = (_Layer * len(model.layers))()
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
-            if not k_cache.is_contiguous():
-                self._stacks[m] = None
-                return None
-            for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-                parts = driver_parts(lin, m)
-                if parts is None or len(parts) > _MAX_PARTS:
-                    self._stacks[m] = None
-                    return None
+        for i, (layer, row, (k_cache, v_cache)) in enumerate(zip(model.layers, linears, kv_caches, strict=True)):
+            for name, lin, parts in zip(("qkv", "o", "gate_up", "down"), (layer.qkv, layer.o, layer.gate_up, layer.down),
+                                        row, strict=True):
                 target = getattr(layers[i], name)
                 target.num_parts, target.n, target.k = len(parts), lin.out_features, lin.in_features
                 for j, (kind, qtype, n, w) in enumerate(parts):

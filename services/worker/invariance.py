@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rill.kernels import chooser, cpu_native, gguf_blocks, torch_ops
+from rill.kernels import chooser, cpu_native, gguf_blocks
 from rill.kernels.gguf_linear import QuantLinear
-from rill.services.worker.decode_layers import driver_parts, why_not
+from rill.services.worker.decode_layers import driver_linears, why_not
 from rill.shared import envs
 
 if TYPE_CHECKING:
@@ -72,24 +72,17 @@ def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:
         return 0, [f"the {device} kernels"]
     if (reason := why_not(model)) is not None:
         return 0, [f"the native layer driver is off ({reason})"]
-    c, layers = model.cfg, model.linears()[1:]
-
-    def kernels(m: int) -> tuple[object, list[object], object]:
-        silu = torch_ops.silu_route(c.intermediate_size, model.dtype).pick(m) if c.hidden_act == "silu" else "gelu"
-        return silu, [_driver_kernels(lin, m) for lin in layers], _head_kernels(model.lm_head, m)
-
-    first = kernels(1)
-    if None in first[1]:
-        return 0, [f"{first[1].count(None)} of {len(layers)} linear layers the driver does not take"]
+    first, head = _driver_kernels(model, 1), _head_kernels(model.lm_head, 1)
+    if first is None:
+        return 0, ["the kernels of linear layers or SiLU the native layer driver has not at 1 row"]
     agree = 1
     for m in (b for b in chooser.ROW_BUCKETS if 1 < b <= chooser.DECODE_ROWS):
-        silu, gemms, head = kernels(m)
-        gaps = []
-        if shifting := sum(k != k1 for k, k1 in zip(gemms, first[1], strict=True)):
-            gaps.append(f"the GEMM kernel of {shifting} of {len(layers)} linear layers")
-        if silu != first[0]:
-            gaps.append("SiLU's kernel")
-        if head != first[2]:
+        gemms, gaps = _driver_kernels(model, m), []
+        if gemms is None:
+            gaps.append(f"the kernels of linear layers or SiLU the native layer driver has not at {m} rows")
+        elif shifting := sum(k != k1 for k, k1 in zip(gemms, first, strict=True)):
+            gaps.append(f"the GEMM kernel of {shifting} of {len(first)} linear layers")
+        if _head_kernels(model.lm_head, m) != head:
             gaps.append("the LM head's GEMM kernel")
         if gaps:
             return agree, gaps
@@ -97,10 +90,12 @@ def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:
     return agree, []
 
 
-def _driver_kernels(linear: Any, m: int) -> tuple[tuple[int, int], ...] | None:
-    """(kind, weight address) of each part as the driver serves `linear` at m rows (None: it does not)."""
-    parts = driver_parts(linear, m)
-    return None if parts is None else tuple((kind, w.data_ptr()) for kind, _, _, w in parts)
+def _driver_kernels(model: LlamaModel, m: int) -> list[tuple[tuple[int, int], ...]] | None:
+    """(kind, weight address) of each part of each linear layer as the native driver serves m rows
+    (None: it does not serve m rows)."""
+    linears = driver_linears(model, m)
+    return None if linears is None else [tuple((kind, w.data_ptr()) for kind, _, _, w in parts)
+                                         for row in linears for parts in row]
 
 
 def _head_kernels(head: Any, m: int) -> tuple[str, ...]:
