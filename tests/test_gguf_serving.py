@@ -17,7 +17,7 @@ from rill.kernels.gguf_linear import QuantLinear
 from rill.services.cli import build_parser, engine_args
 from rill.services.worker.llama import LlamaModel
 from rill.services.worker.memory import held_bytes, weight_bytes
-from rill.shared.config import resolve_quantization
+from rill.shared.config import ModelConfig, resolve_quantization
 
 # Teacher-forced over the texts of test_quantization.CHATS (126 positions), against the float model
 # of the same file. Measured on an AMD EPYC (AVX-512 VNNI/BF16, no AMX): SmolLM2 Q4_1 top-1
@@ -146,7 +146,6 @@ def gguf_table(model_dir: str, us_at: Callable[[int], dict[str, float]]
     bucket choosing the fastest; the parts, one per layer; the head)."""
     from rill.kernels import gguf_linear
     from rill.services.worker.gguf_weights import GGUFSource
-    from rill.shared.config import ModelConfig
 
     parts, head = GGUFSource.of(Path(model_dir), ModelConfig.from_dir(model_dir)).part_shapes(tied=True)
     assert head is not None
@@ -229,14 +228,24 @@ def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: st
     """A table where the float copies win at one row: by 5% (cpu_tuning.settle_decode_rows pins the
     blocks up to DECODE_ROWS rows), the 9 rows of a verify step have the bits of 9 one-row decode
     steps, so drafts accept what decoding gives; by 2x (left to speed), they do not."""
-    from rill.kernels import cpu_tuning
+    from rill.kernels import cpu_tuning, torch_ops
     from rill.services.worker.invariance import decode_rows_agree
 
     table, parts, head = gguf_table(smollm2_dir, lambda bucket: {"blocks": blocks_us, "dequant": 3.0, "float": 1.0}
                                     if bucket == 1 else {"blocks": 1.0, "dequant": 3.0, "float": 2.0})
     settled = cpu_tuning.settle_decode_rows(table, parts, head, torch.float32)
     assert settled is not None and settled[0] == (chooser.DECODE_ROWS if blocks_us < 2 else 0)
+
+    def silu_measured(choice: str) -> chooser.KernelTable:
+        """`table` with SiLU * up measured as `choice` at every size (unmeasured, a CPU without the
+        16-lane path takes torch's: the layer driver would then serve no step)."""
+        key = torch_ops.silu_key(ModelConfig.from_dir(smollm2_dir).intermediate_size, torch.float32)
+        return chooser.KernelTable({**table.entries, **{
+            chooser.KernelTable.key(torch_ops.SILU_OP, key, b): {"choice": choice, "us": {}} for b in chooser.ROW_BUCKETS}})
+
+    table = silu_measured("native")
     model = load_under(table, smollm2_dir)
+    chooser.install(table)  # SiLU's route is read at each step (conftest installs an empty table after)
     prompt = [int(t) for t in torch.randint(1000, 20000, (100,), generator=torch.Generator().manual_seed(3))]
     verified = chunk_logits(model, prompt, [91, 9])[91:]
     decoded = chunk_logits(model, prompt, [91] + [1] * 9)[91:]
@@ -244,18 +253,8 @@ def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: st
     rows, gaps = decode_rows_agree(model, "cpu")  # what the worker says at start
     assert (rows, gaps) == (chooser.DECODE_ROWS, []) if blocks_us < 2 else rows == 0 and "linear layers" in gaps[0]
     # torch's SiLU measured faster at every size: the driver serves no step, so no size agrees.
-    from rill.kernels import torch_ops
-
-    silu = chooser.KernelTable(dict(table.entries))
-    for bucket in chooser.ROW_BUCKETS:
-        key = chooser.KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(model.cfg.intermediate_size, torch.float32), bucket)
-        silu.entries[key] = {"choice": "torch", "us": {"native": 2.0, "torch": 1.0}}
-    saved = chooser.installed()
-    chooser.install(silu)
-    try:
-        assert decode_rows_agree(model, "cpu")[0] == 0
-    finally:
-        chooser.install(saved)
+    chooser.install(silu_measured("torch"))
+    assert decode_rows_agree(model, "cpu")[0] == 0
 
 
 def test_float_copies_cut_to_the_budget_serve_from_the_blocks(smollm2_dir: str) -> None:
