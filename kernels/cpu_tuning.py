@@ -322,9 +322,11 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
         _gguf_layers.cache_clear()
     settle_lone_floats(table, cases, dtype)
     if (settled := settle_decode_rows(table, shapes, logits, dtype)) is not None:
+        unpriced = [b for b in chooser.ROW_BUCKETS if max(settled[1]) < b <= chooser.DECODE_ROWS]
         log.info("gguf decode steps: on the blocks up to %d rows (their GEMM time over the fastest routes' "
-                 "at %s; %+.0f%% allowed)", settled[0],
-                 ", ".join(f"{b} rows {100 * p:+.0f}%" for b, p in settled[1].items()), 100 * DECODE_PIN_PRICE)
+                 "at %s; %+.0f%% allowed%s)", settled[0],
+                 ", ".join(f"{b} rows {100 * p:+.0f}%" for b, p in settled[1].items()), 100 * DECODE_PIN_PRICE,
+                 f"; {', '.join(map(str, unpriced))} rows not measured yet" if unpriced else "")
     chooser.install(table)
     return table, keys
 
@@ -353,23 +355,18 @@ def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: Gguf
     activation row turns a last-bit difference into another greedy text within tens of tokens:
     pinned, the verify rows of a speculative or predicted step are computed as decoding computes
     them (and so accept what it gives), and a decode row as in a decode step of another pinned
-    size. Returns (the most rows pinned, 0 for none; each bucket's price); None where some part's
-    blocks were not timed."""
+    size. The pin also stops before a bucket where some part's blocks were not timed (a first start
+    out of time, e.g. a big LM head's widest buckets): its price is unknown. Returns (the most rows
+    pinned, 0 for none; each priced bucket's price); None where not even 1 row could be priced."""
     parts = [(shape, False, n) for shape, n in Counter(shapes).items()] + ([(logits, True, 1)] if logits else [])
     prices: dict[int, float] = {}
     keys: dict[int, list[str]] = {}
     for bucket in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
-        chosen = blocks = 0.0
-        keys[bucket] = []
-        for (n, k, q), lg, count in parts:
-            key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), bucket)
-            entry = table.entries.get(key, {})
-            us = entry.get("us", {})
-            if "blocks" not in us or entry.get("choice") not in us:
-                return None
-            chosen, blocks = chosen + count * us[entry["choice"]], blocks + count * us["blocks"]
-            keys[bucket].append(key)
-        prices[bucket] = blocks / max(chosen, 1e-9) - 1
+        if (priced := _pin_price(table, parts, dtype, bucket)) is None:
+            break
+        prices[bucket], keys[bucket] = priced
+    if not prices:
+        return None
     pinned = 0
     for bucket, price in prices.items():
         if price > DECODE_PIN_PRICE:
@@ -379,3 +376,20 @@ def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: Gguf
             if table.entries[key]["choice"] != "blocks":
                 table.entries[key] = {**table.entries[key], "choice": "blocks", "settled": "decode rows"}
     return pinned, prices
+
+
+def _pin_price(table: KernelTable, parts: list[tuple[GgufShape, bool, int]], dtype: torch.dtype,
+               bucket: int) -> tuple[float, list[str]] | None:
+    """(the blocks' GEMM time at `bucket` over the measured choices', the parts' keys); None where
+    some part's blocks or choice were not timed there."""
+    chosen = blocks = 0.0
+    keys = []
+    for (n, k, q), lg, count in parts:
+        key = KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), bucket)
+        entry = table.entries.get(key, {})
+        us = entry.get("us", {})
+        if "blocks" not in us or entry.get("choice") not in us:
+            return None
+        chosen, blocks = chosen + count * us[entry["choice"]], blocks + count * us["blocks"]
+        keys.append(key)
+    return blocks / max(chosen, 1e-9) - 1, keys

@@ -293,8 +293,8 @@ def test_tune_gguf_creates_entries_for_each_part_and_the_lm_head(cache, monkeypa
 def test_decode_buckets_pin_the_blocks_where_that_is_cheap() -> None:
     """From 1 row up to DECODE_ROWS every part goes on its blocks (the GEMMs whose rows do not
     depend on the call's size) until a bucket where that costs more than DECODE_PIN_PRICE of the
-    chosen routes' time, each part counted as often as the model has it; a part whose blocks were
-    not timed leaves the routes alone. Prompt-sized buckets keep their choice."""
+    chosen routes' time, each part counted as often as the model has it, or a bucket where some
+    part's blocks were not timed. Prompt-sized buckets keep their choice."""
     from rill.kernels import gguf_blocks, gguf_linear
 
     a, b, head = (64, 256, gguf_blocks.Q4_1), (128, 256, gguf_blocks.Q4_1), (512, 256, gguf_blocks.Q8_0)
@@ -333,8 +333,14 @@ def test_decode_buckets_pin_the_blocks_where_that_is_cheap() -> None:
     weighted = table_of({(b, 4): (1.4, 1.0)})
     assert settle(weighted) == (64, {1: 0, 4: pytest.approx(0.08), 16: 0, 32: 0, 64: 0})
     assert choices(weighted, b)[1] == "blocks"
-    untimed = table_of({(a, 1): (1.05, 1.0)})
+    # b's blocks untimed at 16 rows (a first start out of time): the pin stops below 16; untimed
+    # at 1 row: nothing is pinned.
+    untimed = table_of({(a, 1): (1.05, 1.0), (b, 16): (1.02, 1.0)})
     del untimed.entries[KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*b, torch.bfloat16), 16)]["us"]["blocks"]
+    assert settle(untimed) == (4, {1: pytest.approx(0.03), 4: 0})
+    assert choices(untimed, a)[0] == "blocks" and choices(untimed, b)[2] == "float"
+    untimed = table_of({(a, 1): (1.05, 1.0)})
+    del untimed.entries[KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(*b, torch.bfloat16), 1)]["us"]["blocks"]
     assert settle(untimed) is None
     assert choices(untimed, a)[0] == "float"
 
