@@ -60,6 +60,7 @@ VERSION = 8  # bump when what is measured, or how, changes: every cached table i
 ROW_BUCKETS = (1, 4, 16, 32, 64, 256, 512)  # a call with m rows uses the first bucket >= m (else the last)
 LOGIT_BUCKETS = (1, 4, 16, 32, 64, 128)  # the LM head sees sampled rows only (about the decode batch)
 DECODE_ROWS = 64  # the most rows of a decode-sized step (the buckets above are prompt chunks')
+DECODE_BUCKETS = tuple(b for b in ROW_BUCKETS if b <= DECODE_ROWS)
 CONTEXT_BUCKETS = (1024, 8192)  # prompt attention: longest context of the step's chunks
 MARGIN = 0.05  # a challenger replaces the incumbent only when this much faster
 BUDGET_S = 0.025  # timing budget of one entry after its first runs (at least MIN_REPEATS each)

@@ -322,7 +322,7 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
         _gguf_layers.cache_clear()
     settle_lone_floats(table, cases, dtype)
     if (settled := settle_decode_rows(table, shapes, logits, dtype)) is not None:
-        unpriced = [b for b in chooser.ROW_BUCKETS if max(settled[1]) < b <= chooser.DECODE_ROWS]
+        unpriced = [b for b in chooser.DECODE_BUCKETS if b > max(settled[1])]
         log.info("gguf decode steps: on the blocks up to %d rows (their GEMM time over the fastest routes' "
                  "at %s; %+.0f%% allowed%s)", settled[0],
                  ", ".join(f"{b} rows {100 * p:+.0f}%" for b, p in settled[1].items()), 100 * DECODE_PIN_PRICE,
@@ -361,7 +361,7 @@ def settle_decode_rows(table: KernelTable, shapes: list[GgufShape], logits: Gguf
     parts = [(shape, False, n) for shape, n in Counter(shapes).items()] + ([(logits, True, 1)] if logits else [])
     prices: dict[int, float] = {}
     keys: dict[int, list[str]] = {}
-    for bucket in (b for b in chooser.ROW_BUCKETS if b <= chooser.DECODE_ROWS):
+    for bucket in chooser.DECODE_BUCKETS:
         if (priced := _pin_price(table, parts, dtype, bucket)) is None:
             break
         prices[bucket], keys[bucket] = priced

@@ -76,7 +76,7 @@ def decode_rows_agree(model: LlamaModel, device: str) -> tuple[int, list[str]]:
     if first is None:
         return 0, ["the kernels of linear layers or SiLU the native layer driver has not at 1 row"]
     agree = 1
-    for m in (b for b in chooser.ROW_BUCKETS if 1 < b <= chooser.DECODE_ROWS):
+    for m in chooser.DECODE_BUCKETS[1:]:
         gemms, gaps = _driver_kernels(model, m), []
         if gemms is None:
             gaps.append(f"the kernels of linear layers or SiLU the native layer driver has not at {m} rows")
