@@ -38,6 +38,18 @@ def default_kernel_choices() -> Iterator[None]:
     chooser.install(chooser.KernelTable())
 
 
+@pytest.fixture
+def native_silu() -> None:
+    """The driver takes a SwiGLU model's steps where the chooser measured the native SiLU * up at
+    their row count (unmeasured: where its 16-lane path is built); here it does on any CPU, for
+    SmolLM2's width (its route is read at each step, from the table installed then)."""
+    from rill.kernels import chooser, torch_ops
+
+    chooser.install(chooser.KernelTable({
+        chooser.KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(1536, dtype), b): {"choice": "native", "us": {}}
+        for dtype in (torch.float32, torch.bfloat16) for b in chooser.ROW_BUCKETS}))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     url = os.environ.get("REDIS_URL")

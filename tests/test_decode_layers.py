@@ -7,24 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rill.kernels import chooser, cpu_native, ops, torch_ops
-from rill.kernels.chooser import KernelTable
+from rill.kernels import cpu_native, ops
 from rill.kernels.gguf_linear import QuantLinear
 from rill.services.worker.decode_layers import MAX_ROWS, MAX_SEQ_ROWS, DecodeLayers, row_tables, why_not
 from rill.services.worker.llama import LlamaModel
 
-pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no native kernels here (no C compiler)")
+pytestmark = [pytest.mark.skipif(cpu_native.library() is None, reason="no native kernels here (no C compiler)"),
+              pytest.mark.usefixtures("native_silu")]
 
 BLOCK = 16
-
-
-@pytest.fixture(autouse=True)
-def native_silu() -> None:
-    """The driver takes a SwiGLU model's steps where the chooser measured the native SiLU * up at
-    their row count (unmeasured: where its 16-lane path is built); here it does on any CPU."""
-    chooser.install(KernelTable({KernelTable.key(torch_ops.SILU_OP, torch_ops.silu_key(1536, dtype), b):
-                                 {"choice": "native", "us": {}}
-                                 for dtype in (torch.float32, torch.bfloat16) for b in chooser.ROW_BUCKETS}))
 
 
 def blocks_model(model_dir: str, dtype: torch.dtype) -> LlamaModel:

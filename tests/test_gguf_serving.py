@@ -224,28 +224,19 @@ def chunk_logits(model: LlamaModel, prompt: list[int], chunks: list[int], last_o
 
 @pytest.mark.skipif(not gguf_native.format_supported(gguf_blocks.Q4_1), reason="no native GGUF GEMM in this build")
 @pytest.mark.parametrize("blocks_us", [1.05, 2.0])
-def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: str, blocks_us: float) -> None:
+def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: str, blocks_us: float,
+                                                                   native_silu: None) -> None:
     """A table where the float copies win at one row: by 5% (cpu_tuning.settle_decode_rows pins the
     blocks up to DECODE_ROWS rows), the 9 rows of a verify step have the bits of 9 one-row decode
     steps, so drafts accept what decoding gives; by 2x (left to speed), they do not."""
-    from rill.kernels import cpu_tuning, torch_ops
+    from rill.kernels import cpu_tuning
     from rill.services.worker.invariance import decode_rows_agree
 
     table, parts, head = gguf_table(smollm2_dir, lambda bucket: {"blocks": blocks_us, "dequant": 3.0, "float": 1.0}
                                     if bucket == 1 else {"blocks": 1.0, "dequant": 3.0, "float": 2.0})
     settled = cpu_tuning.settle_decode_rows(table, parts, head, torch.float32)
     assert settled is not None and settled[0] == (chooser.DECODE_ROWS if blocks_us < 2 else 0)
-
-    def silu_measured(choice: str) -> chooser.KernelTable:
-        """`table` with SiLU * up measured as `choice` at every size (unmeasured, a CPU without the
-        16-lane path takes torch's: the layer driver would then serve no step)."""
-        key = torch_ops.silu_key(ModelConfig.from_dir(smollm2_dir).intermediate_size, torch.float32)
-        return chooser.KernelTable({**table.entries, **{
-            chooser.KernelTable.key(torch_ops.SILU_OP, key, b): {"choice": choice, "us": {}} for b in chooser.ROW_BUCKETS}})
-
-    table = silu_measured("native")
-    model = load_under(table, smollm2_dir)
-    chooser.install(table)  # SiLU's route is read at each step (conftest installs an empty table after)
+    model = load_under(table, smollm2_dir)  # then native_silu's table again: SiLU's route is read at each step
     prompt = [int(t) for t in torch.randint(1000, 20000, (100,), generator=torch.Generator().manual_seed(3))]
     verified = chunk_logits(model, prompt, [91, 9])[91:]
     decoded = chunk_logits(model, prompt, [91] + [1] * 9)[91:]
@@ -253,7 +244,7 @@ def test_verify_rows_are_decode_rows_where_the_blocks_are_pinned(smollm2_dir: st
     rows, gaps = decode_rows_agree(model, "cpu")  # what the worker says at start
     assert (rows, gaps) == (chooser.DECODE_ROWS, []) if blocks_us < 2 else rows == 0 and "linear layers" in gaps[0]
     # torch's SiLU measured faster at every size: the driver serves no step, so no size agrees.
-    chooser.install(silu_measured("torch"))
+    chooser.install(chooser.KernelTable({k: {**e, "choice": "torch"} for k, e in chooser.installed().entries.items()}))
     assert decode_rows_agree(model, "cpu")[0] == 0
 
 
