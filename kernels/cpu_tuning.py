@@ -64,7 +64,7 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.cache  # every shape of one tune (tune_gguf's go bucket by bucket over them)
 def _gemm_weights(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
     """A random weight, the GEMM candidates for it and each one's prepared copy: built once per
     shape for all its row buckets (an LM head's copies take longer to make than to time)."""
@@ -241,7 +241,7 @@ GgufShape = tuple[int, int, int]  # (out features n, in features k, ggml type id
 WAKE_N = 64  # output features of the small layer a cold probe runs first (Probe.primes)
 
 
-@functools.lru_cache(maxsize=4)  # a shape's layers and its small ones
+@functools.cache  # every shape of one tune_gguf (measured bucket by bucket over them)
 def _gguf_layers(n: int, k: int, qtype: int, dtype: torch.dtype, logits: bool) \
         -> tuple[gguf_linear.QuantLinear, gguf_linear.QuantLinear] | None:
     """A random one-part QuantLinear switched between "blocks" and "dequant", and one on the same
@@ -289,7 +289,10 @@ def _gguf_cases(shapes: list[GgufShape], logits: GgufShape | None) -> list[tuple
     cases = [(s, False, rows) for s in dict.fromkeys(shapes) for rows in chooser.ROW_BUCKETS]
     if logits is not None:
         cases += [(logits, True, rows) for rows in chooser.LOGIT_BUCKETS]
-    return cases
+    # Bucket by bucket over every part, the head included: a start out of its time budget
+    # (chooser.TOTAL_S) leaves the widest, prompt-sized buckets to the next one, and the decode-row
+    # pin, which needs every part timed at a bucket (settle_decode_rows), reaches as far as it will.
+    return sorted(cases, key=lambda case: case[2])
 
 
 def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | None = None,
