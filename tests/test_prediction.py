@@ -16,7 +16,7 @@ from rill.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from rill.services.scheduler.speculation import prediction_drafts
 from rill.services.worker.model_runner import ModelRunner
 from rill.shared.request_params import SamplingParams
-from rill.shared.schema import StepResult, TokenizedRequest
+from rill.shared.schema import StepPlan, StepResult, TokenizedRequest
 
 
 def _drafts(output: list[int], prediction: list[int], at: int, k: int) -> tuple[list[int], int]:
@@ -88,13 +88,45 @@ def test_an_engine_without_speculation_drafts_from_a_prediction_and_counts_them(
     for token in (25, 26):  # 40 is nowhere in the prediction, "40 25" neither: no drafts
         plan = sched.schedule()
         assert not any(plan.spec_token_ids) and plan.num_scheduled_tokens[0] == 1
-        assert sched.may_plan_ahead(2) is False
+        assert sched.may_plan_ahead(2)  # nothing to draft from: the next step may go ahead
         sched.update(StepResult(step_id=plan.step_id, request_ids=["a"], token_ids=[token]))
     plan = sched.schedule()  # back on the prediction: "25 26" is followed by 27...; as many as stood last
-    assert plan.spec_token_ids[0] == [27, 28, 29]
+    assert plan.spec_token_ids[0] == [27, 28, 29] and not sched.may_plan_ahead(2)
     sched.update(StepResult(step_id=plan.step_id, request_ids=["a"], token_ids=[27, 28, 29, 30], num_tokens=[4]))
     plan = sched.schedule()  # all stood: twice as many
     assert plan.spec_token_ids[0] == [31] and a.prediction_width == 6  # the prediction ends there
+
+
+def test_an_output_off_its_prediction_lets_steps_be_planned_ahead() -> None:
+    """A search that finds no draft lets the next 1, 2, 4 ... steps be planned ahead of their
+    tokens (async scheduling kept), then the request searches again, and drafts as soon as its
+    output is back on the prediction."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4))
+    sched.add(_predicted("a", [5, 6, 7], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], max_tokens=30))
+
+    def step(plan: StepPlan, token: int) -> None:
+        sched.update(StepResult(step_id=plan.step_id, request_ids=["a"], token_ids=[token]))
+
+    step(sched.schedule(), 99)  # the prompt
+    s1 = sched.schedule()  # "99" is not in the prediction: one step may go ahead
+    assert not any(s1.spec_token_ids) and sched.may_plan_ahead(2)
+    s2 = sched.schedule()  # ahead of 99's next token: nothing searched
+    assert not any(s2.spec_token_ids) and not sched.may_plan_ahead(2)
+    step(s1, 98)
+    assert not sched.may_plan_ahead(2)  # the pause is over: s3 searches from s2's token
+    step(s2, 97)
+    s3 = sched.schedule()  # "98 97" is not either: two steps
+    assert not any(s3.spec_token_ids) and sched.may_plan_ahead(2)
+    s4 = sched.schedule()
+    step(s3, 20)
+    assert sched.may_plan_ahead(2)
+    s5 = sched.schedule()
+    step(s4, 21)
+    assert not sched.may_plan_ahead(2)
+    step(s5, 22)
+    s6 = sched.schedule()  # "20 21 22" is: drafts, and no step ahead of them
+    assert s6.spec_token_ids == [[23, 24, 25, 26, 27, 28, 29]] and not sched.may_plan_ahead(2)
+    sched.check_invariants()
 
 
 @pytest.mark.parametrize("agreeing", [0, 8, 12])

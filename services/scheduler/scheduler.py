@@ -103,7 +103,8 @@ class Scheduler(RequestStates):
         row), and a plan fixed while it runs would hold every request arriving meanwhile back
         by one more whole step: waiting for its result lets them join the next plan instead.
         With speculative decoding, not behind any step that decodes (its requests may speculate);
-        without it, not behind a step of a request with a prediction (it drafts from it).
+        without it, not behind a step of a request with a prediction (it drafts from it), but
+        during the pause of one whose output left it (speculation.prediction_request_drafts).
         """
         in_flight = self.plans.in_flight
         if len(in_flight) >= depth:
@@ -112,7 +113,7 @@ class Scheduler(RequestStates):
             return True
         last = in_flight[-1]
         if last.reqs and ((self.speculator is not None and self.speculator.active(len(self.running)))
-                          or any(r.prediction for r in last.reqs)):
+                          or any(r.prediction and not r.prediction_pause for r in last.reqs)):
             return False  # its next drafts come from the tokens this step samples
         return all(n == 1 for n in last.plan.num_scheduled_tokens)
 

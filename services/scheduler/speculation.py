@@ -32,6 +32,8 @@ from rill.services.scheduler.request import Request
 from rill.shared.config import PREDICTION_DRAFTS, PREDICTION_NGRAM, SpeculativeConfig
 from rill.shared.schema import DRAFT_PLACEHOLDER
 
+PREDICTION_PAUSE = 16  # the most steps planned ahead, without a search, of an output off its prediction
+
 
 def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
@@ -87,11 +89,21 @@ def draft_room(req: Request, k: int, budget: int, max_model_len: int) -> int:
 
 def prediction_request_drafts(req: Request, budget: int, max_model_len: int) -> list[int]:
     """A request with a prediction: drafts from it (see prediction_drafts), as many as
-    `req.prediction_width` allows (next_prediction_width)."""
+    `req.prediction_width` allows (next_prediction_width).
+
+    Its next step is not planned ahead of this one's token (the search needs it), but an output
+    that left its prediction would lose async scheduling for nothing: a search that finds no draft
+    lets the next 1, 2, 4 ... PREDICTION_PAUSE steps (as the searches keep failing) be planned
+    ahead without one (`prediction_pause`, read by Scheduler.may_plan_ahead), then it looks again."""
+    if req.num_inflight_tokens:  # planned ahead of its last token: no search, a step of the pause
+        req.prediction_pause = max(req.prediction_pause - 1, 0)
+        return []
     room = draft_room(req, req.prediction_width, budget, max_model_len)
     if room < 1:
         return []
     drafts, req.prediction_at = prediction_drafts(req.output_token_ids, req.prediction, req.prediction_at, room)
+    req.prediction_misses = 0 if drafts else req.prediction_misses + 1
+    req.prediction_pause = min(2 ** (req.prediction_misses - 1), PREDICTION_PAUSE) if req.prediction_misses else 0
     return drafts
 
 
