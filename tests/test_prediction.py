@@ -127,6 +127,15 @@ def test_an_output_off_its_prediction_lets_steps_be_planned_ahead() -> None:
     s6 = sched.schedule()  # "20 21 22" is: drafts, and no step ahead of them
     assert s6.spec_token_ids == [[23, 24, 25, 26, 27, 28, 29]] and not sched.may_plan_ahead(2)
     sched.check_invariants()
+    # Off it for good (stepped without going ahead): the pause doubles up to PREDICTION_PAUSE.
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4))
+    sched.add(_predicted("a", [5, 6, 7], [20, 21, 22], max_tokens=30))
+    step(sched.schedule(), 90)
+    pauses = []
+    for token in range(91, 98):
+        step(sched.schedule(), token)
+        pauses.append(sched.requests["a"].prediction_pause)
+    assert pauses == [1, 2, 4, 8, 16, 16, 16]
 
 
 @pytest.mark.parametrize("agreeing", [0, 8, 12])

@@ -52,12 +52,12 @@ class Request:
     detok_context: int = 8  # output tokens sent as decode context (covers the stop strings)
     worker_params: SamplingParams | None = None  # params without what only detokenizers read
     # A prediction's ids as 4-byte ints, searched for drafts (speculation.py), where in it the last
-    # drafts started, how many the next may be, the searches in a row that found none and the steps
-    # that may be planned ahead before the next, and its drafts proposed and accepted so far (usage).
+    # drafts started, how many the next may be, its last pause (steps planned ahead without a search,
+    # after one found nothing) and the steps of it left, and its drafts proposed and accepted (usage).
     prediction: bytes = b""
     prediction_at: int = 0
     prediction_width: int = PREDICTION_DRAFTS
-    prediction_misses: int = 0
+    prediction_gap: int = 0
     prediction_pause: int = 0
     num_prediction_drafts: int = 0
     num_prediction_accepted: int = 0

@@ -102,8 +102,7 @@ def prediction_request_drafts(req: Request, budget: int, max_model_len: int) -> 
     if room < 1:
         return []
     drafts, req.prediction_at = prediction_drafts(req.output_token_ids, req.prediction, req.prediction_at, room)
-    req.prediction_misses = 0 if drafts else req.prediction_misses + 1
-    req.prediction_pause = min(2 ** (req.prediction_misses - 1), PREDICTION_PAUSE) if req.prediction_misses else 0
+    req.prediction_gap = req.prediction_pause = 0 if drafts else min(max(2 * req.prediction_gap, 1), PREDICTION_PAUSE)
     return drafts
 
 
