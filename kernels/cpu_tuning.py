@@ -64,7 +64,7 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-@functools.cache  # every shape of one tune (tune_gguf's go bucket by bucket over them)
+@functools.lru_cache(maxsize=2)
 def _gemm_weights(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
     """A random weight, the GEMM candidates for it and each one's prepared copy: built once per
     shape for all its row buckets (an LM head's copies take longer to make than to time)."""
@@ -308,7 +308,8 @@ def tune_gguf(shapes: list[GgufShape], dtype: torch.dtype, logits: GgufShape | N
     if not cpu_native.enabled():
         return KernelTable(), []
     cases = _gguf_cases(shapes, logits)
-    floats = list(dict.fromkeys((n, k, lg, rows) for (n, k, _), lg, rows in cases))
+    # The float copies' GEMMs shape by shape: _gemm_weights holds two shapes, not a model's.
+    floats = sorted(dict.fromkeys((n, k, lg, rows) for (n, k, _), lg, rows in cases), key=lambda f: f[:3])
     gemm_keys = [KernelTable.key("gemm", torch_ops.gemm_key(n, k, dtype, lg), rows) for n, k, lg, rows in floats]
     gemm_makers = [lambda n=n, k=k, lg=lg, rows=rows: gemm_probe(n, k, dtype, rows, lg) for n, k, lg, rows in floats]
     keys = [KernelTable.key(gguf_linear.OP, gguf_linear.gguf_key(n, k, q, dtype, lg), rows)
