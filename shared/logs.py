@@ -14,12 +14,28 @@ import time
 from rill.shared import envs
 
 
+class _Error:
+    """An exception in a log line's arguments: its repr names its type and says its message, as
+    Python's own does (redis-py 8's says only the type: "network:ConnectionError")."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __repr__(self) -> str:
+        return f"{type(self.exc).__name__}({str(self.exc)!r})"
+
+    def __str__(self) -> str:
+        return str(self.exc)
+
+
 class _KeyValueFormatter(logging.Formatter):
     def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_Error(a) if isinstance(a, BaseException) else a for a in record.args)
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} service={self.service} pid={record.process} msg={record.getMessage()!r}"
         if record.exc_info:
