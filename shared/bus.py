@@ -44,7 +44,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from rill.shared import cluster
-from rill.shared.cluster import ClusterHot, is_cluster, masters_id, seed_nodes, seed_urls
+from rill.shared.cluster import ClusterHot, Lineage, follow_asks, is_cluster, seed_nodes, seed_urls
 from rill.shared.lifecycle import StopFlag
 from rill.shared.resp import Command, RespConnection
 from rill.shared.schema import encode
@@ -109,10 +109,12 @@ def connect(url: str, socket_timeout: float | None = None, name: str | None = No
     `name` is shown by CLIENT LIST (which replica holds which connection). A cluster's URL gets
     a cluster client (its commands are the same)."""
     if is_cluster(url):
-        return RedisCluster.from_url(seed_urls(url)[0], socket_timeout=socket_timeout,  # type: ignore[return-value]
-                                     socket_connect_timeout=5, decode_responses=False,
-                                     startup_nodes=[ClusterNode(h, p) for h, p in seed_nodes(url)],
-                                     client_name=_client_name(name), **_tcp_options(url))
+        client = RedisCluster.from_url(seed_urls(url)[0], socket_timeout=socket_timeout,
+                                       socket_connect_timeout=5, decode_responses=False,
+                                       startup_nodes=[ClusterNode(h, p) for h, p in seed_nodes(url)],
+                                       client_name=_client_name(name), **_tcp_options(url))
+        follow_asks(client)
+        return client  # type: ignore[return-value]
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                 retry=Retry(NoBackoff(), 1), decode_responses=False,
                                 client_name=_client_name(name), **_tcp_options(url))
@@ -120,10 +122,12 @@ def connect(url: str, socket_timeout: float | None = None, name: str | None = No
 
 def aconnect(url: str, socket_timeout: float | None = None, name: str | None = None) -> aioredis.Redis:
     if is_cluster(url):
-        return aiocluster.RedisCluster.from_url(  # type: ignore[return-value]
+        client = aiocluster.RedisCluster.from_url(
             seed_urls(url)[0], socket_timeout=socket_timeout, socket_connect_timeout=5, decode_responses=False,
             startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in seed_nodes(url)],
             client_name=_client_name(name), **_tcp_options(url))
+        follow_asks(client)
+        return client  # type: ignore[return-value]
     return aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5,
                                    retry=AsyncRetry(NoBackoff(), 1), decode_responses=False,
                                    client_name=_client_name(name), **_tcp_options(url))
@@ -168,6 +172,7 @@ class Bus:
         self.streams = Streams(prefix)
         self.r = connect(url, name=name)
         self.cluster = isinstance(self.r, RedisCluster)
+        self.lineage = Lineage()
         self.hot = hot_connection(url, name, self.r)
         self._ack_and_send = self.r.register_script(_ACK_AND_SEND)
 
@@ -328,9 +333,9 @@ class Bus:
 
     def server_id(self, key: str | None = None) -> str:
         """Changes when the broker lost its streams: a restart, or a cluster's failover (given
-        `key`, of the master that holds it)."""
+        `key`, of the master that holds it; not a reshard, cluster.Lineage)."""
         if self.cluster:
-            return masters_id(self.r.cluster_nodes(), key)
+            return self.lineage.id(self.r.cluster_nodes(), key)
         return server_id_of(self.r.info("server"))
 
     def mget(self, keys: list[str]) -> list[bytes | None]:
@@ -368,6 +373,7 @@ class AsyncBus:
         self.streams = Streams(prefix)
         self.r = aconnect(url, name=name)
         self.cluster = isinstance(self.r, aiocluster.RedisCluster)
+        self.lineage = Lineage()
         self._outbox: list[tuple[str, bytes, int, asyncio.Future[bytes]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -420,7 +426,7 @@ class AsyncBus:
         (a failover lost writes only in the slots whose master changed)."""
         if self.cluster:
             nodes = await self.r.cluster_nodes()
-            return masters_id(nodes), {key: masters_id(nodes, key) for key in keys}
+            return self.lineage.id(nodes), {key: self.lineage.id(nodes, key) for key in keys}
         return server_id_of(await self.r.info("server")), {}
 
     async def close(self) -> None:

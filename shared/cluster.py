@@ -18,6 +18,9 @@ Two things change beside the client:
   the last writes of the master it replaces. An engine watches the master of its own streams
   (another engine's failover leaves it alone); a gateway watches the masters of its own streams
   and of each engine's, and fails what lived on one that changed (all it holds if its own did).
+  A reshard also gives a slot another master, but loses nothing (MIGRATE moves keys whole, with
+  their consumer groups): Lineage tells the two apart, and the hot path follows the slot's keys
+  to their new master (MOVED, ASK, TRYAGAIN) as redis-py's client does.
 """
 
 from __future__ import annotations
@@ -29,15 +32,20 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import hiredis
 import msgspec
 import redis
-from redis.cluster import RedisCluster
+import redis.asyncio.cluster as aiocluster
+from redis.cluster import PRIMARY, ClusterNode, NodesManager, RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import MovedError
 
 from rill.shared.resp import Command, RespConnection
 
 PROBE_S = 10.0  # how long connecting waits for the broker to answer whether it is a cluster
 FORWARD_TTL_MS = 600_000  # pins and seen keys: far longer than any redo takes to happen
+REDIRECT_ROUNDS = 50  # a hot-path batch follows redirects this often (TRYAGAIN waits between)
+TRYAGAIN_S = 0.02  # a multi-key command whose keys a reshard holds on two masters waits this
 
 _kinds: dict[str, bool] = {}
 log = logging.getLogger("rill.bus")
@@ -97,14 +105,72 @@ def is_cluster(url: str) -> bool:
     return _kinds[url]
 
 
-def masters_id(nodes: dict[str, dict[str, Any]], key: str | None = None) -> str:
+def masters_of(nodes: dict[str, dict[str, Any]], key: str | None = None) -> frozenset[str]:
     """The masters that serve slots (given `key`, the one that serves its slot), from a parsed
-    CLUSTER NODES: it changes when a replica is promoted, and with it writes may be lost, as a
-    single broker's run_id changes on a restart."""
+    CLUSTER NODES."""
     slot = None if key is None else key_slot(key.encode())
-    return ",".join(sorted(
+    return frozenset(
         n["node_id"] for n in nodes.values() if "master" in n["flags"] and n["slots"]
-        and (slot is None or any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"]))))
+        and (slot is None or any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"])))
+
+
+class Lineage:
+    """Per key (None: every slot), an id that changes when the key's last writes may be lost, as
+    a single broker's run_id does on a restart: a failover, where a replica (asynchronously
+    replicated) now serves the slot or its old master is no longer a healthy master. A reshard
+    keeps the id: the old master stays a master, and the new one was not its replica."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str | None, tuple[str, frozenset[str], frozenset[str]]] = {}  # id, masters, replicas
+        self._losses = 0
+
+    def id(self, nodes: dict[str, dict[str, Any]], key: str | None = None) -> str:
+        masters = masters_of(nodes, key)
+        replicas = frozenset(n["node_id"] for n in nodes.values() if "slave" in n["flags"])
+        healthy = {n["node_id"] for n in nodes.values() if "master" in n["flags"] and "fail" not in n["flags"]}
+        seen = self._seen.get(key)
+        if seen is None:
+            ident = f"{','.join(sorted(masters))}@{self._losses}"
+        else:
+            ident, before, replicas_before = seen
+            if masters != before and (not before <= healthy or masters & replicas_before):
+                self._losses += 1  # the count tells this id from any earlier one of the same masters
+                ident = f"{','.join(sorted(masters))}@{self._losses}"
+        self._seen[key] = (ident, masters, replicas)
+        return ident
+
+
+class _Nodes(NodesManager):
+    """redis-py follows an ASK to a master it does not know (one with no slot yet: a reshard's
+    first slot onto a new master) into an AttributeError (redis-py issue 4015); such a master
+    becomes known here, as a MOVED's target does."""
+
+    def get_node(self, host: str | None = None, port: int | None = None,
+                 node_name: str | None = None) -> ClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is None and host and port:
+            node = self.nodes_cache.setdefault(f"{host}:{port}", ClusterNode(host, port, PRIMARY))
+        return node
+
+
+class _AsyncNodes(aiocluster.NodesManager):
+    """_Nodes, for the asyncio client."""
+
+    __slots__ = ()  # as its base's: follow_asks swaps the class of a live manager
+
+    def get_node(self, host: str | None = None, port: int | None = None,
+                 node_name: str | None = None) -> aiocluster.ClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is None and host and port:
+            node = self.nodes_cache.setdefault(
+                f"{host}:{port}", aiocluster.ClusterNode(host, port, PRIMARY, **self.connection_kwargs))
+        return node
+
+
+def follow_asks(client: RedisCluster | aiocluster.RedisCluster) -> None:
+    """Let `client` follow an ASK to a master that holds no slot yet (_Nodes)."""
+    manager = client.nodes_manager
+    manager.__class__ = _AsyncNodes if isinstance(manager, aiocluster.NodesManager) else _Nodes
 
 
 def same_slot(key: str, suffix: str) -> str:
@@ -115,9 +181,10 @@ def same_slot(key: str, suffix: str) -> str:
 class ClusterHot:
     """The hot path's connection (resp.RespConnection's interface: pipeline, post, take) over a
     cluster: a bare RESP connection to each master, commands sent to the master of their key's
-    slot, the slot map kept by redis-py's cluster client (refreshed after a failure). Sends then
-    acks stay in that order: an XACK after other commands waits for their replies (masters answer
-    in no set order), so an entry is never acked before what it produced was written."""
+    slot, the slot map kept by redis-py's cluster client (refreshed after a failure, moved on a
+    MOVED). Sends then acks stay in that order: an XACK after other commands waits for their
+    replies (masters answer in no set order), so an entry is never acked before what it produced
+    was written. A command a reshard redirected is sent again where its key went (_follow)."""
 
     def __init__(self, client: RedisCluster, url: str, name: str | None = None) -> None:
         self.r = client
@@ -126,7 +193,7 @@ class ClusterHot:
         self._conns: dict[str, RespConnection] = {}
         # Per connection, the places of its posted commands (a connection's take() reads them all).
         self._posted: dict[str, tuple[RespConnection, list[int]]] = {}
-        self._n_posted = 0
+        self._commands: list[Command] = []  # everything posted, in order (for redirects)
 
     def execute(self, *args: bytes | str | int | float) -> Any:
         return self.pipeline([args])[0]
@@ -154,7 +221,7 @@ class ClusterHot:
 
     @property
     def posted(self) -> int:
-        return self._n_posted
+        return len(self._commands)
 
     def post(self, commands: Sequence[Command]) -> None:
         by_addr: dict[str, list[int]] = {}
@@ -164,34 +231,57 @@ class ClusterHot:
             for addr, places in by_addr.items():
                 conn = self._conn(addr)
                 conn.post([commands[i] for i in places])
-                self._posted.setdefault(addr, (conn, []))[1].extend(i + self._n_posted for i in places)
+                self._posted.setdefault(addr, (conn, []))[1].extend(i + len(self._commands) for i in places)
         except redis.ConnectionError:
             self._forget()
             raise
-        self._n_posted += len(commands)
+        self._commands.extend(commands)
 
     def take(self) -> list[Any]:
-        posted, self._posted, n, self._n_posted = self._posted.values(), {}, self._n_posted, 0
-        out: list[Any] = [None] * n
-        error: redis.ResponseError | None = None
+        posted, self._posted, commands, self._commands = self._posted.values(), {}, self._commands, []
+        out: list[Any] = [None] * len(commands)
         try:
             for conn, places in posted:
-                try:
-                    replies = conn.take()
-                except redis.ResponseError as exc:  # every reply was read: the others are fine
-                    error = error or exc
-                    continue
-                for i, reply in zip(places, replies, strict=True):
+                for i, reply in zip(places, conn.take(check=False), strict=True):
                     out[i] = reply
+            self._follow(commands, out)
         except redis.ConnectionError:
             self._forget()
             raise
-        if error is not None:
-            if str(error).startswith(("MOVED", "ASK")):  # slots moved (a failover): ask again
-                self._forget()
-                raise redis.ConnectionError(f"cluster slots moved: {error}") from error
-            raise error
+        for reply in out:  # every reply was read: the connections stay in step
+            if isinstance(reply, hiredis.ReplyError):
+                raise redis.ResponseError(str(reply))
         return out
+
+    def _follow(self, commands: Sequence[Command], out: list[Any]) -> None:
+        """Send again the commands a reshard redirected, until they ran: MOVED (the slot has a
+        new master: the slot map learns it), ASK (the key is already on the master importing
+        the slot: ASKING, then the command, there), TRYAGAIN (a multi-key command whose keys
+        are on two masters: wait). A redirected command did not run, so it runs once."""
+        for _ in range(REDIRECT_ROUNDS):
+            redirected = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError)
+                          and str(r).startswith(("MOVED ", "ASK ", "TRYAGAIN"))]
+            if not redirected:
+                return
+            if any(str(out[i]).startswith("TRYAGAIN") for i in redirected):
+                time.sleep(TRYAGAIN_S)
+            sends: dict[str, list[tuple[int, Command]]] = {}
+            for i in redirected:
+                kind, _, where = str(out[i]).partition(" ")
+                if kind == "MOVED":
+                    self.r.nodes_manager.move_slot(MovedError(where))
+                addr = where.split(" ")[1] if kind in ("MOVED", "ASK") else self._addr(_key(commands[i]))
+                if kind == "ASK":
+                    sends.setdefault(addr, []).append((-1, ("ASKING",)))
+                sends.setdefault(addr, []).append((i, commands[i]))
+            for addr, batch in sends.items():
+                conn = self._conn(addr)
+                conn.post([cmd for _, cmd in batch])
+                for (i, _), reply in zip(batch, conn.take(check=False), strict=True):
+                    if i >= 0:
+                        out[i] = reply
+        error = next(r for r in out if isinstance(r, hiredis.ReplyError))
+        raise redis.ConnectionError(f"cluster slots kept moving: {error}")
 
     def _addr(self, key: str) -> str:
         node = self.r.get_node_from_key(key)
@@ -216,7 +306,7 @@ class ClusterHot:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
-        self._posted, self._n_posted = {}, 0
+        self._posted, self._commands = {}, []
 
 
 def _name(cmd: Command) -> str:

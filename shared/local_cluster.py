@@ -2,7 +2,9 @@
 
 For the cluster tests and for trying a cluster deployment on one machine
 (`python -m rill.shared.local_cluster`). The cluster is formed the way `valkey-cli --cluster
-create` does it, with plain commands: MEET, ADDSLOTSRANGE in equal thirds, REPLICATE.
+create` does it, with plain commands: MEET, ADDSLOTSRANGE in equal thirds, REPLICATE; it grows
+as `--cluster add-node` and `--cluster reshard` grow one: a master with no slot, then slots
+moved to it key by key (SETSLOT IMPORTING / MIGRATING, MIGRATE, SETSLOT NODE).
 """
 
 from __future__ import annotations
@@ -94,6 +96,66 @@ class LocalCluster:
         for client in clients:
             client.close()
         return self
+
+    def add_master(self, timeout: float = 30.0) -> EmbeddedBroker:
+        """A new master, known to the cluster, that serves no slot yet."""
+        for attempt in range(3):  # as in _form: a chosen port may be taken before valkey binds it
+            port, bus = free_ports(2)
+            node = self._node(port, bus)
+            try:
+                node.start()
+                break
+            except PortTaken:
+                node.stop()
+                if attempt == 2:
+                    raise
+        self.nodes.append(node)
+        self.bus_ports.append(bus)
+        first, new = redis.Redis(port=self.nodes[0].port), redis.Redis(port=port)
+        first.execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus)
+        deadline = time.monotonic() + timeout
+        while not self._ok(new):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the new master did not join the cluster")
+            time.sleep(0.1)
+        first.close()
+        new.close()
+        return node
+
+    def move_slot(self, slot: int, to: EmbeddedBroker, keys_per_step: int = 1, pause_s: float = 0.0,
+                  stop_after: int | None = None) -> int:
+        """Move `slot` and its keys, `keys_per_step` at a time, to the master `to`; how many keys
+        moved. The slot's clients meet ASK while it moves, MOVED after. Given `stop_after`, the
+        move stops (the slot left migrating) once that many keys moved; a second call ends it."""
+        clients = [redis.Redis(port=n.port) for n in self.nodes]
+        try:
+            dst = next(c for c, n in zip(clients, self.nodes, strict=True) if n is to)
+            ids = {c: c.execute_command("CLUSTER", "MYID").decode() for c in clients}
+            src = next(c for c in clients if slot in self._slots(c))
+            if src is dst:
+                return 0
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            moved = 0
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, keys_per_step):
+                if stop_after is not None and moved >= stop_after:
+                    return moved
+                src.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+                time.sleep(pause_s)
+            for client in (dst, src):  # the new owner first, as valkey-cli does
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            return moved
+        finally:
+            for client in clients:
+                client.close()
+
+    @staticmethod
+    def _slots(client: redis.Redis) -> set[int]:
+        """The slots `client`'s node serves as a master."""
+        me = next(n for n in client.cluster("NODES").values() if "myself" in n["flags"])
+        return set() if "master" not in me["flags"] else {
+            s for r in me["slots"] for s in range(int(r[0]), int(r[-1]) + 1)}
 
     @staticmethod
     def _ok(client: redis.Redis) -> bool:

@@ -124,13 +124,15 @@ class RespConnection(_Target):
             raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
         self._posted += len(commands)
 
-    def take(self) -> list[Any]:
-        """The replies of every command posted since the last take(), waiting for them."""
+    def take(self, check: bool = True) -> list[Any]:
+        """The replies of every command posted since the last take(), waiting for them; unless
+        `check`, error replies come back in their places (hiredis.ReplyError), not raised."""
         n, self._posted = self._posted, 0
         if not n:
             return []
         try:
-            return _check(self._read(n))
+            replies = self._read(n)
+            return _check(replies) if check else replies
         except (OSError, EOFError, hiredis.ProtocolError) as exc:
             raise redis.ConnectionError(f"broker connection failed: {exc!r}") from exc
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ from service_stack import ServiceStack, fast_flags, rill_executable
 
 from rill.shared.broker import EmbeddedBroker, PortTaken, free_port, free_ports
 from rill.shared.bus import Bus, aconnect, connect
+from rill.shared.cluster import Lineage
 from rill.shared.local_cluster import LocalCluster
 from rill.shared.schema import AbortRequest, DetokBatch, DetokenizeRequest, Hello, encode, stats_decoder
 from rill.shared.streams import Streams
@@ -42,7 +44,7 @@ def master_of(cluster: LocalCluster, key: str) -> int:
     r = redis.Redis(port=cluster.nodes[0].port)
     slot = r.execute_command("CLUSTER", "KEYSLOT", key)
     for addr, node in r.cluster("NODES").items():
-        if "master" in node["flags"] and any(int(a) <= slot <= int(b) for a, b, *_ in node["slots"]):
+        if "master" in node["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in node["slots"]):
             return int(addr.rsplit(":", 1)[1].split("@")[0])
     raise AssertionError(f"no master serves slot {slot}")
 
@@ -101,6 +103,92 @@ def test_forwarding_across_slots_is_exactly_once_and_pinned(cluster: LocalCluste
         assert bus.ack_and_send_many(src, "g", [(entry2, [(dest_b, other)])]) == [True]
         assert bus.r.xlen(dest_a) == 2 and bus.r.xlen(dest_b) == 0
         assert not bus.r.exists(pin) and bus.r.xpending(src, "g")["pending"] == 0
+    finally:
+        bus.close()
+
+
+def _nodes(*nodes: tuple[str, str, str, list[list[str]]]) -> dict[str, dict]:
+    """A parsed CLUSTER NODES: (id, flags, the master it replicates, slot ranges) per node."""
+    return {f"127.0.0.1:{7000 + i}": {"node_id": n, "flags": f, "master_id": m, "slots": sl}
+            for i, (n, f, m, sl) in enumerate(nodes)}
+
+
+def test_lineage_tells_a_reshard_from_a_failover() -> None:
+    """A key's id stays when its slot moves to another master with its keys, and changes when a
+    replica took over (its last writes may be lost), whether or not the old master is known to
+    have failed yet, and for a manual failover too; the whole cluster's id likewise."""
+    moving, on_b = "b", "a"  # slot 3300 (moves to N), slot 15495 (on B)
+    lineage = Lineage()
+    start = _nodes(("A", "master", "-", [["0", "8191"]]), ("B", "master", "-", [["8192", "16383"]]),
+                   ("a", "slave", "A", []), ("b", "slave", "B", []), ("N", "master", "-", []))
+    ids = {k: lineage.id(start, k) for k in (moving, on_b, None)}
+    resharded = _nodes(("A", "master", "-", [["0", "3299"], ["3301", "8191"]]), ("B", "master", "-", [["8192", "16383"]]),
+                       ("a", "slave", "A", []), ("b", "slave", "B", []), ("N", "master", "-", [["3300"]]))
+    assert {k: lineage.id(resharded, k) for k in (moving, on_b, None)} == ids
+    # B's replica promoted, B seen failed: B's keys and the cluster change, the moved key does not.
+    failed_over = _nodes(("A", "master", "-", [["0", "3299"], ["3301", "8191"]]), ("B", "master,fail", "-", []),
+                         ("a", "slave", "A", []), ("b", "master", "-", [["8192", "16383"]]),
+                         ("N", "master", "-", [["3300"]]))
+    now = {k: lineage.id(failed_over, k) for k in (moving, on_b, None)}
+    assert now[moving] == ids[moving] and now[on_b] != ids[on_b] and now[None] != ids[None]
+    # A's replica serves A's slots while this node still sees A as a healthy master.
+    promoted = _nodes(("A", "master", "-", []), ("B", "master,fail", "-", []),
+                      ("a", "master", "-", [["0", "3299"], ["3301", "8191"]]), ("b", "master", "-", [["8192", "16383"]]),
+                      ("N", "master", "-", [["3300"]]))
+    assert lineage.id(promoted, None) != now[None]
+    # A manual failover back (a's old master A takes over, a becomes its replica): lost, by rule.
+    lineage2 = Lineage()
+    key_id = lineage2.id(start, "k2")  # slot 449, on A
+    back = _nodes(("A", "slave", "a", []), ("B", "master", "-", [["8192", "16383"]]),
+                  ("a", "master", "-", [["0", "8191"]]), ("b", "slave", "B", []), ("N", "master", "-", []))
+    assert lineage2.id(back, "k2") != key_id
+
+
+def test_a_reshard_moves_a_slot_under_every_client_without_loss(cluster: LocalCluster) -> None:
+    """An engine's slot moved key by key to a master that had no slot: the hot path follows ASK
+    (a key already moved), TRYAGAIN (a script's keys on both masters) and MOVED (the slot gone),
+    redis-py's clients follow an ASK to a master they do not know yet, every write lands once,
+    and the engine's server id stays: a reshard loses nothing, unlike a failover."""
+    new = cluster.add_master()
+    bus = Bus(cluster.url, "rill")
+    try:
+        s = bus.streams
+        keys = [s.engine_in(0), s.plan(0), s.stats_key(0)]
+        bus.ensure_group(keys[0], "g")
+        bus.exchange([("XADD", keys[1], "*", "m", b"0"), ("SET", keys[2], b"0")])
+        server = bus.server_id(keys[1])
+        slot = int(bus.r.keyslot(keys[1]))
+        assert cluster.move_slot(slot, new, stop_after=1) == 1
+        src = redis.Redis(port=master_of(cluster, keys[1]))
+        left = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)
+        moved = next(k for k in keys if k.encode() not in left)
+        stream = moved if moved != keys[2] else keys[1]  # a stream that has moved, or not
+        # ASK, on the hot path and for both of redis-py's clients.
+        bus.exchange([("XADD", stream, "*", "m", b"1"), ("SET", s.held_key(0), b"x"), ("EXISTS", moved)])
+        bus.r.xadd(stream, {"m": b"2"})
+
+        async def send() -> None:
+            r = aconnect(cluster.url)
+            try:
+                await r.xadd(stream, {"m": b"3"})
+            finally:
+                await r.aclose()
+
+        asyncio.run(send())
+        # TRYAGAIN while the keys are split, until the move ends (here, in 0.3 s).
+        ending = threading.Timer(0.3, cluster.move_slot, (slot, new))
+        ending.start()
+        script = "return redis.call('EXISTS', KEYS[1]) + redis.call('EXISTS', KEYS[2])"
+        assert bus.exchange([("EVAL", script, 2, *sorted(set(keys[:2])))]) == [2]
+        ending.join()
+        assert master_of(cluster, keys[1]) == new.port
+        # MOVED: the hot path's slot map still names the old master.
+        replies = bus.exchange([("XADD", keys[1], "*", "m", b"4"), Bus.xread(keys[1], b"0-0", None),
+                                Bus.xreadgroup(keys[0], "g", "c", None)])
+        assert replies[1] is not None and len(Bus.entries(replies[1])) == bus.r.xlen(keys[1])
+        assert bus.r.xlen(keys[1]) == (5 if stream == keys[1] else 2)  # every write once
+        assert bus.r.get(s.held_key(0)) == b"x"
+        assert bus.server_id(keys[1]) == server
     finally:
         bus.close()
 
@@ -222,8 +310,28 @@ def _wait_ready(stack: ServiceStack, ports: list[int], timeout: float = 300) -> 
     stack.port = ports[0]
 
 
-def test_pipeline_on_a_cluster_survives_a_master_failover(cluster: LocalCluster, redis_url: str,
-                                                          smollm2_dir: str) -> None:
+def _reshard_under_load(cluster: LocalCluster, bases: list[str], keys: list[str]) -> list[list[dict]]:
+    """Moves the slots of `keys` to a new master, key by key, while waves of the 32 requests run;
+    the waves' replies."""
+    new = cluster.add_master()
+    slots = sorted({int(connect(cluster.url).keyslot(k)) for k in keys})
+
+    async def run() -> list[list[dict]]:
+        mover = asyncio.create_task(asyncio.to_thread(
+            lambda: [cluster.move_slot(slot, new, keys_per_step=1, pause_s=0.05) for slot in slots]))
+        waves = []
+        while not mover.done() or not waves:
+            waves.append(await _ask(bases, list(range(N_REQUESTS)), timeout=60))
+        await mover
+        return waves
+
+    waves = asyncio.run(run())
+    assert {master_of(cluster, k) for k in keys} == {new.port}
+    return waves
+
+
+def test_pipeline_on_a_cluster_survives_a_reshard_and_a_master_failover(cluster: LocalCluster, redis_url: str,
+                                                                        smollm2_dir: str) -> None:
     ports = [free_port(), free_port()]
     stack = _cluster_stack(cluster.url, smollm2_dir, ports).launch()
     try:
@@ -242,6 +350,13 @@ def test_pipeline_on_a_cluster_survives_a_master_failover(cluster: LocalCluster,
         # Each gateway sent its requests on its own stream (no stream carries every request).
         sent = [connect(cluster.url).xinfo_stream(stream)["entries-added"] for stream in stack.requests_streams()]
         assert len(sent) == 2 and sum(sent) >= N_REQUESTS and all(sent), sent
+
+        # A master added and engine 1's slot and a gateway's streams moved to it under load: a
+        # reshard loses nothing, so nothing fails and every text stays.
+        gateway = stack.requests_streams()[1]
+        waves = _reshard_under_load(cluster, bases, [s.engine_in(1), gateway, s.reply(gateway.rsplit(":", 1)[1])])
+        assert all(_texts(wave) == on_cluster for wave in waves)
+        assert stack.alive(), "a service exited"
 
         # Kill engine 0's master under load: what was in flight ends with a clear error; new
         # requests succeed within 15 s of the kill, and from then on all do; no service restarted.

@@ -237,7 +237,13 @@ class _PlanLoop:
                 if not self.plans.posted:
                     self._post_read()
                 (reply,) = self.plans.take()
-                for entry_id, payload in Bus.entries(reply):  # one plan per read
+                entries = Bus.entries(reply)
+                if not entries and self.results.posted:
+                    # Idle: the last result's reply, now. A cluster's reshard can redirect its XADD,
+                    # which then runs only when taken, and the scheduler waits for it.
+                    self.results.take()
+                    self.unconfirmed = []
+                for entry_id, payload in entries:  # one plan per read
                     self.last_id = entry_id
                     if not self._handle(entry_id, payload):
                         return
