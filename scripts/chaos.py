@@ -25,12 +25,19 @@ gateway died after the finish) is compared chunk by chunk with the reference ins
     .venv/bin/python scripts/chaos.py --duration 60
     .venv/bin/python scripts/chaos.py --data-parallel-size 2 --routing cache-aware --preamble-words 60 \
         --kinds tokenizer,detokenizer,gateway,scheduler,worker   # engines killed among live ones
+    .venv/bin/python scripts/chaos.py --redis-cluster --data-parallel-size 2 \
+        --kinds tokenizer,detokenizer,gateway,reshard   # on a local Redis Cluster, slots moving too
+
+On a Redis Cluster (3 masters, 3 replicas, `--redis-cluster`), the kind `reshard` moves the slot
+of a random engine's or gateway's streams to another master (a fourth, empty one to begin with),
+key by key, as `valkey-cli --cluster reshard` does: a reshard loses nothing, so it fails nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import difflib
 import json
 import os
@@ -48,10 +55,13 @@ from typing import IO
 
 import httpx
 import redis
+from redis.crc import key_slot
 
 from rill.services.supervisor import children_of
 from rill.shared.broker import EmbeddedBroker, free_port
+from rill.shared.bus import connect
 from rill.shared.heartbeat import engine_ids
+from rill.shared.local_cluster import LocalCluster
 from rill.shared.model_files import resolve_model
 from rill.shared.streams import DETOKENIZER_GROUP, TOKENIZER_GROUP, Streams
 
@@ -157,7 +167,7 @@ class Killer(threading.Thread):
                  redis_url: str, prefix: str, port: int) -> None:
         super().__init__(daemon=True)
         self.serve_pid, self.kinds, self.every, self.rng = serve_pid, kinds, every, rng
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = connect(redis_url)
         self.streams = Streams(prefix)
         self.port = port
         self.stop = threading.Event()
@@ -209,6 +219,39 @@ class Killer(threading.Thread):
                 self.kills[kind] = self.kills.get(kind, 0) + 1
             except ProcessLookupError:
                 pass
+
+
+class Resharder(threading.Thread):
+    """Moves the slot of a random engine's or gateway's streams to another master every `every`
+    seconds on average, key by key; the first moves go to a master added empty."""
+
+    def __init__(self, cluster: LocalCluster, every: float, rng: random.Random, prefix: str) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.every, self.rng = cluster, every, rng
+        self.masters = [cluster.add_master(), *cluster.nodes[:cluster.masters]]
+        self.r = connect(cluster.url)
+        self.streams = Streams(prefix)
+        self.stop = threading.Event()
+        self.moves = 0
+
+    def __enter__(self) -> Resharder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join()
+
+    def run(self) -> None:
+        s = self.streams
+        while not self.stop.wait(self.rng.uniform(0.3, 1.7) * self.every):
+            gateways = [m.decode() for m in self.r.smembers(s.gateways_key())]
+            keys = [s.engine_in(e) for e in engine_ids(self.r.smembers(s.engines_key()))]
+            keys += [stream for g in gateways for stream in (s.requests_for(g), g)]
+            slot = key_slot(self.rng.choice(keys).encode())
+            to = self.rng.choice([m for m in self.masters if m is not self.cluster.master(slot)])
+            self.cluster.move_slot(slot, to, keys_per_step=1, pause_s=0.01)
+            self.moves += 1
 
 
 def compare(ref: Outcome, got: Outcome) -> tuple[int, int, bool]:
@@ -274,7 +317,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
     ap.add_argument("--kinds", default="tokenizer,detokenizer,gateway",
-                    help="which replicas to kill (comma-separated; worker and scheduler work too)")
+                    help="which replicas to kill (comma-separated; worker and scheduler work too; "
+                         "reshard, with --redis-cluster, moves slots)")
+    ap.add_argument("--redis-cluster", action="store_true",
+                    help="serve on a local Redis Cluster (3 masters, 3 replicas) instead of one broker")
     ap.add_argument("--tokenizer-replicas", type=int, default=3)
     ap.add_argument("--detokenizer-replicas", type=int, default=3)
     ap.add_argument("--gateway-replicas", type=int, default=2)
@@ -290,6 +336,9 @@ def main() -> None:
                     help="serve with RILL_BATCH_INVARIANT=1, so that a diverged stream is a fault")
     ap.add_argument("--log", default="chaos-serve.log", help="where rill serve's logs go")
     ns = ap.parse_args()
+    kinds = ns.kinds.split(",")
+    if "reshard" in kinds and not ns.redis_cluster:
+        ap.error("--kinds reshard moves a Redis Cluster's slots: give --redis-cluster")
 
     rng = random.Random(ns.seed)
     model = str(resolve_model(ns.model))
@@ -298,7 +347,7 @@ def main() -> None:
                f"(part {i // len(TOPICS) + 1}):" for i in range(ns.requests)]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with EmbeddedBroker() as broker, open(ns.log, "w") as log:
+    with LocalCluster(3, 1) if ns.redis_cluster else EmbeddedBroker() as broker, open(ns.log, "w") as log:
         args = ["--dtype", ns.dtype, "--max-model-len", "512", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
                 "--tokenizer-replicas", str(ns.tokenizer_replicas),
                 "--detokenizer-replicas", str(ns.detokenizer_replicas),
@@ -312,7 +361,10 @@ def main() -> None:
                 raise SystemExit(f"the fault-free run failed: {bad[0]}")
             print(f"reference run: {len(prompts)} requests in {time.monotonic() - t0:.1f}s", flush=True)
 
-            with Killer(serve.pid, ns.kinds.split(","), ns.kill_every, rng, broker.url, "chaos", port) as killer:
+            with Killer(serve.pid, [k for k in kinds if k != "reshard"], ns.kill_every, rng, broker.url, "chaos",
+                        port) as killer, \
+                    (Resharder(broker, ns.kill_every, rng, "chaos") if "reshard" in kinds else contextlib.nullcontext()) \
+                    as resharder:
                 rows = {"requests": 0, "completed": 0, "failed": 0, "lost": 0, "dup deltas": 0, "missing": 0,
                         "diverged": 0}
                 errors: dict[str, int] = {}
@@ -338,7 +390,8 @@ def main() -> None:
                 killer.stop.set()
                 elapsed = time.monotonic() - start
                 print(f"\nchaos: {rounds} rounds in {elapsed:.0f}s; SIGKILLs: "
-                      + ", ".join(f"{k} x{n}" for k, n in sorted(killer.kills.items())))
+                      + ", ".join(f"{k} x{n}" for k, n in sorted(killer.kills.items()))
+                      + (f"; slots moved: {resharder.moves}" if resharder is not None else ""))
                 width = max(len(k) for k in rows)
                 print("+" + "-" * (width + 2) + "+" + "-" * 10 + "+")
                 for k, v in rows.items():

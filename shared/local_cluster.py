@@ -127,13 +127,12 @@ class LocalCluster:
         """Move `slot` and its keys, `keys_per_step` at a time, to the master `to`; how many keys
         moved. The slot's clients meet ASK while it moves, MOVED after. Given `stop_after`, the
         move stops (the slot left migrating) once that many keys moved; a second call ends it."""
-        clients = [redis.Redis(port=n.port) for n in self.nodes]
+        source = self.master(slot)
+        if source is to:
+            return 0
+        src, dst = redis.Redis(port=source.port), redis.Redis(port=to.port)
         try:
-            dst = next(c for c, n in zip(clients, self.nodes, strict=True) if n is to)
-            ids = {c: c.execute_command("CLUSTER", "MYID").decode() for c in clients}
-            src = next(c for c in clients if slot in self._slots(c))
-            if src is dst:
-                return 0
+            ids = {c: c.execute_command("CLUSTER", "MYID").decode() for c in (src, dst)}
             dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
             src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
             moved = 0
@@ -147,15 +146,24 @@ class LocalCluster:
                 client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
             return moved
         finally:
-            for client in clients:
-                client.close()
+            src.close()
+            dst.close()
 
-    @staticmethod
-    def _slots(client: redis.Redis) -> set[int]:
-        """The slots `client`'s node serves as a master."""
-        me = next(n for n in client.cluster("NODES").values() if "myself" in n["flags"])
-        return set() if "master" not in me["flags"] else {
-            s for r in me["slots"] for s in range(int(r[0]), int(r[-1]) + 1)}
+    def master(self, slot: int) -> EmbeddedBroker:
+        """The master that serves `slot`, as the masters themselves say (CLUSTER NODES, myself)."""
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            client = redis.Redis(port=node.port)
+            try:
+                me = next(n for n in client.cluster("NODES").values() if "myself" in n["flags"])
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if "master" in me["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in me["slots"]):
+                return node
+        raise LookupError(f"no live master serves slot {slot}")
 
     @staticmethod
     def _ok(client: redis.Redis) -> bool:

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import pytest
 import redis
+from redis.crc import key_slot
 from service_stack import ServiceStack, fast_flags, rill_executable
 
 from rill.shared.broker import EmbeddedBroker, PortTaken, free_port, free_ports
@@ -40,13 +41,8 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def master_of(cluster: LocalCluster, key: str) -> int:
-    """The port of the master that serves `key`'s slot, asked of the servers (CLUSTER KEYSLOT, NODES)."""
-    r = redis.Redis(port=cluster.nodes[0].port)
-    slot = r.execute_command("CLUSTER", "KEYSLOT", key)
-    for addr, node in r.cluster("NODES").items():
-        if "master" in node["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in node["slots"]):
-            return int(addr.rsplit(":", 1)[1].split("@")[0])
-    raise AssertionError(f"no master serves slot {slot}")
+    """The port of the master that serves `key`'s slot, as the masters say."""
+    return cluster.master(key_slot(key.encode())).port
 
 
 def test_a_node_whose_port_was_taken_says_so_or_moves() -> None:
@@ -157,7 +153,7 @@ def test_a_reshard_moves_a_slot_under_every_client_without_loss(cluster: LocalCl
         bus.ensure_group(keys[0], "g")
         bus.exchange([("XADD", keys[1], "*", "m", b"0"), ("SET", keys[2], b"0")])
         server = bus.server_id(keys[1])
-        slot = int(bus.r.keyslot(keys[1]))
+        slot = key_slot(keys[1].encode())
         assert cluster.move_slot(slot, new, stop_after=1) == 1
         src = redis.Redis(port=master_of(cluster, keys[1]))
         left = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)
@@ -314,7 +310,7 @@ def _reshard_under_load(cluster: LocalCluster, bases: list[str], keys: list[str]
     """Moves the slots of `keys` to a new master, key by key, while waves of the 32 requests run;
     the waves' replies."""
     new = cluster.add_master()
-    slots = sorted({int(connect(cluster.url).keyslot(k)) for k in keys})
+    slots = sorted({key_slot(k.encode()) for k in keys})
 
     async def run() -> list[list[dict]]:
         mover = asyncio.create_task(asyncio.to_thread(

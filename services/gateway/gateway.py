@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from rill.services.gateway.admission import DEFAULT_MAX_WAITING_REQUESTS, admit
 from rill.services.gateway.bodies import DEFAULT_MAX_LOGPROBS
@@ -347,10 +347,10 @@ class Gateway:
             self.fail_in_flight(ONE_ENGINE_LOST.format(engine=engine), ids)
 
     async def _trim_reply_stream(self) -> None:
-        """Everything up to our cursor was read: drop it (XTRIM MINID ~)."""
-        assert self.bus is not None
-        if self._cursor != b"0-0":
-            await self.bus.r.xtrim(self.reply_stream, minid=self._cursor, approximate=True)
+        """Drop what our cursor passed (XTRIM MINID ~); best effort: a reshard may refuse it now."""
+        if self.bus is not None and self._cursor != b"0-0":
+            with contextlib.suppress(RedisError):
+                await self.bus.r.xtrim(self.reply_stream, minid=self._cursor, approximate=True)
 
     # ---------------------------------------------------------------------------- requests
 
