@@ -223,12 +223,12 @@ class Killer(threading.Thread):
 
 class Resharder(threading.Thread):
     """Moves the slot of a random engine's or gateway's streams to another master every `every`
-    seconds on average, key by key; the first moves go to a master added empty."""
+    seconds on average, key by key, among the masters of the moment (one added empty first)."""
 
     def __init__(self, cluster: LocalCluster, every: float, rng: random.Random, prefix: str) -> None:
         super().__init__(daemon=True)
         self.cluster, self.every, self.rng = cluster, every, rng
-        self.masters = [cluster.add_master(), *cluster.nodes[:cluster.masters]]
+        cluster.add_master()
         self.r = connect(cluster.url)
         self.streams = Streams(prefix)
         self.stop = threading.Event()
@@ -249,7 +249,7 @@ class Resharder(threading.Thread):
             keys = [s.engine_in(e) for e in engine_ids(self.r.smembers(s.engines_key()))]
             keys += [stream for g in gateways for stream in (s.requests_for(g), g)]
             slot = key_slot(self.rng.choice(keys).encode())
-            to = self.rng.choice([m for m in self.masters if m is not self.cluster.master(slot)])
+            to = self.rng.choice([m for m in self.cluster.live_masters() if m is not self.cluster.master(slot)])
             self.cluster.move_slot(slot, to, keys_per_step=1, pause_s=0.01)
             self.moves += 1
 

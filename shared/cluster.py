@@ -117,8 +117,9 @@ def masters_of(nodes: dict[str, dict[str, Any]], key: str | None = None) -> froz
 class Lineage:
     """Per key (None: every slot), an id that changes when the key's last writes may be lost, as
     a single broker's run_id does on a restart: a failover, where a replica (asynchronously
-    replicated) now serves the slot or its old master is no longer a healthy master. A reshard
-    keeps the id: the old master stays a master, and the new one was not its replica."""
+    replicated) now serves the slot, or where its old master failed ("fail", the cluster's
+    verdict). A reshard keeps the id: the new master was no replica of the old one, which stays
+    up (left without a slot, it may become a replica: cluster-allow-replica-migration)."""
 
     def __init__(self) -> None:
         self._seen: dict[str | None, tuple[str, frozenset[str], frozenset[str]]] = {}  # id, masters, replicas
@@ -127,13 +128,14 @@ class Lineage:
     def id(self, nodes: dict[str, dict[str, Any]], key: str | None = None) -> str:
         masters = masters_of(nodes, key)
         replicas = frozenset(n["node_id"] for n in nodes.values() if "slave" in n["flags"])
-        healthy = {n["node_id"] for n in nodes.values() if "master" in n["flags"] and "fail" not in n["flags"]}
+        # "fail?" is one node's suspicion (a busy master can earn it); "fail" is the cluster's verdict.
+        up = {n["node_id"] for n in nodes.values() if "fail" not in n["flags"].split(",")}
         seen = self._seen.get(key)
         if seen is None:
             ident = f"{','.join(sorted(masters))}@{self._losses}"
         else:
             ident, before, replicas_before = seen
-            if masters != before and (not before <= healthy or masters & replicas_before):
+            if masters != before and (masters & replicas_before or not before <= up):
                 self._losses += 1  # the count tells this id from any earlier one of the same masters
                 ident = f"{','.join(sorted(masters))}@{self._losses}"
         self._seen[key] = (ident, masters, replicas)

@@ -13,6 +13,7 @@ import argparse
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import redis
@@ -151,19 +152,28 @@ class LocalCluster:
 
     def master(self, slot: int) -> EmbeddedBroker:
         """The master that serves `slot`, as the masters themselves say (CLUSTER NODES, myself)."""
+        for node, me in self._views():
+            if "master" in me["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in me["slots"]):
+                return node
+        raise LookupError(f"no live master serves slot {slot}")
+
+    def live_masters(self) -> list[EmbeddedBroker]:
+        """The nodes that are masters now: a failover, or a master left with no slot (it becomes a
+        replica of the slot's new owner, cluster-allow-replica-migration), changes the list."""
+        return [node for node, me in self._views() if "master" in me["flags"]]
+
+    def _views(self) -> Iterator[tuple[EmbeddedBroker, dict]]:
+        """Each live node with its own line of CLUSTER NODES."""
         for node in self.nodes:
             if node.proc is None or node.proc.poll() is not None:
                 continue
             client = redis.Redis(port=node.port)
             try:
-                me = next(n for n in client.cluster("NODES").values() if "myself" in n["flags"])
+                yield node, next(n for n in client.cluster("NODES").values() if "myself" in n["flags"])
             except redis.RedisError:
                 continue
             finally:
                 client.close()
-            if "master" in me["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in me["slots"]):
-                return node
-        raise LookupError(f"no live master serves slot {slot}")
 
     @staticmethod
     def _ok(client: redis.Redis) -> bool:

@@ -110,15 +110,18 @@ def _nodes(*nodes: tuple[str, str, str, list[list[str]]]) -> dict[str, dict]:
 
 
 def test_lineage_tells_a_reshard_from_a_failover() -> None:
-    """A key's id stays when its slot moves to another master with its keys, and changes when a
-    replica took over (its last writes may be lost), whether or not the old master is known to
-    have failed yet, and for a manual failover too; the whole cluster's id likewise."""
+    """A key's id stays when its slot moves to another master with its keys (and when a master
+    left with no slot becomes a replica), and changes when a replica took over (its last writes
+    may be lost), whether or not the old master is known to have failed yet, and for a manual
+    failover too; the whole cluster's id likewise."""
     moving, on_b = "b", "a"  # slot 3300 (moves to N), slot 15495 (on B)
     lineage = Lineage()
     start = _nodes(("A", "master", "-", [["0", "8191"]]), ("B", "master", "-", [["8192", "16383"]]),
                    ("a", "slave", "A", []), ("b", "slave", "B", []), ("N", "master", "-", []))
     ids = {k: lineage.id(start, k) for k in (moving, on_b, None)}
-    resharded = _nodes(("A", "master", "-", [["0", "3299"], ["3301", "8191"]]), ("B", "master", "-", [["8192", "16383"]]),
+    # Moved while this node suspects A ("fail?": a busy master's missed pings), not a failover.
+    resharded = _nodes(("A", "master,fail?", "-", [["0", "3299"], ["3301", "8191"]]),
+                       ("B", "master", "-", [["8192", "16383"]]),
                        ("a", "slave", "A", []), ("b", "slave", "B", []), ("N", "master", "-", [["3300"]]))
     assert {k: lineage.id(resharded, k) for k in (moving, on_b, None)} == ids
     # B's replica promoted, B seen failed: B's keys and the cluster change, the moved key does not.
@@ -127,11 +130,15 @@ def test_lineage_tells_a_reshard_from_a_failover() -> None:
                          ("N", "master", "-", [["3300"]]))
     now = {k: lineage.id(failed_over, k) for k in (moving, on_b, None)}
     assert now[moving] == ids[moving] and now[on_b] != ids[on_b] and now[None] != ids[None]
+    # The slot back on A, and N, left with no slot, made A's replica: a reshard still.
+    back_on_a = _nodes(("A", "master", "-", [["0", "8191"]]), ("B", "master,fail", "-", []),
+                       ("a", "slave", "A", []), ("b", "master", "-", [["8192", "16383"]]), ("N", "slave", "A", []))
+    assert lineage.id(back_on_a, moving) == ids[moving] and lineage.id(back_on_a, None) == now[None]
     # A's replica serves A's slots while this node still sees A as a healthy master.
     promoted = _nodes(("A", "master", "-", []), ("B", "master,fail", "-", []),
-                      ("a", "master", "-", [["0", "3299"], ["3301", "8191"]]), ("b", "master", "-", [["8192", "16383"]]),
-                      ("N", "master", "-", [["3300"]]))
-    assert lineage.id(promoted, None) != now[None]
+                      ("a", "master", "-", [["0", "8191"]]), ("b", "master", "-", [["8192", "16383"]]),
+                      ("N", "slave", "A", []))
+    assert lineage.id(promoted, moving) != ids[moving] and lineage.id(promoted, None) != now[None]
     # A manual failover back (a's old master A takes over, a becomes its replica): lost, by rule.
     lineage2 = Lineage()
     key_id = lineage2.id(start, "k2")  # slot 449, on A
