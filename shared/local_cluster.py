@@ -112,7 +112,7 @@ class LocalCluster:
                     raise
         self.nodes.append(node)
         self.bus_ports.append(bus)
-        first, new = redis.Redis(port=self.nodes[0].port), redis.Redis(port=port)
+        first, new = redis.Redis(port=self.live_masters()[0].port), redis.Redis(port=port)
         first.execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus)
         deadline = time.monotonic() + timeout
         while not self._ok(new):
