@@ -316,9 +316,12 @@ def _reshard_under_load(cluster: LocalCluster, bases: list[str], keys: list[str]
     new = cluster.add_master()
     slots = sorted({key_slot(k.encode()) for k in keys})
 
+    def move() -> None:
+        for slot in slots:
+            cluster.move_slot(slot, new, keys_per_step=1, pause_s=0.05)
+
     async def run() -> list[list[dict]]:
-        mover = asyncio.create_task(asyncio.to_thread(
-            lambda: [cluster.move_slot(slot, new, keys_per_step=1, pause_s=0.05) for slot in slots]))
+        mover = asyncio.create_task(asyncio.to_thread(move))
         waves = []
         while not mover.done() or not waves:
             waves.append(await _ask(bases, list(range(N_REQUESTS)), timeout=60))

@@ -23,6 +23,6 @@ def test_an_error_in_a_log_line_says_its_message(capsys: pytest.CaptureFixture[s
         assert line.startswith("ts=") and " level=warning service=probe " in line
         assert "broker error: ConnectionError('Error 111 connecting'); then TTL exhausted.; 3 in flight" in line
     finally:
-        root.handlers[:], _, _ = kept
+        root.handlers[:] = kept[0]
         root.setLevel(kept[1])
         rill.setLevel(kept[2])
