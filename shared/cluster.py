@@ -105,13 +105,17 @@ def is_cluster(url: str) -> bool:
     return _kinds[url]
 
 
+def serves(node: dict[str, Any], slot: int) -> bool:
+    """Whether a node of a parsed CLUSTER NODES holds `slot` (its ranges, or single slots)."""
+    return any(int(r[0]) <= slot <= int(r[-1]) for r in node["slots"])
+
+
 def masters_of(nodes: dict[str, dict[str, Any]], key: str | None = None) -> frozenset[str]:
     """The masters that serve slots (given `key`, the one that serves its slot), from a parsed
     CLUSTER NODES."""
     slot = None if key is None else key_slot(key.encode())
-    return frozenset(
-        n["node_id"] for n in nodes.values() if "master" in n["flags"] and n["slots"]
-        and (slot is None or any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"])))
+    return frozenset(n["node_id"] for n in nodes.values() if "master" in n["flags"] and n["slots"]
+                     and (slot is None or serves(n, slot)))
 
 
 class Lineage:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import redis
 
 from rill.shared.broker import EmbeddedBroker, PortTaken, free_ports
+from rill.shared.cluster import serves
 
 SLOTS = 16384
 
@@ -55,20 +56,24 @@ class LocalCluster:
             self.stop()
             raise
 
+    def _start(self, i: int) -> None:
+        """Start node `i`, on other ports if another process bound a chosen one before valkey did."""
+        for attempt in range(3):
+            try:
+                self.nodes[i].start()
+                return
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                self.nodes[i].stop()
+                taken = {n.port for n in self.nodes} | set(self.bus_ports)
+                port, bus = [p for p in free_ports(len(taken) + 2) if p not in taken][:2]
+                self.bus_ports[i] = bus
+                self.nodes[i] = self._node(port, bus)
+
     def _form(self, timeout: float) -> LocalCluster:
         for i in range(len(self.nodes)):
-            for attempt in range(3):  # another process may bind a chosen port before valkey does
-                try:
-                    self.nodes[i].start()
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    self.nodes[i].stop()
-                    taken = {n.port for n in self.nodes} | set(self.bus_ports)
-                    port, bus = [p for p in free_ports(len(taken) + 2) if p not in taken][:2]
-                    self.bus_ports[i] = bus
-                    self.nodes[i] = self._node(port, bus)
+            self._start(i)
         clients = [redis.Redis(port=n.port) for n in self.nodes]
         first = clients[0]
         for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
@@ -100,20 +105,13 @@ class LocalCluster:
 
     def add_master(self, timeout: float = 30.0) -> EmbeddedBroker:
         """A new master, known to the cluster, that serves no slot yet."""
-        for attempt in range(3):  # as in _form: a chosen port may be taken before valkey binds it
-            port, bus = free_ports(2)
-            node = self._node(port, bus)
-            try:
-                node.start()
-                break
-            except PortTaken:
-                node.stop()
-                if attempt == 2:
-                    raise
-        self.nodes.append(node)
+        port, bus = free_ports(2)
+        self.nodes.append(self._node(port, bus))
         self.bus_ports.append(bus)
-        first, new = redis.Redis(port=self.live_masters()[0].port), redis.Redis(port=port)
-        first.execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus)
+        self._start(len(self.nodes) - 1)
+        node, bus = self.nodes[-1], self.bus_ports[-1]
+        first, new = redis.Redis(port=self.live_masters()[0].port), redis.Redis(port=node.port)
+        first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
         deadline = time.monotonic() + timeout
         while not self._ok(new):
             if time.monotonic() > deadline:
@@ -153,7 +151,7 @@ class LocalCluster:
     def master(self, slot: int) -> EmbeddedBroker:
         """The master that serves `slot`, as the masters themselves say (CLUSTER NODES, myself)."""
         for node, me in self._views():
-            if "master" in me["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in me["slots"]):
+            if "master" in me["flags"] and serves(me, slot):
                 return node
         raise LookupError(f"no live master serves slot {slot}")
 
